@@ -1,0 +1,288 @@
+//! `file`: a regular file or block device through io_uring.
+//!
+//! Spec: `file:<path>[,size=<size>][,buffered][,sqpoll][,iopoll][,ro]`.
+//! - O_DIRECT unless `buffered`;
+//! - the file is registered in each reactor's ring, and bios whose buffer is a
+//!   registered one use fixed-buffer reads and writes;
+//! - SQEs are batched: each reactor turn submits everything queued with one
+//!   `io_uring_enter`;
+//! - `sqpoll`: a kernel thread polls the submission queue;
+//! - `iopoll`: completions are polled from the device; refused with a clear
+//!   error when the device cannot poll (checked by a probe read at open);
+//! - a missing regular file is created when `size` is given.
+
+use std::any::Any;
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::rc::Rc;
+use std::sync::Arc;
+
+use udm_core::{
+    check_bio, BioFlags, BioPtr, BlockDevice, Caps, Channel, Error, ErrorKind, Limits, Op,
+    Reactor, ReactorConfig, Ring, RingFd, RingKind, Status, SECTOR_SHIFT,
+};
+
+/// How to open a file device.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FileOpts {
+    /// Use the page cache instead of O_DIRECT.
+    pub buffered: bool,
+    /// Submit through a kernel SQ-polling thread.
+    pub sqpoll: bool,
+    /// Poll for completions (needs a device with poll queues).
+    pub iopoll: bool,
+    /// Open read-only.
+    pub read_only: bool,
+    /// Size to use (and to create a missing regular file with).
+    pub size: Option<u64>,
+}
+
+/// A file or block device.
+pub struct FileDevice {
+    name: String,
+    path: String,
+    file: File,
+    opts: FileOpts,
+    limits: Limits,
+    caps: Caps,
+}
+
+const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
+const BLKSSZGET: libc::c_ulong = 0x1268;
+
+impl FileDevice {
+    /// Opens `path` as device `name`.
+    pub fn open(name: impl Into<String>, path: &str, opts: FileOpts) -> Result<FileDevice, Error> {
+        let ctx = |e: std::io::Error| Error::os(format!("file '{path}'"), e);
+        let mut oo = OpenOptions::new();
+        oo.read(true).write(!opts.read_only);
+        if !opts.buffered {
+            oo.custom_flags(libc::O_DIRECT);
+        }
+        if opts.size.is_some() && !opts.read_only {
+            oo.create(true);
+        }
+        let file = oo.open(path).map_err(ctx)?;
+        let meta = file.metadata().map_err(ctx)?;
+        let (bytes, lbs) = if meta.file_type().is_block_device() {
+            let mut size: u64 = 0;
+            // SAFETY: BLKGETSIZE64 writes a u64 through the pointer, which is live.
+            if unsafe { libc::ioctl(file.as_raw_fd(), BLKGETSIZE64, &mut size) } < 0 {
+                return Err(ctx(std::io::Error::last_os_error()));
+            }
+            let mut ssz: libc::c_int = 512;
+            // SAFETY: BLKSSZGET writes an int through the pointer, which is live.
+            unsafe { libc::ioctl(file.as_raw_fd(), BLKSSZGET, &mut ssz) };
+            (opts.size.map_or(size, |s| s.min(size)), ssz.max(512) as u32)
+        } else if meta.file_type().is_file() {
+            if let Some(s) = opts.size {
+                if meta.len() < s && !opts.read_only {
+                    file.set_len(s).map_err(ctx)?;
+                }
+            }
+            (opts.size.unwrap_or(meta.len()), 512)
+        } else {
+            return Err(Error::invalid(format!(
+                "file '{path}': not a regular file or block device"
+            )));
+        };
+        let sectors = bytes >> SECTOR_SHIFT;
+        if sectors == 0 {
+            return Err(Error::invalid(format!(
+                "file '{path}': empty (give a size, e.g. file:{path},size=1G, to create it)"
+            )));
+        }
+        let mut limits = Limits::new(sectors);
+        limits.logical_block_size = lbs;
+        limits.physical_block_size = lbs.max(4096);
+        limits.max_io_bytes = 8 << 20;
+        limits.max_segments = libc::UIO_MAXIOV as u32;
+        let mut caps = Caps::FLUSH | Caps::FUA | Caps::DISCARD | Caps::WRITE_ZEROES | Caps::PERSISTENT;
+        if opts.read_only {
+            caps.insert(Caps::READ_ONLY);
+        }
+        if opts.iopoll {
+            caps.insert(Caps::POLL);
+        }
+        let dev = FileDevice {
+            name: name.into(),
+            path: path.to_string(),
+            file,
+            opts,
+            limits,
+            caps,
+        };
+        if dev.opts.iopoll {
+            dev.probe_iopoll()?;
+        }
+        Ok(dev)
+    }
+
+    /// The path opened.
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// Reads the first block through an IOPOLL ring; the error says plainly
+    /// when the device cannot poll.
+    fn probe_iopoll(&self) -> Result<(), Error> {
+        if self.opts.buffered {
+            return Err(Error::invalid(format!(
+                "file '{}': iopoll needs O_DIRECT; drop 'buffered'",
+                self.path
+            )));
+        }
+        let reactor = Reactor::new(ReactorConfig {
+            ring_entries: 8,
+            ..ReactorConfig::default()
+        })
+        .map_err(|e| Error::os("probe ring", e))?;
+        let ring = reactor
+            .ring_of(RingKind { iopoll: true, sqpoll: self.opts.sqpoll })
+            .map_err(|e| Error::os(format!("file '{}': IOPOLL ring", self.path), e))?;
+        let lbs = self.limits.logical_block_size as usize;
+        let mut buf = AlignedBuf::new(lbs);
+        let mut bio = reactor.alloc_bio();
+        // SAFETY: `buf` outlives the probe: we wait below until the bio completes.
+        unsafe { bio.add_seg(buf.as_mut_ptr(), lbs) };
+        let result = Rc::new(std::cell::Cell::new(None));
+        let r2 = result.clone();
+        bio.set_end_io(probe_done, Rc::into_raw(r2) as *mut ());
+        let fd = RingFd::Raw(self.file.as_raw_fd());
+        ring.submit_bio(fd, bio, 0, false);
+        reactor.run_until(|| result.get().is_some());
+        match result.get() {
+            Some(Status::Ok) => Ok(()),
+            Some(Status::NotSupp) => Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "file '{}': the device does not support polled I/O (IOPOLL read failed with EOPNOTSUPP: it has no poll queues); drop 'iopoll'",
+                    self.path
+                ),
+            )),
+            Some(s) => Err(Error::new(
+                ErrorKind::Io,
+                format!("file '{}': IOPOLL probe read failed: {s}", self.path),
+            )),
+            None => unreachable!("run_until returned without a result"),
+        }
+    }
+}
+
+fn probe_done(bio: BioPtr) {
+    // SAFETY: private is the Rc leaked in probe_iopoll, taken back once.
+    let r = unsafe { Rc::from_raw(bio.private() as *const std::cell::Cell<Option<Status>>) };
+    r.set(Some(bio.status()));
+}
+
+/// A heap buffer aligned for O_DIRECT.
+pub struct AlignedBuf {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl AlignedBuf {
+    /// `len` zeroed bytes aligned to 4096.
+    pub fn new(len: usize) -> AlignedBuf {
+        let layout = std::alloc::Layout::from_size_align(len.max(1), 4096)
+            .unwrap_or_else(|_| std::alloc::Layout::new::<u8>());
+        // SAFETY: the layout has non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        AlignedBuf { ptr, len }
+    }
+    /// The start.
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr
+    }
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` points at `len` initialised (zeroed) bytes we own.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+    /// The bytes, mutably.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in as_slice, and `&mut self` makes the borrow unique.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        if let Ok(layout) = std::alloc::Layout::from_size_align(self.len.max(1), 4096) {
+            // SAFETY: allocated in `new` with this layout.
+            unsafe { std::alloc::dealloc(self.ptr, layout) };
+        }
+    }
+}
+
+impl BlockDevice for FileDevice {
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn limits(&self) -> Limits {
+        self.limits
+    }
+    fn caps(&self) -> Caps {
+        self.caps
+    }
+    fn open(self: Arc<Self>, reactor: &Reactor) -> Result<Rc<dyn Channel>, Error> {
+        let raw = self.file.as_raw_fd();
+        let ring = reactor.ring_rc();
+        let fd = ring.register_file(raw);
+        let fast = if self.opts.sqpoll || self.opts.iopoll {
+            let kind = RingKind {
+                sqpoll: self.opts.sqpoll,
+                iopoll: self.opts.iopoll,
+            };
+            let r = reactor
+                .ring_of(kind)
+                .map_err(|e| Error::os(format!("file '{}': io_uring setup", self.path), e))?;
+            let rfd = r.register_file(raw);
+            Some((r, rfd))
+        } else {
+            None
+        };
+        Ok(Rc::new(FileChannel {
+            dev: self,
+            ring,
+            fd,
+            fast,
+        }))
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+struct FileChannel {
+    dev: Arc<FileDevice>,
+    /// The reactor's ring: everything when no polling was asked for, and
+    /// flush, discard and write-zeroes (which IOPOLL rings refuse) otherwise.
+    ring: Rc<Ring>,
+    fd: RingFd,
+    /// The SQPOLL/IOPOLL ring for reads and writes, when asked for.
+    fast: Option<(Rc<Ring>, RingFd)>,
+}
+
+impl Channel for FileChannel {
+    #[inline]
+    fn submit(&self, bio: BioPtr) {
+        let Some(bio) = check_bio(bio, &self.dev.limits, self.dev.caps) else {
+            return;
+        };
+        let preflush = bio.flags.contains(BioFlags::PREFLUSH);
+        let fua = bio.flags.contains(BioFlags::FUA);
+        let (ring, fd) = match &self.fast {
+            Some((r, fd)) if bio.op.has_data() && !preflush => (&**r, *fd),
+            _ => (&*self.ring, self.fd),
+        };
+        if preflush && bio.op != Op::Flush {
+            ring.flush_before_next(fd);
+        }
+        ring.submit_bio(fd, bio, 0, fua);
+    }
+}

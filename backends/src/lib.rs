@@ -1,0 +1,15 @@
+//! udm's backends: the devices at the bottom of every stack.
+//!
+//! - [`ram`]: memory, allocated lazily (brd);
+//! - [`null`]: completes without touching data, optional delay (null_blk);
+//! - [`file`]: a regular file or block device through io_uring.
+
+#![deny(missing_docs)]
+
+pub mod file;
+pub mod null;
+pub mod ram;
+
+pub use file::{AlignedBuf, FileDevice, FileOpts};
+pub use null::NullDevice;
+pub use ram::RamDevice;

@@ -1,0 +1,702 @@
+//! The I/O descriptor: udm's `struct bio`.
+//!
+//! A [`Bio`] describes one I/O: operation, start sector, length, the submitter's
+//! buffers as scatter/gather [`Seg`]ments, flags, status and a completion
+//! (`end_io` + `private`). It is owned through a [`BioPtr`], which is handed down
+//! the stack on submit and handed back up through `end_io` on completion.
+//!
+//! Stacking without allocation: a layer that wants to see the completion pushes
+//! its own `end_io` with [`BioPtr::push_end_io`], which saves the caller's
+//! `end_io`, `private`, `ctx` and `sector` in an inline frame of the bio (the
+//! seed's 4-field `dm_noclone`, but inside the descriptor, so no allocation at
+//! all). Its end_io pops the frame with [`Bio::pop_end_io`] and calls the
+//! restored completion with [`BioPtr::endio`].
+//!
+//! Descriptors come from, and return to, the per-reactor cache
+//! ([`crate::Reactor::alloc_bio`]); a `BioPtr` never leaves its reactor's thread.
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::ops::{Deref, DerefMut};
+use std::ptr::NonNull;
+
+use crate::reactor::ReactorCore;
+
+/// Sector size: all positions and lengths on the block interface are in 512-byte units.
+pub const SECTOR_SHIFT: u32 = 9;
+/// Bytes per sector.
+pub const SECTOR_SIZE: u64 = 1 << SECTOR_SHIFT;
+
+/// How many layers may stack their completions on one bio before the mapper
+/// falls back to cloning (the seed's fallback when the small allocation fails).
+pub const MAX_STACK: usize = 8;
+
+/// Segments stored inline before the vector spills to the heap.
+pub const INLINE_SEGS: usize = 4;
+
+/// The operation a bio asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Op {
+    /// Read into the segments.
+    Read = 0,
+    /// Write from the segments.
+    Write = 1,
+    /// Make every completed write durable (an empty REQ_PREFLUSH bio).
+    Flush = 2,
+    /// The range's contents become unspecified; the device may free it.
+    Discard = 3,
+    /// The range reads back as zeroes afterwards.
+    WriteZeroes = 4,
+}
+
+impl Op {
+    /// Whether the op moves data through the segments.
+    #[inline]
+    pub fn has_data(self) -> bool {
+        matches!(self, Op::Read | Op::Write)
+    }
+    /// Whether the op changes the device's contents.
+    #[inline]
+    pub fn is_write(self) -> bool {
+        matches!(self, Op::Write | Op::Discard | Op::WriteZeroes)
+    }
+    /// Lower-case name, as in status lines and logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Read => "read",
+            Op::Write => "write",
+            Op::Flush => "flush",
+            Op::Discard => "discard",
+            Op::WriteZeroes => "write-zeroes",
+        }
+    }
+}
+
+/// Request flags, as the kernel's `REQ_*` bits that matter to a stack.
+#[derive(Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct BioFlags(u8);
+
+impl BioFlags {
+    /// No flags.
+    pub const NONE: BioFlags = BioFlags(0);
+    /// Flush the device's volatile cache before this I/O (REQ_PREFLUSH).
+    pub const PREFLUSH: BioFlags = BioFlags(1);
+    /// This write is durable when it completes (REQ_FUA).
+    pub const FUA: BioFlags = BioFlags(2);
+    /// Fail with [`Status::Again`] rather than block (REQ_NOWAIT).
+    pub const NOWAIT: BioFlags = BioFlags(4);
+    /// The submitter polls for this completion (REQ_POLLED).
+    pub const POLLED: BioFlags = BioFlags(8);
+    /// Fail rather than fall back to writing zero buffers (NBD's FAST_ZERO).
+    pub const NOUNMAP_FAST: BioFlags = BioFlags(16);
+
+    /// Whether every bit of `other` is set.
+    #[inline]
+    pub fn contains(self, other: BioFlags) -> bool {
+        self.0 & other.0 == other.0
+    }
+    /// Whether any bit of `other` is set.
+    #[inline]
+    pub fn intersects(self, other: BioFlags) -> bool {
+        self.0 & other.0 != 0
+    }
+    /// Sets the bits of `other`.
+    #[inline]
+    pub fn insert(&mut self, other: BioFlags) {
+        self.0 |= other.0;
+    }
+    /// Clears the bits of `other`.
+    #[inline]
+    pub fn remove(&mut self, other: BioFlags) {
+        self.0 &= !other.0;
+    }
+}
+
+impl std::ops::BitOr for BioFlags {
+    type Output = BioFlags;
+    fn bitor(self, rhs: BioFlags) -> BioFlags {
+        BioFlags(self.0 | rhs.0)
+    }
+}
+
+impl fmt::Debug for BioFlags {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let names = [
+            (Self::PREFLUSH, "PREFLUSH"),
+            (Self::FUA, "FUA"),
+            (Self::NOWAIT, "NOWAIT"),
+            (Self::POLLED, "POLLED"),
+            (Self::NOUNMAP_FAST, "NOUNMAP_FAST"),
+        ];
+        let set: Vec<_> = names
+            .iter()
+            .filter(|(b, _)| self.contains(*b))
+            .map(|(_, n)| *n)
+            .collect();
+        write!(f, "{}", if set.is_empty() { "-".into() } else { set.join("|") })
+    }
+}
+
+/// Completion status, as the kernel's `blk_status_t`. Mapped to errno or a
+/// protocol error only at the edges ([`Status::errno`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+#[repr(u8)]
+pub enum Status {
+    /// Success.
+    #[default]
+    Ok = 0,
+    /// A device error (EIO).
+    IoErr,
+    /// The device does not support the operation (EOPNOTSUPP).
+    NotSupp,
+    /// The bio is malformed for this device: out of range, misaligned or too long (EINVAL).
+    Inval,
+    /// No space left (ENOSPC).
+    NoSpace,
+    /// Try again later; returned to NOWAIT bios (EAGAIN).
+    Again,
+    /// Out of memory (ENOMEM).
+    NoMem,
+}
+
+impl Status {
+    /// Whether this is [`Status::Ok`].
+    #[inline]
+    pub fn is_ok(self) -> bool {
+        self == Status::Ok
+    }
+    /// The positive errno this status stands for (0 for Ok).
+    pub fn errno(self) -> i32 {
+        match self {
+            Status::Ok => 0,
+            Status::IoErr => libc::EIO,
+            Status::NotSupp => libc::EOPNOTSUPP,
+            Status::Inval => libc::EINVAL,
+            Status::NoSpace => libc::ENOSPC,
+            Status::Again => libc::EAGAIN,
+            Status::NoMem => libc::ENOMEM,
+        }
+    }
+    /// The status for a positive errno.
+    pub fn from_errno(e: i32) -> Status {
+        match e {
+            0 => Status::Ok,
+            libc::EOPNOTSUPP | libc::ENOTTY | libc::ENOSYS => Status::NotSupp,
+            libc::EINVAL | libc::EFBIG | libc::EOVERFLOW => Status::Inval,
+            libc::ENOSPC | libc::EDQUOT => Status::NoSpace,
+            libc::EAGAIN => Status::Again,
+            libc::ENOMEM => Status::NoMem,
+            _ => Status::IoErr,
+        }
+    }
+}
+
+impl fmt::Display for Status {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = match self {
+            Status::Ok => "ok",
+            Status::IoErr => "I/O error",
+            Status::NotSupp => "operation not supported",
+            Status::Inval => "invalid request",
+            Status::NoSpace => "no space left",
+            Status::Again => "try again",
+            Status::NoMem => "out of memory",
+        };
+        f.write_str(s)
+    }
+}
+
+/// One scatter/gather segment: a pointer into the submitter's memory and a length.
+/// Layout-compatible with `struct iovec`, so a bio's segments go to `readv`/`writev`
+/// as they are.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct Seg {
+    /// Start of the segment.
+    pub base: *mut u8,
+    /// Length in bytes.
+    pub len: usize,
+}
+
+// The io_uring layer hands `&[Seg]` to the kernel as `&[iovec]`.
+const _: () = assert!(std::mem::size_of::<Seg>() == std::mem::size_of::<libc::iovec>());
+const _: () = assert!(std::mem::align_of::<Seg>() == std::mem::align_of::<libc::iovec>());
+
+const NULL_SEG: Seg = Seg {
+    base: std::ptr::null_mut(),
+    len: 0,
+};
+
+/// Segments, inline up to [`INLINE_SEGS`], spilling to a heap vector (whose
+/// capacity the cached descriptor keeps) beyond that.
+struct SegVec {
+    n: u32,
+    inline: [Seg; INLINE_SEGS],
+    heap: Vec<Seg>,
+}
+
+impl SegVec {
+    const fn new() -> SegVec {
+        SegVec {
+            n: 0,
+            inline: [NULL_SEG; INLINE_SEGS],
+            heap: Vec::new(),
+        }
+    }
+    #[inline]
+    fn as_slice(&self) -> &[Seg] {
+        if self.n as usize <= INLINE_SEGS {
+            &self.inline[..self.n as usize]
+        } else {
+            &self.heap
+        }
+    }
+    #[inline]
+    fn push(&mut self, s: Seg) {
+        let n = self.n as usize;
+        if n < INLINE_SEGS {
+            self.inline[n] = s;
+        } else {
+            if n == INLINE_SEGS {
+                self.heap.clear();
+                self.heap.extend_from_slice(&self.inline);
+            }
+            self.heap.push(s);
+        }
+        self.n += 1;
+    }
+    #[inline]
+    fn clear(&mut self) {
+        self.n = 0;
+    }
+}
+
+/// A completion function. It receives the bio back, owned.
+pub type EndIo = fn(BioPtr);
+
+fn no_end_io(bio: BioPtr) {
+    // A bio completed without anyone asking: just recycle it.
+    drop(bio);
+}
+
+/// A saved completion frame (the seed's `dm_noclone`, kept inline).
+#[derive(Clone, Copy)]
+struct Frame {
+    end_io: EndIo,
+    private: *mut (),
+    ctx: u64,
+    sector: u64,
+}
+
+const EMPTY_FRAME: Frame = Frame {
+    end_io: no_end_io,
+    private: std::ptr::null_mut(),
+    ctx: 0,
+    sector: 0,
+};
+
+/// Bytes of per-I/O data the core reserves in every descriptor for the target
+/// that maps a clone (dm's `per_io_data_size`).
+pub const PER_IO_DATA: usize = 32;
+
+/// An I/O descriptor. See the module docs.
+pub struct Bio {
+    /// The operation.
+    pub op: Op,
+    /// Request flags.
+    pub flags: BioFlags,
+    status: Status,
+    depth: u8,
+    /// Index of the registered buffer that holds the (single) segment, or
+    /// [`Bio::NO_BUF`]; lets the io_uring layer use fixed-buffer reads and writes.
+    pub buf_index: u16,
+    len: u32,
+    /// Start, in 512-byte sectors.
+    pub sector: u64,
+    end_io: EndIo,
+    private: *mut (),
+    ctx: u64,
+    /// Outstanding children while this bio is split on a clone path; owned by the
+    /// layer that split it.
+    pub pending: u32,
+    segs: SegVec,
+    frames: [Frame; MAX_STACK],
+    /// Per-I/O data for the target that maps this bio as a clone (dm's
+    /// `dm_per_bio_data`), [`PER_IO_DATA`] bytes.
+    pub per_io: [u64; PER_IO_DATA / 8],
+    pub(crate) next: *mut Bio,
+    pub(crate) home: *const ReactorCore,
+}
+
+impl Bio {
+    /// `buf_index` when the data is not in a registered buffer.
+    pub const NO_BUF: u16 = u16::MAX;
+
+    pub(crate) fn new(home: *const ReactorCore) -> Bio {
+        Bio {
+            op: Op::Read,
+            flags: BioFlags::NONE,
+            status: Status::Ok,
+            depth: 0,
+            buf_index: Bio::NO_BUF,
+            len: 0,
+            sector: 0,
+            end_io: no_end_io,
+            private: std::ptr::null_mut(),
+            ctx: 0,
+            pending: 0,
+            segs: SegVec::new(),
+            frames: [EMPTY_FRAME; MAX_STACK],
+            per_io: [0; PER_IO_DATA / 8],
+            next: std::ptr::null_mut(),
+            home,
+        }
+    }
+
+    /// Resets a recycled descriptor to an empty read of nothing.
+    #[inline]
+    pub(crate) fn reset(&mut self) {
+        self.op = Op::Read;
+        self.flags = BioFlags::NONE;
+        self.status = Status::Ok;
+        self.depth = 0;
+        self.buf_index = Bio::NO_BUF;
+        self.len = 0;
+        self.sector = 0;
+        self.end_io = no_end_io;
+        self.private = std::ptr::null_mut();
+        self.ctx = 0;
+        self.pending = 0;
+        self.segs.clear();
+    }
+
+    /// Length in bytes.
+    #[inline]
+    pub fn len(&self) -> u32 {
+        self.len
+    }
+    /// Whether the bio covers no bytes (a flush).
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Length in sectors.
+    #[inline]
+    pub fn sectors(&self) -> u64 {
+        (self.len >> SECTOR_SHIFT) as u64
+    }
+    /// One past the last sector.
+    #[inline]
+    pub fn end_sector(&self) -> u64 {
+        self.sector + self.sectors()
+    }
+    /// The completion status (meaningful once completed).
+    #[inline]
+    pub fn status(&self) -> Status {
+        self.status
+    }
+    /// Sets the status.
+    #[inline]
+    pub fn set_status(&mut self, s: Status) {
+        self.status = s;
+    }
+    /// The scatter/gather segments.
+    #[inline]
+    pub fn segs(&self) -> &[Seg] {
+        self.segs.as_slice()
+    }
+    /// The submitter's private pointer for the current completion.
+    #[inline]
+    pub fn private(&self) -> *mut () {
+        self.private
+    }
+    /// A word of context for the current completion's owner (dm keeps the
+    /// target here on the no-clone path).
+    #[inline]
+    pub fn ctx(&self) -> u64 {
+        self.ctx
+    }
+    /// Sets the context word.
+    #[inline]
+    pub fn set_ctx(&mut self, ctx: u64) {
+        self.ctx = ctx;
+    }
+    /// How many completion frames are saved.
+    #[inline]
+    pub fn depth(&self) -> usize {
+        self.depth as usize
+    }
+    /// Whether another frame fits ([`BioPtr::push_end_io`] would succeed).
+    #[inline]
+    pub fn can_push(&self) -> bool {
+        (self.depth as usize) < MAX_STACK
+    }
+
+    /// Sets the completion the submitter wants.
+    #[inline]
+    pub fn set_end_io(&mut self, end_io: EndIo, private: *mut ()) {
+        self.end_io = end_io;
+        self.private = private;
+    }
+
+    /// Sets up a data-less op (flush, discard, write-zeroes) of `len` bytes.
+    #[inline]
+    pub fn set_dataless(&mut self, op: Op, sector: u64, len: u32) {
+        debug_assert!(!op.has_data());
+        self.op = op;
+        self.sector = sector;
+        self.len = len;
+        self.segs.clear();
+    }
+
+    /// Appends a segment; the bio's length grows by `len`.
+    ///
+    /// # Safety
+    /// `base..base+len` must be valid for reads and (for reads into it) writes
+    /// from now until the bio completes, and nothing else may access it for a
+    /// write in that time. The bio does not own the memory.
+    #[inline]
+    pub unsafe fn add_seg(&mut self, base: *mut u8, len: usize) {
+        debug_assert!(len <= u32::MAX as usize);
+        self.segs.push(Seg { base, len });
+        self.len += len as u32;
+    }
+
+    /// Appends the part `[offset, offset+len)` of `src`'s data (the clone path:
+    /// a child bio points into its parent's buffers; nothing is copied).
+    pub fn add_segs_from(&mut self, src: &Bio, mut offset: usize, mut len: usize) {
+        for s in src.segs() {
+            if len == 0 {
+                break;
+            }
+            if offset >= s.len {
+                offset -= s.len;
+                continue;
+            }
+            let take = (s.len - offset).min(len);
+            // SAFETY: `s` is a segment of `src`, valid until `src` completes
+            // (add_seg's contract); the child's range lies inside it, and the
+            // clone path completes every child before completing `src`.
+            unsafe { self.add_seg(s.base.add(offset), take) };
+            offset = 0;
+            len -= take;
+        }
+        debug_assert_eq!(len, 0, "source bio shorter than the requested range");
+    }
+
+    /// Copies `buf.len()` bytes of the bio's data, from byte `offset` of the bio,
+    /// into `buf` (a device serving a write).
+    pub fn copy_out(&self, mut offset: usize, mut buf: &mut [u8]) {
+        for s in self.segs() {
+            if buf.is_empty() {
+                break;
+            }
+            if offset >= s.len {
+                offset -= s.len;
+                continue;
+            }
+            let take = (s.len - offset).min(buf.len());
+            // SAFETY: add_seg's contract makes the segment readable until
+            // completion; `offset + take <= s.len`, and `buf` is a distinct
+            // Rust borrow, so the ranges cannot overlap.
+            unsafe { std::ptr::copy_nonoverlapping(s.base.add(offset), buf.as_mut_ptr(), take) };
+            buf = &mut buf[take..];
+            offset = 0;
+        }
+    }
+
+    /// Copies `buf` into the bio's data from byte `offset` of the bio (a device
+    /// serving a read).
+    pub fn copy_in(&mut self, mut offset: usize, mut buf: &[u8]) {
+        for s in self.segs() {
+            if buf.is_empty() {
+                break;
+            }
+            if offset >= s.len {
+                offset -= s.len;
+                continue;
+            }
+            let take = (s.len - offset).min(buf.len());
+            // SAFETY: add_seg's contract makes the segment writable and unaliased
+            // until completion; `offset + take <= s.len`.
+            unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), s.base.add(offset), take) };
+            buf = &buf[take..];
+            offset = 0;
+        }
+    }
+
+    /// Fills the bio's data with zeroes (a read of unwritten or zero space).
+    pub fn zero_fill(&mut self) {
+        for s in self.segs() {
+            // SAFETY: as in copy_in: the segment is writable until completion.
+            unsafe { std::ptr::write_bytes(s.base, 0, s.len) };
+        }
+    }
+
+    /// Allocates a descriptor from the same reactor, for a clone or child of
+    /// this bio: same op and flags, no data, sector 0.
+    #[inline]
+    pub fn alloc_clone(&self) -> BioPtr {
+        // SAFETY: `home` is this bio's live reactor core, on this thread (see
+        // BioPtr::complete).
+        let mut c = unsafe { (*self.home).alloc_bio_pub() };
+        c.op = self.op;
+        c.flags = self.flags;
+        c.buf_index = self.buf_index;
+        c
+    }
+
+    /// Restores the completion saved by the last [`BioPtr::push_end_io`]:
+    /// end_io, private, ctx and the sector as it was when pushed.
+    #[inline]
+    pub fn pop_end_io(&mut self) {
+        debug_assert!(self.depth > 0, "pop_end_io without a saved frame");
+        self.depth -= 1;
+        let f = self.frames[self.depth as usize];
+        self.end_io = f.end_io;
+        self.private = f.private;
+        self.ctx = f.ctx;
+        self.sector = f.sector;
+    }
+}
+
+impl fmt::Debug for Bio {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Bio")
+            .field("op", &self.op)
+            .field("sector", &self.sector)
+            .field("len", &self.len)
+            .field("flags", &self.flags)
+            .field("status", &self.status)
+            .field("segs", &self.segs.n)
+            .field("depth", &self.depth)
+            .finish()
+    }
+}
+
+/// The owned handle of a [`Bio`]. Dropping it returns the descriptor to its
+/// reactor's cache. Not `Send`: a bio completes on the reactor that allocated it.
+pub struct BioPtr {
+    ptr: NonNull<Bio>,
+    _not_send: PhantomData<*mut Bio>,
+}
+
+impl BioPtr {
+    /// Wraps a descriptor pointer.
+    ///
+    /// # Safety
+    /// `ptr` must come from [`BioPtr::into_raw`] and not have been wrapped since.
+    #[inline]
+    pub unsafe fn from_raw(ptr: *mut Bio) -> BioPtr {
+        BioPtr {
+            // SAFETY: into_raw only hands out non-null pointers; the caller
+            // promises `ptr` is one of them.
+            ptr: unsafe { NonNull::new_unchecked(ptr) },
+            _not_send: PhantomData,
+        }
+    }
+
+    #[inline]
+    pub(crate) fn from_box(b: Box<Bio>) -> BioPtr {
+        BioPtr {
+            ptr: NonNull::from(Box::leak(b)),
+            _not_send: PhantomData,
+        }
+    }
+
+    #[inline]
+    pub(crate) fn from_nonnull(ptr: NonNull<Bio>) -> BioPtr {
+        BioPtr {
+            ptr,
+            _not_send: PhantomData,
+        }
+    }
+
+    /// Gives up ownership, for handing the bio through a `u64` (io_uring's
+    /// user_data) or a `*mut ()` (a child's private pointer).
+    #[inline]
+    pub fn into_raw(self) -> *mut Bio {
+        let p = self.ptr.as_ptr();
+        std::mem::forget(self);
+        p
+    }
+
+    /// Saves the current completion (end_io, private, ctx, sector) in an inline
+    /// frame and installs a new one, with ctx 0. Returns false, changing nothing,
+    /// when the stack is full; callers then take their clone path.
+    #[inline]
+    #[must_use]
+    pub fn push_end_io(&mut self, end_io: EndIo, private: *mut ()) -> bool {
+        let b = &mut **self;
+        let d = b.depth as usize;
+        if d >= MAX_STACK {
+            return false;
+        }
+        b.frames[d] = Frame {
+            end_io: b.end_io,
+            private: b.private,
+            ctx: b.ctx,
+            sector: b.sector,
+        };
+        b.depth += 1;
+        b.end_io = end_io;
+        b.private = private;
+        b.ctx = 0;
+        true
+    }
+
+    /// Calls the bio's end_io now (the kernel's `bio_endio`). Only for code that
+    /// runs from a completion (a reactor reaping, or another end_io): a device's
+    /// `submit` must use [`BioPtr::complete`] so that completion never recurses
+    /// into the submitter.
+    #[inline]
+    pub fn endio(self) {
+        let f = self.end_io;
+        f(self)
+    }
+
+    /// Sets the status and queues the bio for completion on its reactor's next
+    /// turn. What a device's `submit` calls when it finishes synchronously.
+    #[inline]
+    pub fn complete(mut self, status: Status) {
+        self.status = status;
+        let home = self.home;
+        // SAFETY: every bio's `home` is the reactor core that allocated it; a
+        // core outlives its bios (Reactor::drop leaks it while any are out), and
+        // BioPtr is !Send, so we are on that reactor's thread.
+        unsafe { (*home).defer(self) };
+    }
+}
+
+impl Deref for BioPtr {
+    type Target = Bio;
+    #[inline]
+    fn deref(&self) -> &Bio {
+        // SAFETY: a BioPtr uniquely owns a live descriptor.
+        unsafe { self.ptr.as_ref() }
+    }
+}
+
+impl DerefMut for BioPtr {
+    #[inline]
+    fn deref_mut(&mut self) -> &mut Bio {
+        // SAFETY: a BioPtr uniquely owns a live descriptor.
+        unsafe { self.ptr.as_mut() }
+    }
+}
+
+impl Drop for BioPtr {
+    #[inline]
+    fn drop(&mut self) {
+        let home = self.home;
+        // SAFETY: as in `complete`: the home core is alive and on this thread.
+        unsafe { (*home).free_bio(self.ptr) };
+    }
+}
+
+impl fmt::Debug for BioPtr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        (**self).fmt(f)
+    }
+}

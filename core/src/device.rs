@@ -1,0 +1,215 @@
+//! The block-device contract every backend and mapped device implements.
+//!
+//! A [`BlockDevice`] is shared by all threads and describes itself as data:
+//! [`Limits`] and [`Caps`]. I/O never goes through it directly: each reactor
+//! opens its own [`Channel`] (SPDK's io_channel), so the hot path is a call on a
+//! thread-local object and takes no lock.
+
+use std::any::Any;
+use std::fmt;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use crate::bio::{Bio, BioPtr, Op, Status, SECTOR_SHIFT};
+use crate::error::Error;
+use crate::reactor::Reactor;
+
+/// A device's limits, as the kernel's `queue_limits`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Size in 512-byte sectors.
+    pub sectors: u64,
+    /// Smallest addressable unit, in bytes: I/O offsets and lengths are multiples of it.
+    pub logical_block_size: u32,
+    /// Preferred minimum unit, in bytes.
+    pub physical_block_size: u32,
+    /// Largest I/O in bytes.
+    pub max_io_bytes: u32,
+    /// Most segments in one I/O.
+    pub max_segments: u32,
+    /// Optimal I/O size in bytes (0 for none), e.g. a stripe width.
+    pub io_opt: u32,
+}
+
+impl Limits {
+    /// The limits of a device of `sectors` that accepts anything well-formed.
+    pub fn new(sectors: u64) -> Limits {
+        Limits {
+            sectors,
+            logical_block_size: 512,
+            physical_block_size: 512,
+            max_io_bytes: 1 << 30,
+            max_segments: 1024,
+            io_opt: 0,
+        }
+    }
+
+    /// Size in bytes.
+    pub fn bytes(&self) -> u64 {
+        self.sectors << SECTOR_SHIFT
+    }
+
+    /// Stacks `lower`'s limits onto these, as `blk_stack_limits`: the stricter of each.
+    pub fn stack(&mut self, lower: &Limits) {
+        self.logical_block_size = self.logical_block_size.max(lower.logical_block_size);
+        self.physical_block_size = self.physical_block_size.max(lower.physical_block_size);
+        self.max_io_bytes = self.max_io_bytes.min(lower.max_io_bytes);
+        self.max_segments = self.max_segments.min(lower.max_segments);
+    }
+
+    /// Checks that `bio` is well-formed for a device with these limits: inside
+    /// the device, aligned to the logical block size, within the length and
+    /// segment limits. Every device's submit runs this (or an equivalent) first.
+    #[inline]
+    pub fn check(&self, bio: &Bio) -> Result<(), Status> {
+        if bio.op == Op::Flush {
+            return Ok(());
+        }
+        let lbs_sectors = (self.logical_block_size >> SECTOR_SHIFT) as u64;
+        let len = bio.len();
+        if len == 0
+            || len > self.max_io_bytes
+            || !len.is_multiple_of(self.logical_block_size)
+            || !bio.sector.is_multiple_of(lbs_sectors)
+            || bio.sector >= self.sectors
+            || bio.sectors() > self.sectors - bio.sector
+            || bio.segs().len() > self.max_segments as usize
+        {
+            return Err(Status::Inval);
+        }
+        Ok(())
+    }
+}
+
+/// What a device can do beyond reads and writes. Declared once, read by the
+/// mapper (to stack) and the exports (to advertise).
+#[derive(Clone, Copy, Default, PartialEq, Eq)]
+pub struct Caps(u16);
+
+impl Caps {
+    /// Nothing beyond read and write.
+    pub const NONE: Caps = Caps(0);
+    /// Has a volatile cache that FLUSH makes durable.
+    pub const FLUSH: Caps = Caps(1);
+    /// Honours FUA on writes (without it, the stack emulates FUA with a flush).
+    pub const FUA: Caps = Caps(2);
+    /// Accepts DISCARD.
+    pub const DISCARD: Caps = Caps(4);
+    /// Accepts WRITE_ZEROES efficiently.
+    pub const WRITE_ZEROES: Caps = Caps(8);
+    /// Completions can be polled for.
+    pub const POLL: Caps = Caps(16);
+    /// Read-only.
+    pub const READ_ONLY: Caps = Caps(32);
+    /// Data survives the process (a file or block device); RAM does not.
+    pub const PERSISTENT: Caps = Caps(64);
+
+    /// Whether every bit of `other` is set.
+    pub fn contains(self, other: Caps) -> bool {
+        self.0 & other.0 == other.0
+    }
+    /// Sets `other`'s bits.
+    pub fn insert(&mut self, other: Caps) {
+        self.0 |= other.0;
+    }
+    /// Clears `other`'s bits.
+    pub fn remove(&mut self, other: Caps) {
+        self.0 &= !other.0;
+    }
+    /// The bits set in both.
+    pub fn intersect(self, other: Caps) -> Caps {
+        Caps(self.0 & other.0)
+    }
+    /// Whether the device supports `op` at all.
+    pub fn supports(self, op: Op) -> bool {
+        match op {
+            Op::Read | Op::Write | Op::Flush => true,
+            Op::Discard => self.contains(Caps::DISCARD),
+            Op::WriteZeroes => self.contains(Caps::WRITE_ZEROES),
+        }
+    }
+}
+
+impl std::ops::BitOr for Caps {
+    type Output = Caps;
+    fn bitor(self, rhs: Caps) -> Caps {
+        Caps(self.0 | rhs.0)
+    }
+}
+
+impl fmt::Debug for Caps {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let names = [
+            (Caps::FLUSH, "flush"),
+            (Caps::FUA, "fua"),
+            (Caps::DISCARD, "discard"),
+            (Caps::WRITE_ZEROES, "write_zeroes"),
+            (Caps::POLL, "poll"),
+            (Caps::READ_ONLY, "ro"),
+            (Caps::PERSISTENT, "persistent"),
+        ];
+        let set: Vec<_> = names
+            .iter()
+            .filter(|(c, _)| self.contains(*c))
+            .map(|(_, n)| *n)
+            .collect();
+        write!(f, "{}", set.join(","))
+    }
+}
+
+/// How a device wants I/O handed to it (seed 004): straight through, or via a
+/// queue that merges adjacent requests first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Dispatch {
+    /// Bio-based: each bio goes to the device as it comes (no queueing cost).
+    #[default]
+    Direct,
+    /// Request-based: adjacent bios are merged before dispatch (fewer, larger I/Os).
+    Queued,
+}
+
+/// A block device. Shared by every reactor; I/O goes through [`BlockDevice::open`]'s channels.
+pub trait BlockDevice: Send + Sync + 'static {
+    /// The device's name (as given on the command line).
+    fn name(&self) -> &str;
+    /// Size, block sizes and I/O limits.
+    fn limits(&self) -> Limits;
+    /// What the device supports beyond read and write.
+    fn caps(&self) -> Caps;
+    /// Opens this reactor's channel to the device. Called on the reactor's
+    /// thread; the channel may keep the device alive.
+    fn open(self: Arc<Self>, reactor: &Reactor) -> Result<Rc<dyn Channel>, Error>;
+    /// How the device prefers I/O to be dispatched to it.
+    fn dispatch(&self) -> Dispatch {
+        Dispatch::Direct
+    }
+    /// For downcasting (e.g. to a mapped device, to load a table).
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// One reactor's path to a device: the hot path.
+pub trait Channel {
+    /// Submits `bio`; the device takes ownership and completes it exactly once,
+    /// through its end_io, never from inside this call (see [`BioPtr::complete`]).
+    fn submit(&self, bio: BioPtr);
+}
+
+/// Completes `bio` with `Inval` if it breaks `limits` or names an op `caps`
+/// lacks; the common entry check of every device's submit. Returns the bio back
+/// when it is fine.
+#[inline]
+pub fn check_bio(bio: BioPtr, limits: &Limits, caps: Caps) -> Option<BioPtr> {
+    if let Err(s) = limits.check(&bio) {
+        bio.complete(s);
+        return None;
+    }
+    if !caps.supports(bio.op) {
+        bio.complete(Status::NotSupp);
+        return None;
+    }
+    if bio.op.is_write() && caps.contains(Caps::READ_ONLY) {
+        bio.complete(Status::Inval);
+        return None;
+    }
+    Some(bio)
+}

@@ -1,0 +1,82 @@
+//! Control-path errors: a kind, the context a person needs (device, argument,
+//! path), and the OS error underneath if there is one. The data path uses
+//! [`crate::Status`] instead.
+
+use std::fmt;
+
+/// What went wrong, broadly.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// A malformed table, spec, argument or option.
+    Invalid,
+    /// A named device or file does not exist.
+    NotFound,
+    /// The device or kernel cannot do what was asked (e.g. IOPOLL here).
+    Unsupported,
+    /// The device is busy (e.g. already suspended).
+    Busy,
+    /// An operating-system call failed.
+    Os,
+    /// An I/O completed with an error.
+    Io,
+}
+
+/// A control-path error. `Display` gives one line, naming what is wrong.
+#[derive(Debug)]
+pub struct Error {
+    kind: ErrorKind,
+    msg: String,
+    source: Option<std::io::Error>,
+}
+
+impl Error {
+    /// An error of `kind` saying `msg`.
+    pub fn new(kind: ErrorKind, msg: impl Into<String>) -> Error {
+        Error {
+            kind,
+            msg: msg.into(),
+            source: None,
+        }
+    }
+    /// A malformed-input error.
+    pub fn invalid(msg: impl Into<String>) -> Error {
+        Error::new(ErrorKind::Invalid, msg)
+    }
+    /// An OS error with what we were doing.
+    pub fn os(msg: impl Into<String>, source: std::io::Error) -> Error {
+        Error {
+            kind: ErrorKind::Os,
+            msg: msg.into(),
+            source: Some(source),
+        }
+    }
+    /// The kind.
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+    /// Prefixes the message with more context ("table for 'lin': …").
+    pub fn context(mut self, ctx: impl fmt::Display) -> Error {
+        self.msg = format!("{ctx}: {}", self.msg);
+        self
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.source {
+            Some(s) => write!(f, "{}: {}", self.msg, s),
+            None => f.write_str(&self.msg),
+        }
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source
+            .as_ref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
+
+/// Shorthand for control-path results.
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,31 @@
+//! udm's I/O core: the kernel's bio and block-device model, in userspace.
+//!
+//! - [`Bio`]/[`BioPtr`]: the I/O descriptor, owned and passed down the stack,
+//!   with inline completion frames so stacking layers never allocate.
+//! - [`BlockDevice`]/[`Channel`]: the device contract; capabilities and limits
+//!   are data ([`Limits`], [`Caps`]); I/O goes through per-reactor channels.
+//! - [`Reactor`]: one per thread, run to completion, with its own io_uring
+//!   ([`Ring`]), descriptor cache and completion list.
+//!
+//! ```text
+//!   submitter ──BioPtr──▶ Channel::submit ──▶ … ──▶ backend (ring / memory)
+//!       ▲                                                   │
+//!       └──── end_io ◀── popped frames ◀── Reactor turn ◀───┘
+//! ```
+
+#![deny(missing_docs)]
+
+pub mod bio;
+pub mod device;
+pub mod error;
+pub mod reactor;
+pub mod ring;
+
+pub use bio::{Bio, BioFlags, BioPtr, EndIo, Op, Seg, Status, SECTOR_SHIFT, SECTOR_SIZE};
+pub use device::{check_bio, BlockDevice, Caps, Channel, Dispatch, Limits};
+pub use error::{Error, ErrorKind, Result};
+pub use reactor::{
+    CacheStats, CompletionMode, Poller, Reactor, ReactorConfig, ReactorHandle,
+    DEFAULT_CACHE_SIZE,
+};
+pub use ring::{Ring, RingFd, RingKind};

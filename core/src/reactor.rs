@@ -1,0 +1,596 @@
+//! Reactors: one per thread, run to completion (SPDK's model).
+//!
+//! A reactor owns everything the hot path touches, so nothing there is shared
+//! or locked: its descriptor cache, its list of completions to run, its
+//! io_uring, the pollers of the devices it has channels to, and a table of
+//! reactor-local objects (channels) that control messages can find. Other
+//! threads reach a reactor only through its [`ReactorHandle`]'s mailbox.
+//!
+//! Completion modes: [`CompletionMode::Interrupt`] sleeps in the ring when
+//! idle; [`CompletionMode::Poll`] spins; [`CompletionMode::Hybrid`] spins for
+//! a while after the last completion, then sleeps.
+
+use std::any::Any;
+use std::cell::{Cell, RefCell, UnsafeCell};
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::ptr::NonNull;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::bio::{Bio, BioPtr};
+use crate::ring::{Ring, RingKind};
+
+/// The kernel's final `ALLOC_CACHE_MAX` for per-CPU bio caches.
+pub const DEFAULT_CACHE_SIZE: usize = 256;
+
+/// How a reactor waits for completions when it has nothing else to do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum CompletionMode {
+    /// Sleep in `io_uring_enter` until a completion, a timer or a message.
+    #[default]
+    Interrupt,
+    /// Never sleep: spin on completions (lowest latency, one busy core).
+    Poll,
+    /// Spin for [`ReactorConfig::hybrid_spin`] after the last completion, then sleep.
+    Hybrid,
+}
+
+/// How to build a reactor.
+#[derive(Clone, Copy, Debug)]
+pub struct ReactorConfig {
+    /// Completion mode.
+    pub mode: CompletionMode,
+    /// Descriptors the cache keeps (0 disables the cache: every bio is malloc'd).
+    pub cache_size: usize,
+    /// Slots of the reactor's io_uring SQ.
+    pub ring_entries: u32,
+    /// How long hybrid mode spins before it sleeps.
+    pub hybrid_spin: Duration,
+}
+
+impl Default for ReactorConfig {
+    fn default() -> ReactorConfig {
+        ReactorConfig {
+            mode: CompletionMode::Interrupt,
+            cache_size: DEFAULT_CACHE_SIZE,
+            ring_entries: 1024,
+            hybrid_spin: Duration::from_micros(50),
+        }
+    }
+}
+
+/// Something the reactor polls each turn: a device channel that completes
+/// I/O outside the ring (timers, a dedicated polled ring).
+pub trait Poller {
+    /// Completes what is ready; returns how many.
+    fn poll(&self) -> usize;
+    /// Whether it has work that only polling will finish (the reactor must
+    /// not sleep while this is true).
+    fn must_spin(&self) -> bool {
+        false
+    }
+    /// The next time it needs polling (the reactor sleeps no longer than that).
+    fn deadline(&self) -> Option<Instant> {
+        None
+    }
+}
+
+/// Counters of the descriptor cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Descriptors served from the cache.
+    pub hits: u64,
+    /// Descriptors allocated from the heap.
+    pub misses: u64,
+    /// Descriptors freed to the heap because the cache was full (or off).
+    pub frees: u64,
+}
+
+type Msg = Box<dyn FnOnce(&Reactor) + Send>;
+
+struct Mailbox {
+    queue: Mutex<Vec<Msg>>,
+    pending: AtomicBool,
+    closed: AtomicBool,
+    eventfd: OwnedFd,
+}
+
+/// A `Send` handle to a reactor: posts messages to it and wakes it.
+#[derive(Clone)]
+pub struct ReactorHandle {
+    id: usize,
+    mailbox: Arc<Mailbox>,
+}
+
+impl ReactorHandle {
+    /// The reactor's id.
+    pub fn id(&self) -> usize {
+        self.id
+    }
+
+    /// Runs `f` on the reactor's thread at its next turn. Returns false (and
+    /// drops `f`) if the reactor is gone.
+    pub fn send(&self, f: impl FnOnce(&Reactor) + Send + 'static) -> bool {
+        {
+            let mut q = match self.mailbox.queue.lock() {
+                Ok(q) => q,
+                Err(p) => p.into_inner(),
+            };
+            if self.mailbox.closed.load(Ordering::Acquire) {
+                return false;
+            }
+            q.push(Box::new(f));
+            self.mailbox.pending.store(true, Ordering::Release);
+        }
+        self.wake();
+        true
+    }
+
+    /// Wakes the reactor if it sleeps.
+    pub fn wake(&self) {
+        let one: u64 = 1;
+        // SAFETY: writing 8 bytes from a live u64 to our own eventfd.
+        unsafe {
+            libc::write(
+                self.mailbox.eventfd.as_raw_fd(),
+                (&one as *const u64).cast(),
+                8,
+            )
+        };
+    }
+
+    /// Whether the reactor has stopped.
+    pub fn is_closed(&self) -> bool {
+        self.mailbox.closed.load(Ordering::Acquire)
+    }
+}
+
+static NEXT_REACTOR_ID: AtomicU64 = AtomicU64::new(0);
+
+/// The part of a reactor that bios point at (`Bio::home`). Boxed so its
+/// address is stable.
+pub(crate) struct ReactorCore {
+    id: usize,
+    config: ReactorConfig,
+    cache: UnsafeCell<Vec<NonNull<Bio>>>,
+    stats: Cell<CacheStats>,
+    outstanding: Cell<usize>,
+    done_head: Cell<*mut Bio>,
+    done_tail: Cell<*mut Bio>,
+    ring: Rc<Ring>,
+    extra_rings: RefCell<Vec<Rc<Ring>>>,
+    pollers: RefCell<Vec<Rc<dyn Poller>>>,
+    locals: RefCell<HashMap<u64, Rc<dyn Any>>>,
+    buffers: RefCell<Vec<libc::iovec>>,
+    mailbox: Arc<Mailbox>,
+    wake_buf: UnsafeCell<u64>,
+    wake_armed: Cell<bool>,
+    last_work: Cell<Instant>,
+}
+
+impl ReactorCore {
+    /// Takes a descriptor from the cache, or the heap.
+    #[inline]
+    fn alloc_bio(&self) -> BioPtr {
+        self.outstanding.set(self.outstanding.get() + 1);
+        // SAFETY: the cache vector is only touched by these two methods, on
+        // this thread, and neither calls out while holding the borrow.
+        let cache = unsafe { &mut *self.cache.get() };
+        let mut st = self.stats.get();
+        let bio = match cache.pop() {
+            Some(p) => {
+                st.hits += 1;
+                let mut b = BioPtr::from_nonnull(p);
+                b.reset();
+                b
+            }
+            None => {
+                st.misses += 1;
+                BioPtr::from_box(Box::new(Bio::new(self)))
+            }
+        };
+        self.stats.set(st);
+        bio
+    }
+
+    #[inline]
+    pub(crate) fn alloc_bio_pub(&self) -> BioPtr {
+        self.alloc_bio()
+    }
+
+    /// Returns a descriptor to the cache, or the heap when the cache is full.
+    #[inline]
+    pub(crate) fn free_bio(&self, p: NonNull<Bio>) {
+        self.outstanding.set(self.outstanding.get() - 1);
+        // SAFETY: as in alloc_bio.
+        let cache = unsafe { &mut *self.cache.get() };
+        if cache.len() < self.config.cache_size {
+            cache.push(p);
+        } else {
+            let mut st = self.stats.get();
+            st.frees += 1;
+            self.stats.set(st);
+            // SAFETY: every descriptor was made by Box::new in alloc_bio, and
+            // the caller (BioPtr::drop) gives up its only handle.
+            drop(unsafe { Box::from_raw(p.as_ptr()) });
+        }
+    }
+
+    /// Queues `bio` for its end_io at the reactor's next turn.
+    #[inline]
+    pub(crate) fn defer(&self, bio: BioPtr) {
+        let p = bio.into_raw();
+        // SAFETY: `p` is a live descriptor we now own through the list.
+        unsafe { (*p).next = std::ptr::null_mut() };
+        let tail = self.done_tail.get();
+        if tail.is_null() {
+            self.done_head.set(p);
+        } else {
+            // SAFETY: the tail is a live descriptor owned by the list.
+            unsafe { (*tail).next = p };
+        }
+        self.done_tail.set(p);
+    }
+
+    /// Runs the end_io of every bio queued so far (not of those queued while
+    /// this runs: they wait for the next turn, so a submit/complete cycle
+    /// cannot starve the loop).
+    fn run_deferred(&self) -> usize {
+        let mut p = self.done_head.replace(std::ptr::null_mut());
+        self.done_tail.set(std::ptr::null_mut());
+        let mut n = 0;
+        while !p.is_null() {
+            // SAFETY: list members are live descriptors made by into_raw in
+            // `defer`; each is taken off exactly once.
+            let next = unsafe { (*p).next };
+            // SAFETY: as above.
+            unsafe { BioPtr::from_raw(p) }.endio();
+            p = next;
+            n += 1;
+        }
+        n
+    }
+}
+
+/// A reactor. Create one on each I/O thread; it is not `Send`.
+pub struct Reactor {
+    core: Option<Box<ReactorCore>>,
+}
+
+impl Reactor {
+    /// Creates a reactor with its own io_uring.
+    pub fn new(config: ReactorConfig) -> io::Result<Reactor> {
+        let ring = Ring::new(config.ring_entries, RingKind::default())?;
+        // SAFETY: plain syscall; the result is checked.
+        let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if efd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `efd` is a fresh descriptor we own.
+        let eventfd = unsafe { OwnedFd::from_raw_fd(efd) };
+        let core = Box::new(ReactorCore {
+            id: NEXT_REACTOR_ID.fetch_add(1, Ordering::Relaxed) as usize,
+            config,
+            cache: UnsafeCell::new(Vec::with_capacity(config.cache_size)),
+            stats: Cell::new(CacheStats::default()),
+            outstanding: Cell::new(0),
+            done_head: Cell::new(std::ptr::null_mut()),
+            done_tail: Cell::new(std::ptr::null_mut()),
+            ring: Rc::new(ring),
+            extra_rings: RefCell::new(Vec::new()),
+            pollers: RefCell::new(Vec::new()),
+            locals: RefCell::new(HashMap::new()),
+            buffers: RefCell::new(Vec::new()),
+            mailbox: Arc::new(Mailbox {
+                queue: Mutex::new(Vec::new()),
+                pending: AtomicBool::new(false),
+                closed: AtomicBool::new(false),
+                eventfd,
+            }),
+            wake_buf: UnsafeCell::new(0),
+            wake_armed: Cell::new(false),
+            last_work: Cell::new(Instant::now()),
+        });
+        Ok(Reactor { core: Some(core) })
+    }
+
+    #[inline]
+    fn core(&self) -> &ReactorCore {
+        match &self.core {
+            Some(c) => c,
+            None => unreachable!("reactor core is only taken in drop"),
+        }
+    }
+
+    /// This reactor's id (unique in the process).
+    pub fn id(&self) -> usize {
+        self.core().id
+    }
+
+    /// The configuration it was built with.
+    pub fn config(&self) -> &ReactorConfig {
+        &self.core().config
+    }
+
+    /// A handle other threads use to message this reactor.
+    pub fn handle(&self) -> ReactorHandle {
+        ReactorHandle {
+            id: self.id(),
+            mailbox: self.core().mailbox.clone(),
+        }
+    }
+
+    /// Allocates an empty descriptor (from the cache when it has one).
+    #[inline]
+    pub fn alloc_bio(&self) -> BioPtr {
+        self.core().alloc_bio()
+    }
+
+    /// Descriptor-cache counters.
+    pub fn cache_stats(&self) -> CacheStats {
+        self.core().stats.get()
+    }
+
+    /// Descriptors allocated and not yet freed.
+    pub fn outstanding(&self) -> usize {
+        self.core().outstanding.get()
+    }
+
+    /// The reactor's io_uring.
+    pub fn ring(&self) -> &Ring {
+        &self.core().ring
+    }
+
+    /// The reactor's io_uring, shared (for a channel to keep).
+    pub fn ring_rc(&self) -> Rc<Ring> {
+        self.core().ring.clone()
+    }
+
+    /// A ring of `kind` owned by this reactor (created on first use, then
+    /// shared by every channel that asks for the same kind). Polled each turn.
+    pub fn ring_of(&self, kind: RingKind) -> io::Result<Rc<Ring>> {
+        if kind == RingKind::default() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "the default ring is Reactor::ring",
+            ));
+        }
+        let core = self.core();
+        if let Some(r) = core.extra_rings.borrow().iter().find(|r| r.kind() == kind) {
+            return Ok(r.clone());
+        }
+        let ring = Rc::new(Ring::new(core.config.ring_entries, kind)?);
+        for (i, b) in core.buffers.borrow().iter().enumerate() {
+            // SAFETY: buffers registered with the reactor stay mapped for its
+            // lifetime (register_buffer's contract), which outlives its rings.
+            unsafe { ring.register_buffer(i as u16, *b) };
+        }
+        core.extra_rings.borrow_mut().push(ring.clone());
+        Ok(ring)
+    }
+
+    /// Registers a memory region with the reactor's rings; a bio whose single
+    /// segment lies inside it may set `buf_index` to the returned index.
+    /// Returns None when the rings refuse it (I/O then simply isn't fixed).
+    ///
+    /// # Safety
+    /// The memory must stay mapped until the reactor is dropped.
+    pub unsafe fn register_buffer(&self, base: *mut u8, len: usize) -> Option<u16> {
+        let core = self.core();
+        let iov = libc::iovec {
+            iov_base: base.cast(),
+            iov_len: len,
+        };
+        let index = core.buffers.borrow().len() as u16;
+        // SAFETY: forwarded from the caller.
+        if !unsafe { core.ring.register_buffer(index, iov) } {
+            return None;
+        }
+        for r in core.extra_rings.borrow().iter() {
+            // SAFETY: forwarded from the caller.
+            unsafe { r.register_buffer(index, iov) };
+        }
+        core.buffers.borrow_mut().push(iov);
+        Some(index)
+    }
+
+    /// Adds a poller, polled every turn until the reactor is dropped.
+    pub fn add_poller(&self, p: Rc<dyn Poller>) {
+        self.core().pollers.borrow_mut().push(p);
+    }
+
+    /// Stores a reactor-local object under `key` (e.g. a device's channel, so
+    /// that control messages can find it).
+    pub fn set_local(&self, key: u64, v: Rc<dyn Any>) {
+        self.core().locals.borrow_mut().insert(key, v);
+    }
+
+    /// The reactor-local object stored under `key`.
+    pub fn local(&self, key: u64) -> Option<Rc<dyn Any>> {
+        self.core().locals.borrow().get(&key).cloned()
+    }
+
+    /// Removes the reactor-local object under `key`.
+    pub fn remove_local(&self, key: u64) -> Option<Rc<dyn Any>> {
+        self.core().locals.borrow_mut().remove(&key)
+    }
+
+    /// One turn of the loop: messages, queued completions, pollers, the rings.
+    /// Returns how much work it did (0 means idle).
+    pub fn poll_once(&self) -> usize {
+        let core = self.core();
+        let mut work = 0;
+        if core.mailbox.pending.load(Ordering::Acquire) {
+            work += self.run_messages();
+        }
+        work += core.run_deferred();
+        {
+            let pollers = core.pollers.borrow();
+            for p in pollers.iter() {
+                work += p.poll();
+            }
+        }
+        for r in core.extra_rings.borrow().iter() {
+            if r.inflight() > 0 {
+                r.submit();
+                work += r.reap();
+            }
+        }
+        core.ring.submit();
+        work += core.ring.reap();
+        if core.ring.woken.replace(false) {
+            core.wake_armed.set(false);
+            self.drain_eventfd();
+        }
+        work
+    }
+
+    /// Runs turns until `done()` says stop, waiting as the completion mode says
+    /// whenever a turn finds nothing to do.
+    pub fn run_until(&self, mut done: impl FnMut() -> bool) {
+        while !done() {
+            if self.poll_once() == 0 {
+                self.idle();
+            } else if self.core().config.mode == CompletionMode::Hybrid {
+                self.core().last_work.set(Instant::now());
+            }
+        }
+    }
+
+    /// Runs turns until no I/O is in flight and nothing is queued.
+    pub fn drain(&self) {
+        self.run_until(|| false_if_busy(self));
+    }
+
+    fn idle(&self) {
+        let core = self.core();
+        match core.config.mode {
+            CompletionMode::Poll => std::hint::spin_loop(),
+            CompletionMode::Hybrid
+                if core.last_work.get().elapsed() < core.config.hybrid_spin =>
+            {
+                std::hint::spin_loop()
+            }
+            CompletionMode::Interrupt | CompletionMode::Hybrid => self.sleep(),
+        }
+    }
+
+    /// Sleeps in the ring until a completion, a message or the earliest
+    /// poller deadline, unless something must be spun on.
+    fn sleep(&self) {
+        let core = self.core();
+        if !core.done_head.get().is_null() || core.mailbox.pending.load(Ordering::Acquire) {
+            return;
+        }
+        let mut deadline: Option<Instant> = None;
+        for p in core.pollers.borrow().iter() {
+            if p.must_spin() {
+                return;
+            }
+            if let Some(d) = p.deadline() {
+                deadline = Some(deadline.map_or(d, |x| x.min(d)));
+            }
+        }
+        if core.extra_rings.borrow().iter().any(|r| r.inflight() > 0) {
+            return;
+        }
+        if !core.wake_armed.get() {
+            // SAFETY: wake_buf lives in the boxed core, which outlives the
+            // ring (the ring is a field of the same core and is dropped with it).
+            unsafe {
+                core.ring
+                    .arm_wake(core.mailbox.eventfd.as_raw_fd(), core.wake_buf.get())
+            };
+            core.wake_armed.set(true);
+        }
+        // Re-check after arming: a message posted before the read was armed
+        // left the eventfd readable, so the read completes at once anyway.
+        let timeout = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        if timeout == Some(Duration::ZERO) {
+            return;
+        }
+        core.ring.submit_and_wait(timeout);
+    }
+
+    fn drain_eventfd(&self) {
+        let mut v: u64 = 0;
+        // SAFETY: reading 8 bytes into a live u64 from our non-blocking eventfd.
+        unsafe {
+            libc::read(
+                self.core().mailbox.eventfd.as_raw_fd(),
+                (&mut v as *mut u64).cast(),
+                8,
+            )
+        };
+    }
+
+    fn run_messages(&self) -> usize {
+        let core = self.core();
+        let msgs: Vec<Msg> = {
+            let mut q = match core.mailbox.queue.lock() {
+                Ok(q) => q,
+                Err(p) => p.into_inner(),
+            };
+            core.mailbox.pending.store(false, Ordering::Release);
+            std::mem::take(&mut *q)
+        };
+        let n = msgs.len();
+        for m in msgs {
+            m(self);
+        }
+        n
+    }
+
+    /// Whether anything is in flight or queued on this reactor.
+    pub fn busy(&self) -> bool {
+        let core = self.core();
+        !core.done_head.get().is_null()
+            || core.ring.inflight() > 0
+            || core.extra_rings.borrow().iter().any(|r| r.inflight() > 0)
+            || core.pollers.borrow().iter().any(|p| p.deadline().is_some() || p.must_spin())
+    }
+}
+
+fn false_if_busy(r: &Reactor) -> bool {
+    !r.busy()
+}
+
+impl Drop for Reactor {
+    fn drop(&mut self) {
+        let Some(core) = &self.core else { return };
+        core.mailbox.closed.store(true, Ordering::Release);
+        // Finish what is in flight (bounded: a wedged device must not hang exit).
+        let start = Instant::now();
+        while self.busy() && start.elapsed() < Duration::from_secs(5) {
+            if self.poll_once() == 0 {
+                std::thread::yield_now();
+            }
+        }
+        // Complete the armed wake-up read so the kernel is done with wake_buf.
+        if core.wake_armed.get() {
+            self.handle().wake();
+            let start = Instant::now();
+            while self.core().wake_armed.get() && start.elapsed() < Duration::from_secs(1) {
+                self.poll_once();
+            }
+        }
+        let still_busy = self.busy() || self.core().wake_armed.get();
+        let core = self.core.take().expect("checked above");
+        core.pollers.borrow_mut().clear();
+        core.locals.borrow_mut().clear();
+        // SAFETY: the cache holds descriptors made by Box::new in alloc_bio.
+        for p in unsafe { &mut *core.cache.get() }.drain(..) {
+            // SAFETY: as above; each is freed once.
+            drop(unsafe { Box::from_raw(p.as_ptr()) });
+        }
+        if still_busy || core.outstanding.get() > 0 {
+            // Bios (or the kernel) still point at the core: leaking it is
+            // the only safe choice.
+            Box::leak(core);
+        }
+    }
+}

@@ -1,0 +1,380 @@
+//! The io_uring layer: a thin safe wrapper that turns bios into SQEs and CQEs
+//! back into completions. This is the only place where pointers to a bio's
+//! memory are handed to the kernel.
+//!
+//! Ownership: an operation takes the [`BioPtr`] and keeps it (as `user_data`)
+//! until its CQE arrives, so the descriptor and — by [`Bio::add_seg`]'s
+//! contract — the memory its segments point at outlive the kernel's use.
+//! Submission is batched: SQEs accumulate until the reactor's next turn calls
+//! [`Ring::submit`], one `io_uring_enter` for the whole batch.
+
+use std::cell::{Cell, UnsafeCell};
+use std::collections::VecDeque;
+use std::io;
+use std::os::fd::RawFd;
+use std::time::Duration;
+
+use io_uring::{opcode, squeue, types, IoUring};
+
+use crate::bio::{Bio, BioPtr, Op, Status, SECTOR_SHIFT};
+
+/// Expands an opcode builder once per kind of fd (the crate seals the fd trait).
+macro_rules! with_fd {
+    ($fd:expr, $f:ident, $body:block) => {
+        match $fd {
+            RingFd::Raw(raw) => {
+                let $f = types::Fd(raw);
+                $body
+            }
+            RingFd::Fixed(i) => {
+                let $f = types::Fixed(i);
+                $body
+            }
+        }
+    };
+}
+
+/// `user_data` of entries whose completion nobody waits for.
+const TAG_IGNORE: u64 = 0;
+/// `user_data` of the reactor's wake-up read.
+pub(crate) const TAG_WAKE: u64 = 1;
+
+/// How a ring is set up.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct RingKind {
+    /// A kernel thread polls the SQ (IORING_SETUP_SQPOLL): no syscall to submit.
+    pub sqpoll: bool,
+    /// Completions are polled from the device (IORING_SETUP_IOPOLL): needs
+    /// O_DIRECT and a device with poll queues.
+    pub iopoll: bool,
+}
+
+/// Size of the registered file and buffer tables (sparse, filled on demand).
+const REGISTERED_SLOTS: u32 = 64;
+
+/// A file as an SQE names it: a registered index when it has one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RingFd {
+    /// A plain descriptor.
+    Raw(RawFd),
+    /// An index in the ring's registered-file table.
+    Fixed(u32),
+}
+
+/// One io_uring with bio-level operations. Not `Send`: owned by a reactor.
+pub struct Ring {
+    ring: UnsafeCell<IoUring>,
+    kind: RingKind,
+    /// Operations submitted or queued whose CQE has not arrived.
+    inflight: Cell<u32>,
+    /// Entries the SQ had no room for: pushed, in order, on the next submit.
+    backlog: UnsafeCell<VecDeque<squeue::Entry>>,
+    next_file: Cell<u32>,
+    fixed_buffers: Cell<bool>,
+    pub(crate) woken: Cell<bool>,
+}
+
+impl Ring {
+    /// Sets up a ring with `entries` SQ slots (the CQ gets twice that).
+    pub fn new(entries: u32, kind: RingKind) -> io::Result<Ring> {
+        let mut b = IoUring::builder();
+        b.setup_cqsize(entries * 2).setup_clamp();
+        if kind.sqpoll {
+            b.setup_sqpoll(2000);
+        } else {
+            // Completions are only reaped on this thread: let the kernel defer
+            // task work to our next enter instead of interrupting us.
+            b.setup_single_issuer().setup_coop_taskrun();
+        }
+        if kind.iopoll {
+            b.setup_iopoll();
+        }
+        let ring = b.build(entries)?;
+        // Sparse tables, filled on demand; an old kernel without them just
+        // means plain fds and buffers.
+        let sub = ring.submitter();
+        let _ = sub.register_files_sparse(REGISTERED_SLOTS);
+        let fixed_buffers = sub.register_buffers_sparse(REGISTERED_SLOTS).is_ok();
+        Ok(Ring {
+            ring: UnsafeCell::new(ring),
+            kind,
+            inflight: Cell::new(0),
+            backlog: UnsafeCell::new(VecDeque::new()),
+            next_file: Cell::new(0),
+            fixed_buffers: Cell::new(fixed_buffers),
+            woken: Cell::new(false),
+        })
+    }
+
+    #[inline]
+    fn ring(&self) -> &IoUring {
+        // SAFETY: the ring is only reached through &self on its own thread
+        // (Ring is !Sync); no &mut to it outlives the methods below, and none
+        // of them call out to other code while holding one.
+        unsafe { &*self.ring.get() }
+    }
+
+    /// How the ring was set up.
+    pub fn kind(&self) -> RingKind {
+        self.kind
+    }
+
+    /// Operations in flight.
+    pub fn inflight(&self) -> u32 {
+        self.inflight.get()
+    }
+
+    /// Registers `fd` in the ring's file table; falls back to the raw fd when
+    /// the table is full or unsupported.
+    pub fn register_file(&self, fd: RawFd) -> RingFd {
+        let slot = self.next_file.get();
+        if slot < REGISTERED_SLOTS {
+            if let Ok(1) = self.ring().submitter().register_files_update(slot, &[fd]) {
+                self.next_file.set(slot + 1);
+                return RingFd::Fixed(slot);
+            }
+        }
+        RingFd::Raw(fd)
+    }
+
+    /// Registers `buf` at `index` of the buffer table, so bios whose single
+    /// segment lies inside it use READ_FIXED/WRITE_FIXED. Returns false when
+    /// the kernel refuses (the ring then uses plain reads and writes).
+    ///
+    /// # Safety
+    /// The memory must stay mapped until the ring is dropped.
+    pub unsafe fn register_buffer(&self, index: u16, buf: libc::iovec) -> bool {
+        if !self.fixed_buffers.get() || index as u32 >= REGISTERED_SLOTS {
+            return false;
+        }
+        // SAFETY: the caller keeps the memory mapped for the ring's lifetime.
+        let r = unsafe {
+            self.ring()
+                .submitter()
+                .register_buffers_update(index as u32, &[buf], None)
+        };
+        r.is_ok()
+    }
+
+    /// Queues `e`, spilling to the backlog when the SQ is full.
+    ///
+    /// # Safety
+    /// Every pointer in `e` must stay valid until its CQE is reaped.
+    #[inline]
+    unsafe fn push(&self, e: squeue::Entry) {
+        // SAFETY: see `ring()`; the SQ borrow ends before we return.
+        let sq_full = unsafe {
+            let mut sq = (*self.ring.get()).submission_shared();
+            // SAFETY: the caller guarantees the entry's pointers stay valid.
+            sq.push(&e).is_err()
+        };
+        if sq_full {
+            // SAFETY: single-threaded, not re-entered.
+            unsafe { (*self.backlog.get()).push_back(e) };
+        }
+        self.inflight.set(self.inflight.get() + 1);
+    }
+
+    /// Submits `bio` (read, write, flush, discard or write-zeroes) against the
+    /// file `fd`, at the bio's sector plus `base` bytes. `fua` turns a write
+    /// into a durable one (RWF_DSYNC); `block_device` picks the discard
+    /// and zeroing mechanism.
+    pub fn submit_bio(&self, fd: RingFd, bio: BioPtr, base: u64, fua: bool) {
+        let off = base + (bio.sector << SECTOR_SHIFT);
+        let len = bio.len();
+        let segs = bio.segs();
+        let e = match bio.op {
+            Op::Read | Op::Write => {
+                let write = bio.op == Op::Write;
+                let rw_flags = if write && fua { libc::RWF_DSYNC } else { 0 };
+                let fixed = bio.buf_index != Bio::NO_BUF && segs.len() == 1 && !self.kind.iopoll;
+                match (write, segs.len(), fixed) {
+                    (false, 1, true) => with_fd!(fd, f, {
+                        opcode::ReadFixed::new(f, segs[0].base, len, bio.buf_index)
+                            .offset(off)
+                            .build()
+                    }),
+                    (true, 1, true) => with_fd!(fd, f, {
+                        opcode::WriteFixed::new(f, segs[0].base, len, bio.buf_index)
+                            .offset(off)
+                            .rw_flags(rw_flags)
+                            .build()
+                    }),
+                    (false, 1, false) => with_fd!(fd, f, {
+                        opcode::Read::new(f, segs[0].base, len).offset(off).build()
+                    }),
+                    (true, 1, false) => with_fd!(fd, f, {
+                        opcode::Write::new(f, segs[0].base, len)
+                            .offset(off)
+                            .rw_flags(rw_flags)
+                            .build()
+                    }),
+                    (false, n, _) => with_fd!(fd, f, {
+                        opcode::Readv::new(f, segs.as_ptr().cast(), n as u32)
+                            .offset(off)
+                            .build()
+                    }),
+                    (true, n, _) => with_fd!(fd, f, {
+                        opcode::Writev::new(f, segs.as_ptr().cast(), n as u32)
+                            .offset(off)
+                            .rw_flags(rw_flags)
+                            .build()
+                    }),
+                }
+            }
+            Op::Flush => with_fd!(fd, f, {
+                opcode::Fsync::new(f)
+                    .flags(types::FsyncFlags::DATASYNC)
+                    .build()
+            }),
+            Op::Discard => with_fd!(fd, f, {
+                opcode::Fallocate::new(f, len as u64)
+                    .offset(off)
+                    .mode(libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE)
+                    .build()
+            }),
+            Op::WriteZeroes => with_fd!(fd, f, {
+                opcode::Fallocate::new(f, len as u64)
+                    .offset(off)
+                    .mode(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE)
+                    .build()
+            }),
+        };
+        let e = e.user_data(bio.into_raw() as u64);
+        // SAFETY: the entry points at the bio's segments (or at the segment
+        // array inside the descriptor, for readv/writev); we own the bio via
+        // user_data until the CQE, and add_seg's contract keeps the segments'
+        // memory valid until the bio completes.
+        unsafe { self.push(e) };
+    }
+
+    /// Queues a data-sync of `fd` that must complete before the next entry
+    /// pushed starts (a PREFLUSH ahead of a write). Its own success is not
+    /// reported; a failure cancels the linked entry, which then fails.
+    pub fn flush_before_next(&self, fd: RingFd) {
+        let e = with_fd!(fd, f, {
+            opcode::Fsync::new(f)
+                .flags(types::FsyncFlags::DATASYNC)
+                .build()
+        })
+        .flags(squeue::Flags::IO_LINK | squeue::Flags::SKIP_SUCCESS)
+        .user_data(TAG_IGNORE);
+        // SAFETY: an fsync carries no pointers.
+        unsafe { self.push(e) };
+        // Only a failed fsync posts a CQE; count it as not in flight.
+        self.inflight.set(self.inflight.get() - 1);
+    }
+
+    /// Arms a read of the eventfd `fd` into `buf`, whose CQE wakes the reactor.
+    ///
+    /// # Safety
+    /// `buf` must stay valid until the CQE tagged [`TAG_WAKE`] is reaped.
+    pub(crate) unsafe fn arm_wake(&self, fd: RawFd, buf: *mut u64) {
+        let e = opcode::Read::new(types::Fd(fd), buf.cast(), 8)
+            .build()
+            .user_data(TAG_WAKE);
+        // SAFETY: the caller keeps `buf` valid until the CQE.
+        unsafe { self.push(e) };
+        // The wake read is not an I/O anyone waits for.
+        self.inflight.set(self.inflight.get() - 1);
+    }
+
+    /// Passes queued SQEs to the kernel without waiting. Returns how many were
+    /// submitted.
+    pub fn submit(&self) -> usize {
+        self.drain_backlog();
+        let pending = {
+            // SAFETY: see `ring()`; the borrow ends here.
+            let sq = unsafe { (*self.ring.get()).submission_shared() };
+            sq.len()
+        };
+        if pending == 0 && !self.kind.iopoll {
+            return 0;
+        }
+        self.ring().submitter().submit().unwrap_or(0)
+    }
+
+    /// Submits and waits for at least one completion, or `timeout`.
+    pub fn submit_and_wait(&self, timeout: Option<Duration>) {
+        self.drain_backlog();
+        let sub = self.ring().submitter();
+        let r = match timeout {
+            Some(t) => {
+                let ts = types::Timespec::from(t);
+                let args = types::SubmitArgs::new().timespec(&ts);
+                sub.submit_with_args(1, &args)
+            }
+            None => sub.submit_and_wait(1),
+        };
+        // ETIME (timeout) and EINTR just end the wait; the loop reaps what came.
+        let _ = r;
+    }
+
+    fn drain_backlog(&self) {
+        // SAFETY: single-threaded and not re-entered: nothing below calls out.
+        let backlog = unsafe { &mut *self.backlog.get() };
+        while let Some(e) = backlog.front() {
+            // SAFETY: see `ring()`.
+            let mut sq = unsafe { (*self.ring.get()).submission_shared() };
+            // SAFETY: entries in the backlog were built under push's contract.
+            if unsafe { sq.push(e) }.is_err() {
+                drop(sq);
+                // Make room: hand what the SQ holds to the kernel.
+                if self.ring().submitter().submit().is_err() {
+                    return;
+                }
+                continue;
+            }
+            backlog.pop_front();
+        }
+    }
+
+    /// Reaps completions and completes their bios. Returns how many.
+    pub fn reap(&self) -> usize {
+        let mut total = 0;
+        loop {
+            let mut batch = [(0u64, 0i32); 64];
+            let n = {
+                // SAFETY: see `ring()`; the CQ borrow ends before any end_io runs.
+                let mut cq = unsafe { (*self.ring.get()).completion_shared() };
+                let mut n = 0;
+                for cqe in &mut cq {
+                    batch[n] = (cqe.user_data(), cqe.result());
+                    n += 1;
+                    if n == batch.len() {
+                        break;
+                    }
+                }
+                cq.sync();
+                n
+            };
+            for &(ud, res) in &batch[..n] {
+                match ud {
+                    TAG_IGNORE => {}
+                    TAG_WAKE => self.woken.set(true),
+                    _ => {
+                        self.inflight.set(self.inflight.get() - 1);
+                        // SAFETY: every other user_data is a bio pointer that
+                        // submit_bio made with into_raw, completed exactly once.
+                        let mut bio = unsafe { BioPtr::from_raw(ud as *mut Bio) };
+                        let status = if res < 0 {
+                            Status::from_errno(-res)
+                        } else if bio.op.has_data() && res as u32 != bio.len() {
+                            // A short transfer inside a device's bounds is an error.
+                            Status::IoErr
+                        } else {
+                            Status::Ok
+                        };
+                        bio.set_status(status);
+                        bio.endio();
+                    }
+                }
+            }
+            total += n;
+            if n < batch.len() {
+                return total;
+            }
+        }
+    }
+}
+

@@ -1,0 +1,314 @@
+//! The mapped device's per-reactor channel and its hot path.
+//!
+//! The no-clone fast path (seed 000): when every target opted in and the bio
+//! lies inside one target and one `max_io_len` window and carries no
+//! PREFLUSH, the caller's bio itself is remapped and passed down. Its
+//! completion (end_io, private, ctx, sector) is saved in an inline frame of
+//! the bio, so the path allocates nothing and copies nothing; [`noclone_endio`]
+//! restores it. Everything else goes to [`crate::clone`].
+
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use udm_core::{BioFlags, BioPtr, BlockDevice, Channel, Error, Op, Poller, Reactor, Status};
+
+use crate::clone;
+use crate::device::Guard;
+use crate::table::Table;
+use crate::target::{Map, MapCtx};
+
+/// One reactor's view of one table: channels to each target's devices.
+pub(crate) struct TableIo {
+    pub table: Arc<Table>,
+    /// Per target, channels in [`crate::Target::devices`] order.
+    pub chans: Vec<Vec<Rc<dyn Channel>>>,
+    /// One channel per distinct device of the table (flush fan-out).
+    pub flush_chans: Vec<Rc<dyn Channel>>,
+    /// Bios (parents, not clones) mapped through this table and not completed.
+    pub inflight: Cell<u64>,
+    /// The owning channel's state (for retries from completion context).
+    pub state: Rc<ChanState>,
+}
+
+impl TableIo {
+    pub fn open(
+        table: Arc<Table>,
+        reactor: &Reactor,
+        state: Rc<ChanState>,
+    ) -> Result<TableIo, Error> {
+        let flush_chans = table
+            .devices
+            .iter()
+            .map(|d: &Arc<dyn BlockDevice>| d.clone().open(reactor))
+            .collect::<Result<Vec<_>, _>>()?;
+        let chans = table
+            .targets
+            .iter()
+            .map(|t| t.dev_index.iter().map(|&i| flush_chans[i].clone()).collect())
+            .collect();
+        Ok(TableIo {
+            table,
+            chans,
+            flush_chans,
+            inflight: Cell::new(0),
+            state,
+        })
+    }
+
+    #[inline]
+    pub fn get(&self) {
+        self.inflight.set(self.inflight.get() + 1);
+    }
+
+    #[inline]
+    pub fn put(&self) {
+        self.inflight.set(self.inflight.get() - 1);
+    }
+
+    /// Dispatches what target `ti`'s map returned. The device index goes into
+    /// the upper half of the bio's context word, for the target's end_io.
+    /// Returns the bio when the target asked for a retry.
+    #[inline]
+    pub fn dispatch(&self, ti: usize, m: Map) -> Option<BioPtr> {
+        match m {
+            Map::Remapped(mut bio, d) => {
+                match self.chans[ti].get(d) {
+                    Some(ch) => {
+                        bio.set_ctx(ti as u64 | (d as u64) << 32);
+                        ch.submit(bio)
+                    }
+                    None => bio.complete(Status::IoErr),
+                }
+                None
+            }
+            Map::Submitted => None,
+            Map::Kill(bio, s) => {
+                bio.complete(s);
+                None
+            }
+            Map::Requeue(bio) => Some(bio),
+        }
+    }
+}
+
+/// Splits a bio's context word into (target index, device index).
+#[inline]
+pub(crate) fn ctx_target_dev(ctx: u64) -> (usize, usize) {
+    ((ctx & 0xffff_ffff) as usize, (ctx >> 32) as usize)
+}
+
+/// State shared by a channel and its control messages.
+pub(crate) struct ChanState {
+    pub suspended: Cell<bool>,
+    pub fast_path: Cell<bool>,
+    /// Bios that arrived while suspended; resubmitted on resume.
+    pub deferred: RefCell<VecDeque<BioPtr>>,
+    /// Bios a target asked to retry, as submitted to this channel.
+    pub requeue: RefCell<VecDeque<BioPtr>>,
+    /// Clones a target asked to retry (remapped through their parent's table).
+    pub requeue_clones: RefCell<VecDeque<BioPtr>>,
+    /// Tables replaced while they had I/O in flight, freed once idle.
+    pub retired: RefCell<Vec<Rc<TableIo>>>,
+    /// Held while a suspend waits for in-flight I/O to drain.
+    pub drain: RefCell<Option<Guard>>,
+}
+
+/// A mapped device's channel on one reactor.
+pub struct MapperChannel {
+    /// `current`'s address, so the hot path reads a pointer, not a RefCell.
+    cur: Cell<*const TableIo>,
+    current: RefCell<Rc<TableIo>>,
+    pub(crate) state: Rc<ChanState>,
+}
+
+impl MapperChannel {
+    pub(crate) fn open(
+        table: Arc<Table>,
+        reactor: &Reactor,
+        suspended: bool,
+        fast_path: bool,
+    ) -> Result<MapperChannel, Error> {
+        let state = Rc::new(ChanState {
+            suspended: Cell::new(suspended),
+            fast_path: Cell::new(fast_path),
+            deferred: RefCell::new(VecDeque::new()),
+            requeue: RefCell::new(VecDeque::new()),
+            requeue_clones: RefCell::new(VecDeque::new()),
+            retired: RefCell::new(Vec::new()),
+            drain: RefCell::new(None),
+        });
+        let tio = Rc::new(TableIo::open(table, reactor, state.clone())?);
+        Ok(MapperChannel {
+            cur: Cell::new(Rc::as_ptr(&tio)),
+            current: RefCell::new(tio),
+            state,
+        })
+    }
+
+    /// Opens this reactor's channels for `table` with this channel's state.
+    pub(crate) fn open_table(&self, table: Arc<Table>, reactor: &Reactor) -> Result<TableIo, Error> {
+        TableIo::open(table, reactor, self.state.clone())
+    }
+
+    #[inline]
+    fn tio(&self) -> &TableIo {
+        // SAFETY: `cur` always equals the address of `current`'s TableIo,
+        // which `current` keeps alive; it changes only in `switch`, which runs
+        // from a reactor message, never while a submit holds this reference.
+        unsafe { &*self.cur.get() }
+    }
+
+    pub(crate) fn current(&self) -> Rc<TableIo> {
+        self.current.borrow().clone()
+    }
+
+    /// Makes `tio` the table new I/O maps through. The old one finishes the
+    /// I/O it has in flight and is freed when idle.
+    pub(crate) fn switch(&self, tio: TableIo) {
+        let tio = Rc::new(tio);
+        self.cur.set(Rc::as_ptr(&tio));
+        let old = self.current.replace(tio);
+        if old.inflight.get() > 0 {
+            self.state.retired.borrow_mut().push(old);
+        }
+    }
+
+    /// Total I/O in flight on this reactor, over the live and retired tables.
+    pub(crate) fn inflight(&self) -> u64 {
+        self.tio().inflight.get()
+            + self
+                .state
+                .retired
+                .borrow()
+                .iter()
+                .map(|t| t.inflight.get())
+                .sum::<u64>()
+    }
+
+    /// Resubmits bios held while suspended.
+    pub(crate) fn kick(&self) {
+        let held: VecDeque<BioPtr> = std::mem::take(&mut *self.state.deferred.borrow_mut());
+        for bio in held {
+            self.submit(bio);
+        }
+    }
+}
+
+impl Channel for MapperChannel {
+    #[inline]
+    fn submit(&self, mut bio: BioPtr) {
+        if self.state.suspended.get() {
+            return self.hold(bio);
+        }
+        let tio = self.tio();
+        let table = &*tio.table;
+        if let Err(s) = table.limits.check(&bio) {
+            return bio.complete(s);
+        }
+        if !table.caps.supports(bio.op) {
+            return bio.complete(Status::NotSupp);
+        }
+        if !self.state.fast_path.get()
+            || !table.no_clone
+            || bio.op == Op::Flush
+            || bio.flags.contains(BioFlags::PREFLUSH)
+            || !bio.can_push()
+        {
+            return clone::submit(tio, bio);
+        }
+        let ti = table.find(bio.sector);
+        let t = &table.targets[ti];
+        let rel = bio.sector - t.begin;
+        if bio.sectors() > t.room(rel) {
+            return clone::submit(tio, bio);
+        }
+        let pushed = bio.push_end_io(noclone_endio, tio as *const TableIo as *mut ());
+        debug_assert!(pushed, "can_push was checked");
+        bio.set_ctx(ti as u64);
+        bio.sector = rel;
+        tio.get();
+        let m = t.target.map(bio, &MapCtx { devs: &tio.chans[ti] });
+        if let Some(b) = tio.dispatch(ti, m) {
+            self.requeue(tio, b);
+        }
+    }
+}
+
+impl MapperChannel {
+    /// A fast-path bio the target wants retried: undo the remap and keep it
+    /// for the next turn, when it is submitted again from scratch.
+    #[cold]
+    fn requeue(&self, tio: &TableIo, mut bio: BioPtr) {
+        bio.pop_end_io();
+        tio.put();
+        self.state.requeue.borrow_mut().push_back(bio);
+    }
+
+    #[cold]
+    fn hold(&self, bio: BioPtr) {
+        if bio.flags.contains(BioFlags::NOWAIT) {
+            return bio.complete(Status::Again);
+        }
+        self.state.deferred.borrow_mut().push_back(bio);
+    }
+}
+
+/// The fast path's completion: the target's end_io if it wants one, then the
+/// caller's completion restored from the frame (sector included).
+fn noclone_endio(mut bio: BioPtr) {
+    // SAFETY: the fast path set private to the TableIo it mapped through,
+    // which stays alive (as current or retired) while its inflight count,
+    // which includes this bio, is non-zero.
+    let tio = unsafe { &*(bio.private() as *const TableIo) };
+    let (ti, dev) = ctx_target_dev(bio.ctx());
+    let t = &tio.table.targets[ti];
+    if t.end_io.applies(bio.status().is_ok()) {
+        t.target.end_io(&mut bio, dev);
+    }
+    bio.pop_end_io();
+    tio.put();
+    bio.endio();
+}
+
+impl Poller for MapperChannel {
+    /// Slow work, once per reactor turn: retries, freeing retired tables,
+    /// and telling a waiting suspend that I/O has drained.
+    fn poll(&self) -> usize {
+        let mut work = 0;
+        if !self.state.suspended.get() {
+            if !self.state.requeue.borrow().is_empty() {
+                let q: VecDeque<BioPtr> = std::mem::take(&mut *self.state.requeue.borrow_mut());
+                work += q.len();
+                for bio in q {
+                    self.submit(bio);
+                }
+            }
+            if !self.state.requeue_clones.borrow().is_empty() {
+                let q: VecDeque<BioPtr> =
+                    std::mem::take(&mut *self.state.requeue_clones.borrow_mut());
+                work += q.len();
+                for bio in q {
+                    clone::remap_clone(bio);
+                }
+            }
+        }
+        if !self.state.retired.borrow().is_empty() {
+            self.state
+                .retired
+                .borrow_mut()
+                .retain(|t| t.inflight.get() > 0);
+        }
+        if self.state.drain.borrow().is_some() && self.inflight() == 0 {
+            // Dropping the guard tells the suspender this reactor is drained.
+            drop(self.state.drain.borrow_mut().take());
+            work += 1;
+        }
+        work
+    }
+
+    fn deadline(&self) -> Option<std::time::Instant> {
+        None
+    }
+}

@@ -1,0 +1,193 @@
+//! The target contract: dm's `struct target_type`.
+//!
+//! A target is constructed from its table-line arguments ([`TargetType::ctr`])
+//! and then maps bios. The core owns everything else: it finds the target for
+//! a sector, makes the sector relative to the target's start before `map`,
+//! splits I/O at target boundaries and at [`Target::max_io_len`], fans
+//! flushes out to every device of [`Target::devices`], and stacks limits and
+//! capabilities. So a simple target's `map` is a couple of lines.
+
+use std::rc::Rc;
+use std::sync::Arc;
+
+use udm_core::{Bio, BioPtr, BlockDevice, Caps, Channel, Error, Limits, Status};
+
+/// What [`Target::map`] did with the bio (dm's `DM_MAPIO_*`).
+pub enum Map {
+    /// The bio now addresses device `.1` of [`Target::devices`] (its sector
+    /// rewritten to that device's); the core submits it there.
+    Remapped(BioPtr, usize),
+    /// The target took the bio and will complete it.
+    Submitted,
+    /// Complete the bio with this error.
+    Kill(BioPtr, Status),
+    /// Try the bio again later (e.g. the target is out of a resource).
+    Requeue(BioPtr),
+}
+
+/// What `map` may use besides the bio: this reactor's channels to the
+/// target's devices, in [`Target::devices`] order, for targets that submit
+/// I/O themselves.
+pub struct MapCtx<'a> {
+    /// Channels to the target's devices.
+    pub devs: &'a [Rc<dyn Channel>],
+}
+
+/// When the core calls a target's end_io.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EndIoWhen {
+    /// Never (the common case: nothing to do on completion).
+    Never,
+    /// Only for bios that failed (error accounting).
+    OnError,
+    /// For every bio.
+    Always,
+}
+
+impl EndIoWhen {
+    /// Whether a bio completing with `ok` needs the end_io.
+    #[inline]
+    pub fn applies(self, ok: bool) -> bool {
+        match self {
+            EndIoWhen::Never => false,
+            EndIoWhen::OnError => !ok,
+            EndIoWhen::Always => true,
+        }
+    }
+}
+
+/// Which status line to produce (dm's `status_type_t`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StatusType {
+    /// Runtime state and counters (`dmsetup status`).
+    Info,
+    /// The arguments that would construct the target again (`dmsetup table`).
+    Table,
+}
+
+/// One device a target uses and the area of it (dm's `iterate_devices`).
+#[derive(Clone)]
+pub struct DevArea {
+    /// The device.
+    pub dev: Arc<dyn BlockDevice>,
+    /// First sector used.
+    pub start: u64,
+    /// Sectors used.
+    pub len: u64,
+}
+
+/// A constructed target. Shared by every reactor.
+pub trait Target: Send + Sync {
+    /// Maps `bio`, whose sector is relative to the target's start and which
+    /// lies inside the target and inside [`Target::max_io_len`]'s boundaries.
+    fn map(&self, bio: BioPtr, ctx: &MapCtx<'_>) -> Map;
+
+    /// The devices this target sends I/O to, with the areas it uses. Flushes
+    /// go to each; limits and capabilities stack over them.
+    fn devices(&self) -> &[DevArea];
+
+    /// Appends the target's status line of type `ty` (without start, length and
+    /// type name, which the core prints) to `out`.
+    fn status(&self, ty: StatusType, out: &mut String);
+
+    /// When [`Target::end_io`] must run.
+    fn wants_end_io(&self) -> EndIoWhen {
+        EndIoWhen::Never
+    }
+
+    /// Sees a bio this target mapped as it completes (as
+    /// [`Target::wants_end_io`] asks), with the index in [`Target::devices`]
+    /// it was remapped to (0 if the target completed it itself).
+    fn end_io(&self, _bio: &mut Bio, _dev: usize) {}
+
+    /// Handles a `udm message` sent to the target; returns its reply.
+    fn message(&self, argv: &[&str]) -> Result<String, Error> {
+        Err(Error::invalid(format!(
+            "target does not accept messages (got '{}')",
+            argv.join(" ")
+        )))
+    }
+
+    /// I/O is split so that no bio crosses a multiple of this many sectors
+    /// (relative to the target's start); 0 for no limit.
+    fn max_io_len(&self) -> u64 {
+        0
+    }
+
+    /// Bytes of per-I/O data the target needs in each clone it maps (at most
+    /// [`udm_core::bio::PER_IO_DATA`]). Targets that need any take the clone path.
+    fn per_io_data_size(&self) -> usize {
+        0
+    }
+
+    /// Opts in to the no-clone fast path: `map` only remaps (or completes)
+    /// the bio, needs no per-I/O data, and does not care whether it sees the
+    /// caller's bio or a clone.
+    fn no_clone(&self) -> bool {
+        false
+    }
+
+    /// Capabilities, given those stacked over [`Target::devices`].
+    fn caps(&self, stacked: Caps) -> Caps {
+        stacked
+    }
+
+    /// Adjusts the stacked limits (dm's `io_hints`), e.g. a stripe's io_opt.
+    fn io_hints(&self, _limits: &mut Limits) {}
+}
+
+/// Resolves a device named in a table: another udm device, or a path.
+pub trait DeviceResolver {
+    /// The device called `name`, or an error naming it.
+    fn resolve(&self, name: &str) -> Result<Arc<dyn BlockDevice>, Error>;
+}
+
+impl<F> DeviceResolver for F
+where
+    F: Fn(&str) -> Result<Arc<dyn BlockDevice>, Error>,
+{
+    fn resolve(&self, name: &str) -> Result<Arc<dyn BlockDevice>, Error> {
+        self(name)
+    }
+}
+
+/// What a constructor gets besides its arguments.
+pub struct CtrCtx<'a> {
+    /// The target's start in the table (sectors).
+    pub begin: u64,
+    /// The target's length (sectors).
+    pub len: u64,
+    pub(crate) resolver: &'a dyn DeviceResolver,
+}
+
+impl CtrCtx<'_> {
+    /// Looks up a device named in the arguments (dm's `dm_get_device`).
+    pub fn get_device(&self, name: &str) -> Result<Arc<dyn BlockDevice>, Error> {
+        self.resolver.resolve(name)
+    }
+}
+
+/// A target constructor: arguments in, target (or an error naming the bad argument) out.
+pub type Ctr = fn(&CtrCtx<'_>, &[&str]) -> Result<Box<dyn Target>, Error>;
+
+/// A target type: its name and constructor (dm's `target_type` registration).
+pub struct TargetType {
+    /// The name used in table lines.
+    pub name: &'static str,
+    /// Version, as dm reports it.
+    pub version: [u32; 3],
+    /// Builds a target from its arguments; the error names the bad argument.
+    pub ctr: Ctr,
+}
+
+/// Parses a sector count or offset argument, naming it in the error.
+pub fn parse_sector(what: &str, s: &str) -> Result<u64, Error> {
+    s.parse::<u64>()
+        .map_err(|_| Error::invalid(format!("invalid {what} '{s}': expected a sector number")))
+}
+
+/// Parses a count argument, naming it in the error.
+pub fn parse_count(what: &str, s: &str) -> Result<u32, Error> {
+    s.parse::<u32>()
+        .map_err(|_| Error::invalid(format!("invalid {what} '{s}': expected a number")))
+}

@@ -1,0 +1,60 @@
+//! `linear`: maps a range onto a contiguous area of another device.
+//!
+//! Table line: `<start> <length> linear <dev> <offset>`
+//! - `dev`: a udm device name or a path;
+//! - `offset`: the sector of `dev` where the range begins.
+
+use udm_core::{BioPtr, Error};
+
+use crate::target::{parse_sector, CtrCtx, DevArea, Map, MapCtx, StatusType, Target, TargetType};
+
+/// The `linear` target type.
+pub const LINEAR: TargetType = TargetType {
+    name: "linear",
+    version: [1, 4, 0],
+    ctr: linear_ctr,
+};
+
+struct Linear {
+    devs: [DevArea; 1],
+}
+
+fn linear_ctr(ctx: &CtrCtx<'_>, argv: &[&str]) -> Result<Box<dyn Target>, Error> {
+    let [dev, offset] = argv else {
+        return Err(Error::invalid(format!(
+            "linear: invalid argument count {} (expected <dev> <offset>)",
+            argv.len()
+        )));
+    };
+    let start = parse_sector("device sector", offset).map_err(|e| e.context("linear"))?;
+    let dev = ctx.get_device(dev).map_err(|e| e.context("linear"))?;
+    Ok(Box::new(Linear {
+        devs: [DevArea {
+            dev,
+            start,
+            len: ctx.len,
+        }],
+    }))
+}
+
+impl Target for Linear {
+    #[inline]
+    fn map(&self, mut bio: BioPtr, _ctx: &MapCtx<'_>) -> Map {
+        bio.sector += self.devs[0].start;
+        Map::Remapped(bio, 0)
+    }
+
+    fn devices(&self) -> &[DevArea] {
+        &self.devs
+    }
+
+    fn status(&self, ty: StatusType, out: &mut String) {
+        if ty == StatusType::Table {
+            out.push_str(&format!("{} {}", self.devs[0].dev.name(), self.devs[0].start));
+        }
+    }
+
+    fn no_clone(&self) -> bool {
+        true
+    }
+}

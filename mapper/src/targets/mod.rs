@@ -1,0 +1,6 @@
+//! The built-in targets, one file each.
+
+pub mod error;
+pub mod linear;
+pub mod striped;
+pub mod zero;
