@@ -1,0 +1,522 @@
+//! One bench job: a reactor on its own thread keeping `iodepth` I/Os in
+//! flight against one device, as fio's job or bdevperf's per-core loop.
+//!
+//! Each I/O takes a fresh descriptor from the reactor's cache (so the
+//! descriptor cache is exercised as the kernel's bio cache is), submits it,
+//! and the completion records the latency and issues the slot's next I/O.
+
+use std::cell::{Cell, UnsafeCell};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+
+use hdrhistogram::Histogram;
+use udm_backends::AlignedBuf;
+use udm_core::{
+    Bio, BioPtr, BlockDevice, CacheStats, Channel, Error, Op, Reactor, ReactorConfig, Status,
+    SECTOR_SHIFT,
+};
+
+use super::pattern;
+use crate::{alloc, clock};
+
+/// The I/O pattern.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rw {
+    /// Sequential reads.
+    Read,
+    /// Sequential writes.
+    Write,
+    /// Sequential mixed.
+    ReadWrite,
+    /// Random reads.
+    RandRead,
+    /// Random writes.
+    RandWrite,
+    /// Random mixed.
+    RandRw,
+}
+
+impl Rw {
+    /// Parses fio's names.
+    pub fn parse(s: &str) -> Option<Rw> {
+        Some(match s {
+            "read" => Rw::Read,
+            "write" => Rw::Write,
+            "rw" | "readwrite" => Rw::ReadWrite,
+            "randread" => Rw::RandRead,
+            "randwrite" => Rw::RandWrite,
+            "randrw" => Rw::RandRw,
+            _ => return None,
+        })
+    }
+    /// fio's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Rw::Read => "read",
+            Rw::Write => "write",
+            Rw::ReadWrite => "rw",
+            Rw::RandRead => "randread",
+            Rw::RandWrite => "randwrite",
+            Rw::RandRw => "randrw",
+        }
+    }
+    fn random(self) -> bool {
+        matches!(self, Rw::RandRead | Rw::RandWrite | Rw::RandRw)
+    }
+}
+
+/// What one job does.
+#[derive(Clone, Debug)]
+pub struct JobCfg {
+    /// Pattern.
+    pub rw: Rw,
+    /// Percentage of reads in mixed patterns.
+    pub mix_read: u32,
+    /// Block size in bytes.
+    pub bs: u32,
+    /// I/Os in flight.
+    pub iodepth: u32,
+    /// First sector of this job's region.
+    pub region_start: u64,
+    /// Blocks in this job's region.
+    pub region_blocks: u64,
+    /// Time-based run length (None: one pass over the region).
+    pub runtime: Option<Duration>,
+    /// Write the region first, unmeasured.
+    pub prefill: bool,
+    /// Write a pattern over the region, then read it back and compare.
+    pub verify: bool,
+    /// Reactor configuration.
+    pub reactor: ReactorConfig,
+    /// PRNG seed.
+    pub seed: u64,
+}
+
+/// What one job measured.
+pub struct JobResult {
+    /// Latency histogram in ns.
+    pub hist: Histogram<u64>,
+    /// I/Os completed in the measured phases.
+    pub ios: u64,
+    /// Reads completed.
+    pub reads: u64,
+    /// Writes completed.
+    pub writes: u64,
+    /// Bytes moved.
+    pub bytes: u64,
+    /// I/Os that completed with an error.
+    pub errors: u64,
+    /// The first error.
+    pub first_error: Option<String>,
+    /// Blocks compared in verify.
+    pub verified: u64,
+    /// Blocks that did not match.
+    pub mismatches: u64,
+    /// The first mismatch.
+    pub first_mismatch: Option<String>,
+    /// Wall time of the measured phases.
+    pub elapsed: Duration,
+    /// Heap allocations on this thread during the measured phases.
+    pub allocs: u64,
+    /// CPU time of this thread (user, system) during the measured phases.
+    pub cpu: (Duration, Duration),
+    /// Descriptor-cache counters over the measured phases.
+    pub cache: CacheStats,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Phase {
+    Prefill,
+    Run,
+    VerifyWrite,
+    VerifyRead,
+    Done,
+}
+
+struct Slot {
+    job: *const Job,
+    buf: *mut u8,
+    t0: u64,
+}
+
+struct Job {
+    cfg: JobCfg,
+    reactor: *const Reactor,
+    chan: Rc<dyn Channel>,
+    buf_index: u16,
+    bs_sectors: u64,
+    phase: Cell<Phase>,
+    inflight: Cell<u32>,
+    /// Blocks issued in the current pass (pass-based phases).
+    issued: Cell<u64>,
+    deadline: Cell<u64>,
+    rng: Cell<u64>,
+    /// A random permutation of the region for random passes (verify/prefill).
+    perm: Vec<u32>,
+    generation: u64,
+    stats: UnsafeCell<Stats>,
+    progress: Arc<AtomicU64>,
+    slots: UnsafeCell<Vec<Slot>>,
+}
+
+struct Stats {
+    hist: Histogram<u64>,
+    ios: u64,
+    reads: u64,
+    writes: u64,
+    bytes: u64,
+    errors: u64,
+    first_error: Option<String>,
+    verified: u64,
+    mismatches: u64,
+    first_mismatch: Option<String>,
+}
+
+impl Job {
+    #[inline]
+    fn stats(&self) -> &mut Stats {
+        // SAFETY: the job runs on one thread and no caller keeps the borrow
+        // across a call that could reach stats() again.
+        unsafe { &mut *self.stats.get() }
+    }
+
+    #[inline]
+    fn next_rand(&self) -> u64 {
+        // xorshift64*
+        let mut x = self.rng.get();
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.rng.set(x);
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// The next (op, block) for the current phase, or None when the phase
+    /// has issued all it will.
+    #[inline]
+    fn next_io(&self) -> Option<(Op, u64)> {
+        let n = self.cfg.region_blocks;
+        match self.phase.get() {
+            Phase::Run => {
+                let i = self.issued.get();
+                if self.cfg.runtime.is_none() && i >= n {
+                    return None;
+                }
+                self.issued.set(i + 1);
+                let block = if self.cfg.rw.random() {
+                    ((self.next_rand() as u128 * n as u128) >> 64) as u64
+                } else {
+                    i % n
+                };
+                let op = match self.cfg.rw {
+                    Rw::Read | Rw::RandRead => Op::Read,
+                    Rw::Write | Rw::RandWrite => Op::Write,
+                    Rw::ReadWrite | Rw::RandRw => {
+                        if (self.next_rand() % 100) < self.cfg.mix_read as u64 {
+                            Op::Read
+                        } else {
+                            Op::Write
+                        }
+                    }
+                };
+                Some((op, block))
+            }
+            Phase::Prefill | Phase::VerifyWrite | Phase::VerifyRead => {
+                let i = self.issued.get();
+                if i >= n {
+                    return None;
+                }
+                self.issued.set(i + 1);
+                let block = if self.perm.is_empty() {
+                    i
+                } else {
+                    self.perm[i as usize] as u64
+                };
+                let op = if self.phase.get() == Phase::VerifyRead {
+                    Op::Read
+                } else {
+                    Op::Write
+                };
+                Some((op, block))
+            }
+            Phase::Done => None,
+        }
+    }
+
+    /// Issues the slot's next I/O; false when the phase has no more.
+    #[inline]
+    fn issue(&self, slot: *mut Slot) -> bool {
+        let Some((op, block)) = self.next_io() else {
+            return false;
+        };
+        // SAFETY: the reactor outlives the job (both live in run_job's frame).
+        let reactor = unsafe { &*self.reactor };
+        let mut bio = reactor.alloc_bio();
+        bio.op = op;
+        bio.sector = self.cfg.region_start + block * self.bs_sectors;
+        // SAFETY: slots live in the job's vector, which is not resized after setup.
+        let s = unsafe { &mut *slot };
+        if op == Op::Write && matches!(self.phase.get(), Phase::VerifyWrite) {
+            // SAFETY: the slot's buffer is bs bytes of the job's buffer and
+            // no I/O of this slot is in flight.
+            let b = unsafe { std::slice::from_raw_parts_mut(s.buf, self.cfg.bs as usize) };
+            pattern::fill(b, bio.sector, self.generation);
+        }
+        // SAFETY: the slot's buffer stays allocated until the job ends, which
+        // waits for every I/O to complete; only this I/O uses it meanwhile.
+        unsafe { bio.add_seg(s.buf, self.cfg.bs as usize) };
+        bio.buf_index = self.buf_index;
+        bio.set_end_io(bench_end_io, slot.cast());
+        self.inflight.set(self.inflight.get() + 1);
+        s.t0 = clock::now();
+        self.chan.submit(bio);
+        true
+    }
+
+    fn start_phase(&self, p: Phase) {
+        self.phase.set(p);
+        self.issued.set(0);
+        if p == Phase::Run {
+            if let Some(rt) = self.cfg.runtime {
+                self.deadline.set(clock::now() + clock::ticks_in(rt));
+            }
+        }
+        if p == Phase::Done {
+            return;
+        }
+        // SAFETY: the slot vector is not resized after setup.
+        let n = unsafe { (*self.slots.get()).len() };
+        for i in 0..n {
+            // SAFETY: as above; `i` is in bounds.
+            let slot = unsafe { (*self.slots.get()).as_mut_ptr().add(i) };
+            if !self.issue(slot) {
+                break;
+            }
+        }
+        if self.inflight.get() == 0 {
+            self.advance();
+        }
+    }
+
+    /// Moves to the next phase once the current one has drained.
+    fn advance(&self) {
+        let next = match self.phase.get() {
+            Phase::Prefill => Phase::Run,
+            Phase::VerifyWrite => Phase::VerifyRead,
+            Phase::Run | Phase::VerifyRead | Phase::Done => Phase::Done,
+        };
+        self.start_phase(next);
+    }
+}
+
+fn bench_end_io(bio: BioPtr) {
+    let slot = bio.private() as *mut Slot;
+    // SAFETY: private is a slot of a live job (set in issue).
+    let job = unsafe { &*(*slot).job };
+    let now = clock::now();
+    let phase = job.phase.get();
+    if phase != Phase::Prefill {
+        // SAFETY: as above.
+        let t0 = unsafe { (*slot).t0 };
+        job.complete(&bio, clock::to_ns(now.wrapping_sub(t0)), slot);
+    }
+    drop(bio); // back to the cache before the next allocation
+    job.inflight.set(job.inflight.get() - 1);
+    let more = phase != Phase::Run || job.cfg.runtime.is_none() || now < job.deadline.get();
+    if !(more && job.issue(slot)) && job.inflight.get() == 0 {
+        job.advance();
+    }
+}
+
+impl Job {
+    #[inline]
+    fn complete(&self, bio: &Bio, lat_ns: u64, slot: *mut Slot) {
+        let st = self.stats();
+        let _ = st.hist.record(lat_ns.max(1));
+        st.ios += 1;
+        st.bytes += bio.len() as u64;
+        if bio.op == Op::Read {
+            st.reads += 1;
+        } else {
+            st.writes += 1;
+        }
+        if st.ios & 1023 == 0 {
+            self.progress.store(st.ios, Ordering::Relaxed);
+        }
+        let status = bio.status();
+        if status != Status::Ok {
+            self.record_error(bio, status);
+        } else if self.phase.get() == Phase::VerifyRead {
+            // SAFETY: the read completed into the slot's buffer; nothing else
+            // uses it until the slot's next I/O.
+            let b = unsafe { std::slice::from_raw_parts((*slot).buf, bio.len() as usize) };
+            self.check(b, bio.sector);
+        }
+    }
+
+    #[cold]
+    fn record_error(&self, bio: &Bio, status: Status) {
+        let st = self.stats();
+        st.errors += 1;
+        if st.first_error.is_none() {
+            st.first_error = Some(format!(
+                "{} of {} bytes at sector {}: {status}",
+                bio.op.name(),
+                bio.len(),
+                bio.sector
+            ));
+        }
+    }
+
+    fn check(&self, b: &[u8], sector: u64) {
+        let st = self.stats();
+        st.verified += 1;
+        if let Err(m) = pattern::check(b, sector, self.generation) {
+            st.mismatches += 1;
+            if st.first_mismatch.is_none() {
+                st.first_mismatch = Some(m);
+            }
+        }
+    }
+}
+
+/// Runs one job to the end on the calling thread.
+pub fn run_job(
+    dev: Arc<dyn BlockDevice>,
+    cfg: JobCfg,
+    ready: Arc<Barrier>,
+    progress: Arc<AtomicU64>,
+) -> Result<JobResult, Error> {
+    let bs = cfg.bs as usize;
+    // Declared before the reactor, so dropped after it: the registered
+    // buffer outlives every ring it is registered with.
+    let mut buf = AlignedBuf::new(bs * cfg.iodepth as usize);
+    let base = buf.as_mut_ptr();
+    let reactor = Reactor::new(cfg.reactor).map_err(|e| Error::os("reactor setup", e))?;
+    let chan = dev.clone().open(&reactor)?;
+    // SAFETY: `buf` is dropped after `reactor` (declaration order, and the
+    // explicit drops at the end keep that order).
+    let buf_index =
+        unsafe { reactor.register_buffer(base, bs * cfg.iodepth as usize) }.unwrap_or(Bio::NO_BUF);
+    let perm = if (cfg.verify || cfg.prefill) && cfg.rw.random() {
+        permutation(cfg.region_blocks, cfg.seed)
+    } else {
+        Vec::new()
+    };
+    let job = Job {
+        bs_sectors: (cfg.bs >> SECTOR_SHIFT) as u64,
+        reactor: &reactor,
+        chan,
+        buf_index,
+        phase: Cell::new(Phase::Done),
+        inflight: Cell::new(0),
+        issued: Cell::new(0),
+        deadline: Cell::new(u64::MAX),
+        rng: Cell::new(cfg.seed | 1),
+        perm,
+        generation: cfg.seed,
+        stats: UnsafeCell::new(Stats {
+            hist: Histogram::new_with_bounds(1, 3_600_000_000_000, 3)
+                .map_err(|e| Error::invalid(format!("histogram: {e}")))?,
+            ios: 0,
+            reads: 0,
+            writes: 0,
+            bytes: 0,
+            errors: 0,
+            first_error: None,
+            verified: 0,
+            mismatches: 0,
+            first_mismatch: None,
+        }),
+        progress,
+        slots: UnsafeCell::new(Vec::new()),
+        cfg,
+    };
+    {
+        // SAFETY: setup, before any I/O: nothing else borrows the vector.
+        let slots = unsafe { &mut *job.slots.get() };
+        for i in 0..job.cfg.iodepth as usize {
+            slots.push(Slot {
+                job: &job,
+                // SAFETY: i * bs is inside the iodepth * bs buffer.
+                buf: unsafe { base.add(i * bs) },
+                t0: 0,
+            });
+        }
+    }
+    ready.wait();
+
+    if job.cfg.prefill && !job.cfg.verify {
+        job.start_phase(Phase::Prefill);
+        reactor.run_until(|| job.phase.get() != Phase::Prefill);
+    }
+    let t0 = std::time::Instant::now();
+    let a0 = alloc::thread_allocs();
+    let c0 = thread_cpu();
+    let k0 = reactor.cache_stats();
+    job.start_phase(if job.cfg.verify {
+        Phase::VerifyWrite
+    } else {
+        Phase::Run
+    });
+    reactor.run_until(|| job.phase.get() == Phase::Done && job.inflight.get() == 0);
+    let elapsed = t0.elapsed();
+    let allocs = alloc::thread_allocs() - a0;
+    let c1 = thread_cpu();
+    let k1 = reactor.cache_stats();
+
+    let Job { stats, chan, .. } = job;
+    drop(chan);
+    drop(reactor);
+    drop(buf);
+    let st = stats.into_inner();
+    Ok(JobResult {
+        hist: st.hist,
+        ios: st.ios,
+        reads: st.reads,
+        writes: st.writes,
+        bytes: st.bytes,
+        errors: st.errors,
+        first_error: st.first_error,
+        verified: st.verified,
+        mismatches: st.mismatches,
+        first_mismatch: st.first_mismatch,
+        elapsed,
+        allocs,
+        cpu: (c1.0.saturating_sub(c0.0), c1.1.saturating_sub(c0.1)),
+        cache: CacheStats {
+            hits: k1.hits - k0.hits,
+            misses: k1.misses - k0.misses,
+            frees: k1.frees - k0.frees,
+        },
+    })
+}
+
+/// A random permutation of 0..n (Fisher–Yates), for random passes that must
+/// touch every block exactly once.
+fn permutation(n: u64, seed: u64) -> Vec<u32> {
+    let mut v: Vec<u32> = (0..n as u32).collect();
+    let mut x = seed | 1;
+    for i in (1..v.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let j = (x % (i as u64 + 1)) as usize;
+        v.swap(i, j);
+    }
+    v
+}
+
+/// This thread's CPU time (user, system).
+fn thread_cpu() -> (Duration, Duration) {
+    // SAFETY: getrusage fills the zeroed struct we pass; no other effects.
+    let ru = unsafe {
+        let mut ru: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_THREAD, &mut ru);
+        ru
+    };
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    (tv(ru.ru_utime), tv(ru.ru_stime))
+}

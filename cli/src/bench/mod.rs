@@ -1,0 +1,481 @@
+//! `udm bench`: an in-process load generator (fio / t/io_uring / bdevperf).
+
+mod job;
+mod pattern;
+
+use std::io::{IsTerminal, Write};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use udm_core::{BlockDevice, CompletionMode, Error, ReactorConfig, SECTOR_SHIFT};
+use udm_mapper::MappedDevice;
+
+use crate::args::Args;
+use crate::spec::{parse_size, Stack, DEFAULT_DEVS};
+use job::{run_job, JobCfg, JobResult, Rw};
+
+pub const USAGE: &str = "\
+udm bench [--dev NAME=SPEC]... [--target NAME] [options]
+
+Runs I/O against a device in process and reports IOPS, bandwidth, latency
+percentiles, CPU and allocations per I/O. Without --dev, uses the built-in
+stack (ram0, ram1: 1 GiB RAM disks; lin: linear over ram0; str: striped
+over both). Without --target, compares ram0, lin and str on 4 KiB random
+reads at QD32.
+
+options:
+  --target NAME        device to drive
+  --rw MODE            read|write|rw|randread|randwrite|randrw  [randread]
+  --rwmixread N        percent reads in rw/randrw               [50]
+  --bs SIZE            block size                               [4k]
+  --iodepth N          I/Os in flight per job                   [32]
+  --jobs N             jobs (each a reactor on its own thread)  [1]
+  --runtime SECS       time-based run length                    [5]
+  --size SIZE          region to cover (all jobs together; one pass when
+                       given without --runtime)                 [whole device]
+  --prefill            write the region first, unmeasured
+  --verify             write a pattern over the region, read it back, compare
+  --poll               busy-poll completions (default: sleep when idle)
+  --hybrid             spin briefly, then sleep
+  --no-fast-path       force the mapper's clone path
+  --no-cache           disable the descriptor cache
+  --json               print one JSON object instead of the summary";
+
+/// Everything one run needs.
+struct BenchCfg {
+    target: String,
+    rw: Rw,
+    mix_read: u32,
+    bs: u32,
+    iodepth: u32,
+    jobs: u32,
+    runtime: Option<Duration>,
+    size: Option<u64>,
+    prefill: bool,
+    verify: bool,
+    mode: CompletionMode,
+    fast_path: bool,
+    cache: bool,
+    json: bool,
+}
+
+/// Runs `udm bench`.
+pub fn main(mut args: Args) -> Result<i32, Error> {
+    let devs = args.many("--dev");
+    let target = args.opt("--target");
+    let rw = match args.opt("--rw") {
+        Some(s) => Rw::parse(&s).ok_or_else(|| {
+            Error::invalid(format!(
+                "--rw '{s}': expected read, write, rw, randread, randwrite or randrw"
+            ))
+        })?,
+        None => Rw::RandRead,
+    };
+    let mix_read = args.num("--rwmixread", 50)?;
+    if mix_read > 100 {
+        return Err(Error::invalid(format!(
+            "--rwmixread {mix_read}: must be 0..100"
+        )));
+    }
+    let bs = match args.opt("--bs") {
+        Some(s) => parse_size(&s).map_err(|e| e.context("--bs"))?,
+        None => 4096,
+    };
+    let iodepth = args.num("--iodepth", 32)?;
+    let jobs = args.num("--jobs", 1)?;
+    let runtime = match args.opt("--runtime") {
+        Some(s) => Some(parse_secs(&s)?),
+        None => None,
+    };
+    let size = match args.opt("--size") {
+        Some(s) => Some(parse_size(&s).map_err(|e| e.context("--size"))?),
+        None => None,
+    };
+    let cfg = BenchCfg {
+        target: String::new(),
+        rw,
+        mix_read,
+        bs: bs.try_into().unwrap_or(u32::MAX),
+        iodepth,
+        jobs,
+        runtime: if size.is_some() && runtime.is_none() {
+            None
+        } else {
+            Some(runtime.unwrap_or(Duration::from_secs(5)))
+        },
+        size,
+        prefill: args.flag("--prefill"),
+        verify: args.flag("--verify"),
+        mode: if args.flag("--poll") {
+            CompletionMode::Poll
+        } else if args.flag("--hybrid") {
+            CompletionMode::Hybrid
+        } else {
+            CompletionMode::Interrupt
+        },
+        fast_path: !args.flag("--no-fast-path"),
+        cache: !args.flag("--no-cache"),
+        json: args.flag("--json"),
+    };
+    args.finish()?;
+    if cfg.iodepth == 0 || cfg.jobs == 0 {
+        return Err(Error::invalid("--iodepth and --jobs must be at least 1"));
+    }
+    if cfg.bs == 0 || cfg.bs % 512 != 0 || cfg.bs > 64 << 20 {
+        return Err(Error::invalid(format!(
+            "--bs {bs}: must be a multiple of 512 bytes, at most 64 MiB"
+        )));
+    }
+
+    let stack = if devs.is_empty() {
+        Stack::build(DEFAULT_DEVS)?
+    } else {
+        Stack::build(&devs)?
+    };
+    match target {
+        Some(t) => {
+            let dev = stack
+                .get(&t)
+                .ok_or_else(|| Error::invalid(format!("--target '{t}': no such device")))?;
+            let r = run(&dev, BenchCfg { target: t, ..cfg })?;
+            Ok(if r.ok() { 0 } else { 1 })
+        }
+        None if devs.is_empty() => default_suite(&stack, cfg),
+        None => Err(Error::invalid("--target NAME is required with --dev")),
+    }
+}
+
+fn parse_secs(s: &str) -> Result<Duration, Error> {
+    let t = s.strip_suffix('s').unwrap_or(s);
+    match t.parse::<f64>() {
+        Ok(v) if v > 0.0 && v < 1e6 => Ok(Duration::from_secs_f64(v)),
+        _ => Err(Error::invalid(format!(
+            "--runtime '{s}': expected seconds, e.g. 5 or 0.5"
+        ))),
+    }
+}
+
+/// The main job on the built-in default: raw RAM, linear and striped.
+fn default_suite(stack: &Stack, base: BenchCfg) -> Result<i32, Error> {
+    let mut rows = Vec::new();
+    for name in ["ram0", "lin", "str"] {
+        let Some(dev) = stack.get(name) else { continue };
+        let cfg = BenchCfg {
+            target: name.to_string(),
+            runtime: Some(base.runtime.unwrap_or(Duration::from_secs(2))),
+            json: false,
+            ..base
+        };
+        let r = run(&dev, cfg)?;
+        rows.push((name, r.iops));
+    }
+    if let Some(&(_, raw)) = rows.first() {
+        println!(
+            "\nsummary ({} {} QD{}):",
+            base.rw.name(),
+            human_bytes(base.bs as u64),
+            base.iodepth
+        );
+        for (name, iops) in &rows {
+            println!(
+                "  {name:<6} {:>10} IOPS  {:.3}x raw",
+                human_count(*iops),
+                iops / raw
+            );
+        }
+    }
+    Ok(0)
+}
+
+/// Aggregated results.
+struct Report {
+    iops: f64,
+    errors: u64,
+    mismatches: u64,
+}
+
+impl Report {
+    fn ok(&self) -> bool {
+        self.errors == 0 && self.mismatches == 0
+    }
+}
+
+fn run(dev: &Arc<dyn BlockDevice>, cfg: BenchCfg) -> Result<Report, Error> {
+    let limits = dev.limits();
+    if let Some(m) = dev.as_any().downcast_ref::<MappedDevice>() {
+        m.set_fast_path(cfg.fast_path)?;
+    }
+    if cfg.bs % limits.logical_block_size != 0 {
+        return Err(Error::invalid(format!(
+            "--bs {}: not a multiple of '{}''s logical block size {}",
+            cfg.bs,
+            dev.name(),
+            limits.logical_block_size
+        )));
+    }
+    let dev_bytes = limits.bytes();
+    let region = cfg.size.unwrap_or(dev_bytes);
+    if region > dev_bytes {
+        return Err(Error::invalid(format!(
+            "--size {region}: larger than '{}' ({dev_bytes} bytes)",
+            dev.name()
+        )));
+    }
+    let per_job_blocks = region / cfg.bs as u64 / cfg.jobs as u64;
+    if per_job_blocks == 0 {
+        return Err(Error::invalid(format!(
+            "region of {region} bytes is too small for {} jobs of --bs {}",
+            cfg.jobs, cfg.bs
+        )));
+    }
+    if (cfg.verify || cfg.prefill) && per_job_blocks > u32::MAX as u64 {
+        return Err(Error::invalid(
+            "--verify/--prefill region has too many blocks; use --size",
+        ));
+    }
+    crate::clock::init();
+    let reactor = ReactorConfig {
+        mode: cfg.mode,
+        cache_size: if cfg.cache {
+            udm_core::DEFAULT_CACHE_SIZE
+        } else {
+            0
+        },
+        ..ReactorConfig::default()
+    };
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0x5eed);
+    let ready = Arc::new(Barrier::new(cfg.jobs as usize + 1));
+    let progress: Vec<Arc<AtomicU64>> =
+        (0..cfg.jobs).map(|_| Arc::new(AtomicU64::new(0))).collect();
+    let mut handles = Vec::new();
+    for j in 0..cfg.jobs {
+        let jc = JobCfg {
+            rw: cfg.rw,
+            mix_read: cfg.mix_read,
+            bs: cfg.bs,
+            iodepth: cfg.iodepth,
+            region_start: (j as u64 * per_job_blocks * cfg.bs as u64) >> SECTOR_SHIFT,
+            region_blocks: per_job_blocks,
+            runtime: if cfg.verify { None } else { cfg.runtime },
+            prefill: cfg.prefill,
+            verify: cfg.verify,
+            reactor,
+            seed: seed.wrapping_add(j as u64 * 0x9e37_79b9),
+        };
+        let dev = dev.clone();
+        let ready = ready.clone();
+        let prog = progress[j as usize].clone();
+        let h = std::thread::Builder::new()
+            .name(format!("udm-job{j}"))
+            .spawn(move || {
+                let r = run_job(dev, jc, ready.clone(), prog);
+                if r.is_err() {
+                    // Setup failed before the barrier: release the others.
+                    ready.wait();
+                }
+                r
+            })
+            .map_err(|e| Error::os("spawning a job thread", e))?;
+        handles.push(h);
+    }
+    ready.wait();
+    let start = Instant::now();
+    let show = std::io::stderr().is_terminal() && !cfg.json;
+    let mut last = (start, 0u64);
+    while handles.iter().any(|h| !h.is_finished()) {
+        std::thread::sleep(Duration::from_millis(100));
+        if show && last.0.elapsed() >= Duration::from_secs(1) {
+            let total: u64 = progress.iter().map(|p| p.load(Ordering::Relaxed)).sum();
+            let rate = (total - last.1) as f64 / last.0.elapsed().as_secs_f64();
+            eprint!(
+                "\r[{:>5.1}s] {}: {} IOPS, {}/s   ",
+                start.elapsed().as_secs_f64(),
+                cfg.target,
+                human_count(rate),
+                human_bytes((rate * cfg.bs as f64) as u64)
+            );
+            let _ = std::io::stderr().flush();
+            last = (Instant::now(), total);
+        }
+    }
+    if show {
+        eprint!("\r\x1b[K");
+    }
+    let mut results = Vec::new();
+    for h in handles {
+        match h.join() {
+            Ok(r) => results.push(r?),
+            Err(_) => return Err(Error::invalid("a job thread panicked")),
+        }
+    }
+    Ok(report(&cfg, dev, &results))
+}
+
+fn report(cfg: &BenchCfg, dev: &Arc<dyn BlockDevice>, rs: &[JobResult]) -> Report {
+    let mut hist = Histogram::<u64>::new_with_bounds(1, 3_600_000_000_000, 3)
+        .unwrap_or_else(|_| unreachable!("constant bounds are valid"));
+    let (mut ios, mut reads, mut writes, mut bytes, mut errors, mut allocs) = (0, 0, 0, 0, 0, 0);
+    let (mut verified, mut mismatches) = (0, 0);
+    let (mut usr, mut sys) = (Duration::ZERO, Duration::ZERO);
+    let (mut hits, mut misses) = (0u64, 0u64);
+    let mut elapsed = Duration::ZERO;
+    let mut first_error = None;
+    let mut first_mismatch = None;
+    for r in rs {
+        let _ = hist.add(&r.hist);
+        ios += r.ios;
+        reads += r.reads;
+        writes += r.writes;
+        bytes += r.bytes;
+        errors += r.errors;
+        allocs += r.allocs;
+        verified += r.verified;
+        mismatches += r.mismatches;
+        usr += r.cpu.0;
+        sys += r.cpu.1;
+        hits += r.cache.hits;
+        misses += r.cache.misses;
+        elapsed = elapsed.max(r.elapsed);
+        if first_error.is_none() {
+            first_error = r.first_error.clone();
+        }
+        if first_mismatch.is_none() {
+            first_mismatch = r.first_mismatch.clone();
+        }
+    }
+    let secs = elapsed.as_secs_f64().max(1e-9);
+    let iops = ios as f64 / secs;
+    let mibs = bytes as f64 / secs / (1 << 20) as f64;
+    let us = |q: f64| hist.value_at_quantile(q) as f64 / 1000.0;
+    let mean = hist.mean() / 1000.0;
+    let allocs_per_io = if ios == 0 {
+        0.0
+    } else {
+        allocs as f64 / ios as f64
+    };
+    let mode = match cfg.mode {
+        CompletionMode::Interrupt => "interrupt",
+        CompletionMode::Poll => "poll",
+        CompletionMode::Hybrid => "hybrid",
+    };
+    if cfg.json {
+        let opt = |s: &Option<String>| match s {
+            Some(s) => format!("\"{}\"", s.replace('\\', "\\\\").replace('"', "\\\"")),
+            None => "null".into(),
+        };
+        println!(
+            "{{\"target\":\"{}\",\"rw\":\"{}\",\"bs\":{},\"iodepth\":{},\"jobs\":{},\"fast_path\":{},\"cache\":{},\"mode\":\"{mode}\",\
+\"runtime_s\":{secs:.3},\"ios\":{ios},\"reads\":{reads},\"writes\":{writes},\"bytes\":{bytes},\
+\"iops\":{iops:.1},\"mib_per_s\":{mibs:.2},\
+\"lat_us\":{{\"mean\":{mean:.3},\"p50\":{:.3},\"p99\":{:.3},\"p999\":{:.3},\"max\":{:.3}}},\
+\"allocs_per_io\":{allocs_per_io:.6},\"cache_hits\":{hits},\"cache_misses\":{misses},\
+\"cpu_user_s\":{:.3},\"cpu_sys_s\":{:.3},\"errors\":{errors},\"first_error\":{},\
+\"verified_blocks\":{verified},\"mismatches\":{mismatches},\"first_mismatch\":{}}}",
+            cfg.target,
+            cfg.rw.name(),
+            cfg.bs,
+            cfg.iodepth,
+            cfg.jobs,
+            cfg.fast_path,
+            cfg.cache,
+            us(0.5),
+            us(0.99),
+            us(0.999),
+            hist.max() as f64 / 1000.0,
+            usr.as_secs_f64(),
+            sys.as_secs_f64(),
+            opt(&first_error),
+            opt(&first_mismatch),
+        );
+    } else {
+        println!(
+            "{}: rw={} bs={} iodepth={} jobs={} fast-path={} cache={} mode={mode}{}",
+            cfg.target,
+            cfg.rw.name(),
+            human_bytes(cfg.bs as u64),
+            cfg.iodepth,
+            cfg.jobs,
+            on(cfg.fast_path),
+            on(cfg.cache),
+            if cfg.verify { " verify" } else { "" }
+        );
+        println!(
+            "  {}: IOPS={}, BW={}/s ({} in {secs:.2}s; {reads} reads, {writes} writes)",
+            dev.name(),
+            human_count(iops),
+            human_bytes((mibs * (1 << 20) as f64) as u64),
+            human_bytes(bytes),
+        );
+        println!(
+            "    lat (usec): mean={mean:.2}, p50={:.2}, p99={:.2}, p99.9={:.2}, max={:.2}",
+            us(0.5),
+            us(0.99),
+            us(0.999),
+            hist.max() as f64 / 1000.0
+        );
+        println!(
+            "    cpu: usr={:.1}%, sys={:.1}% (of one core, summed over jobs)",
+            usr.as_secs_f64() / secs * 100.0,
+            sys.as_secs_f64() / secs * 100.0
+        );
+        println!(
+            "    descriptors: allocs/io={allocs_per_io:.4}, cache hits={hits}, misses={misses}"
+        );
+        if cfg.verify {
+            println!("    verify: {verified} blocks checked, {mismatches} mismatches");
+        }
+        if let Some(e) = &first_error {
+            println!("    errors: {errors} I/Os failed; first: {e}");
+        }
+        if let Some(m) = &first_mismatch {
+            println!("    verify failed: {m}");
+        }
+    }
+    Report {
+        iops,
+        errors,
+        mismatches,
+    }
+}
+
+fn on(b: bool) -> &'static str {
+    if b {
+        "on"
+    } else {
+        "off"
+    }
+}
+
+/// 1234567 → "1.23M".
+pub fn human_count(v: f64) -> String {
+    if v >= 1e6 {
+        format!("{:.2}M", v / 1e6)
+    } else if v >= 1e3 {
+        format!("{:.1}k", v / 1e3)
+    } else {
+        format!("{v:.0}")
+    }
+}
+
+/// Bytes in binary units.
+pub fn human_bytes(v: u64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut x = v as f64;
+    let mut u = 0;
+    while x >= 1024.0 && u < units.len() - 1 {
+        x /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{v}B")
+    } else if x.fract() == 0.0 {
+        format!("{x:.0}{}", units[u])
+    } else {
+        format!("{x:.1}{}", units[u])
+    }
+}
