@@ -19,8 +19,8 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use udm_core::{
-    check_bio, BioFlags, BioPtr, BlockDevice, Caps, Channel, Error, ErrorKind, Limits, Op,
-    Reactor, ReactorConfig, Ring, RingFd, RingKind, Status, SECTOR_SHIFT,
+    check_bio, BioFlags, BioPtr, BlockDevice, Caps, Channel, Error, ErrorKind, Limits, Op, Reactor,
+    ReactorConfig, Ring, RingFd, RingKind, Status, SECTOR_SHIFT,
 };
 
 /// How to open a file device.
@@ -98,7 +98,8 @@ impl FileDevice {
         limits.physical_block_size = lbs.max(4096);
         limits.max_io_bytes = 8 << 20;
         limits.max_segments = libc::UIO_MAXIOV as u32;
-        let mut caps = Caps::FLUSH | Caps::FUA | Caps::DISCARD | Caps::WRITE_ZEROES | Caps::PERSISTENT;
+        let mut caps =
+            Caps::FLUSH | Caps::FUA | Caps::DISCARD | Caps::WRITE_ZEROES | Caps::PERSISTENT;
         if opts.read_only {
             caps.insert(Caps::READ_ONLY);
         }
@@ -139,7 +140,10 @@ impl FileDevice {
         })
         .map_err(|e| Error::os("probe ring", e))?;
         let ring = reactor
-            .ring_of(RingKind { iopoll: true, sqpoll: self.opts.sqpoll })
+            .ring_of(RingKind {
+                iopoll: true,
+                sqpoll: self.opts.sqpoll,
+            })
             .map_err(|e| Error::os(format!("file '{}': IOPOLL ring", self.path), e))?;
         let lbs = self.limits.logical_block_size as usize;
         let mut buf = AlignedBuf::new(lbs);

@@ -25,10 +25,16 @@ pub struct NullDevice {
 
 impl NullDevice {
     /// A null device of `bytes`, completing each I/O after `delay` if given.
-    pub fn new(name: impl Into<String>, bytes: u64, delay: Option<Duration>) -> Result<NullDevice, Error> {
+    pub fn new(
+        name: impl Into<String>,
+        bytes: u64,
+        delay: Option<Duration>,
+    ) -> Result<NullDevice, Error> {
         let sectors = bytes >> SECTOR_SHIFT;
         if sectors == 0 {
-            return Err(Error::invalid(format!("null: size {bytes} is less than one sector")));
+            return Err(Error::invalid(format!(
+                "null: size {bytes} is less than one sector"
+            )));
         }
         Ok(NullDevice {
             name: name.into(),
@@ -37,7 +43,6 @@ impl NullDevice {
         })
     }
 }
-
 
 impl BlockDevice for NullDevice {
     fn name(&self) -> &str {
@@ -51,7 +56,10 @@ impl BlockDevice for NullDevice {
     }
     fn open(self: Arc<Self>, reactor: &Reactor) -> Result<Rc<dyn Channel>, Error> {
         match self.delay {
-            None => Ok(Rc::new(NullChannel { limits: self.limits, caps: self.caps() })),
+            None => Ok(Rc::new(NullChannel {
+                limits: self.limits,
+                caps: self.caps(),
+            })),
             Some(delay) => {
                 let ch = Rc::new(DelayChannel {
                     limits: self.limits,

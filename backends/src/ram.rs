@@ -12,8 +12,7 @@ use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use udm_core::{
-    check_bio, BioPtr, BlockDevice, Caps, Channel, Error, Limits, Op, Reactor, Status,
-    SECTOR_SHIFT,
+    check_bio, BioPtr, BlockDevice, Caps, Channel, Error, Limits, Op, Reactor, Status, SECTOR_SHIFT,
 };
 
 const PAGE: usize = 4096;
@@ -32,10 +31,14 @@ impl RamDevice {
     pub fn new(name: impl Into<String>, bytes: u64) -> Result<RamDevice, Error> {
         let sectors = bytes >> SECTOR_SHIFT;
         if sectors == 0 {
-            return Err(Error::invalid(format!("ram: size {bytes} is less than one sector")));
+            return Err(Error::invalid(format!(
+                "ram: size {bytes} is less than one sector"
+            )));
         }
         let npages = bytes.div_ceil(PAGE as u64);
-        let pages = (0..npages).map(|_| AtomicPtr::new(std::ptr::null_mut())).collect();
+        let pages = (0..npages)
+            .map(|_| AtomicPtr::new(std::ptr::null_mut()))
+            .collect();
         Ok(RamDevice {
             name: name.into(),
             limits: Limits::new(sectors),
@@ -69,7 +72,12 @@ impl RamDevice {
         if fresh.is_null() {
             return None;
         }
-        match slot.compare_exchange(std::ptr::null_mut(), fresh, Ordering::AcqRel, Ordering::Acquire) {
+        match slot.compare_exchange(
+            std::ptr::null_mut(),
+            fresh,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
             Ok(_) => {
                 self.allocated.fetch_add(1, Ordering::Relaxed);
                 Some(fresh)
@@ -100,12 +108,16 @@ impl RamDevice {
                     // Bytes have no invalid values; a concurrent write to the
                     // same sectors from another reactor may tear the data, as
                     // overlapping I/O does on any block device.
-                    Some(p) => bio.copy_in(off, unsafe { std::slice::from_raw_parts(p.add(in_page), n) }),
+                    Some(p) => bio.copy_in(off, unsafe {
+                        std::slice::from_raw_parts(p.add(in_page), n)
+                    }),
                     None => zero_part(bio, off, n),
                 },
                 Op::Write => match self.page(idx, true) {
                     // SAFETY: as above; the slice is only written through here.
-                    Some(p) => bio.copy_out(off, unsafe { std::slice::from_raw_parts_mut(p.add(in_page), n) }),
+                    Some(p) => bio.copy_out(off, unsafe {
+                        std::slice::from_raw_parts_mut(p.add(in_page), n)
+                    }),
                     None => return Status::NoMem,
                 },
                 Op::Discard | Op::WriteZeroes => {

@@ -134,7 +134,15 @@ impl fmt::Debug for BioFlags {
             .filter(|(b, _)| self.contains(*b))
             .map(|(_, n)| *n)
             .collect();
-        write!(f, "{}", if set.is_empty() { "-".into() } else { set.join("|") })
+        write!(
+            f,
+            "{}",
+            if set.is_empty() {
+                "-".into()
+            } else {
+                set.join("|")
+            }
+        )
     }
 }
 

@@ -470,9 +470,7 @@ impl Reactor {
         let core = self.core();
         match core.config.mode {
             CompletionMode::Poll => std::hint::spin_loop(),
-            CompletionMode::Hybrid
-                if core.last_work.get().elapsed() < core.config.hybrid_spin =>
-            {
+            CompletionMode::Hybrid if core.last_work.get().elapsed() < core.config.hybrid_spin => {
                 std::hint::spin_loop()
             }
             CompletionMode::Interrupt | CompletionMode::Hybrid => self.sleep(),
@@ -551,7 +549,11 @@ impl Reactor {
         !core.done_head.get().is_null()
             || core.ring.inflight() > 0
             || core.extra_rings.borrow().iter().any(|r| r.inflight() > 0)
-            || core.pollers.borrow().iter().any(|p| p.deadline().is_some() || p.must_spin())
+            || core
+                .pollers
+                .borrow()
+                .iter()
+                .any(|p| p.deadline().is_some() || p.must_spin())
     }
 }
 

@@ -331,50 +331,39 @@ impl Ring {
 
     /// Reaps completions and completes their bios. Returns how many.
     pub fn reap(&self) -> usize {
-        let mut total = 0;
+        let mut n = 0;
         loop {
-            let mut batch = [(0u64, 0i32); 64];
-            let n = {
+            let next = {
                 // SAFETY: see `ring()`; the CQ borrow ends before any end_io runs.
                 let mut cq = unsafe { (*self.ring.get()).completion_shared() };
-                let mut n = 0;
-                for cqe in &mut cq {
-                    batch[n] = (cqe.user_data(), cqe.result());
-                    n += 1;
-                    if n == batch.len() {
-                        break;
-                    }
-                }
+                let e = cq.next().map(|c| (c.user_data(), c.result()));
                 cq.sync();
-                n
+                e
             };
-            for &(ud, res) in &batch[..n] {
-                match ud {
-                    TAG_IGNORE => {}
-                    TAG_WAKE => self.woken.set(true),
-                    _ => {
-                        self.inflight.set(self.inflight.get() - 1);
-                        // SAFETY: every other user_data is a bio pointer that
-                        // submit_bio made with into_raw, completed exactly once.
-                        let mut bio = unsafe { BioPtr::from_raw(ud as *mut Bio) };
-                        let status = if res < 0 {
-                            Status::from_errno(-res)
-                        } else if bio.op.has_data() && res as u32 != bio.len() {
-                            // A short transfer inside a device's bounds is an error.
-                            Status::IoErr
-                        } else {
-                            Status::Ok
-                        };
-                        bio.set_status(status);
-                        bio.endio();
-                    }
+            let Some((ud, res)) = next else {
+                return n;
+            };
+            n += 1;
+            match ud {
+                TAG_IGNORE => {}
+                TAG_WAKE => self.woken.set(true),
+                _ => {
+                    self.inflight.set(self.inflight.get() - 1);
+                    // SAFETY: every other user_data is a bio pointer that
+                    // submit_bio made with into_raw, completed exactly once.
+                    let mut bio = unsafe { BioPtr::from_raw(ud as *mut Bio) };
+                    let status = if res < 0 {
+                        Status::from_errno(-res)
+                    } else if bio.op.has_data() && res as u32 != bio.len() {
+                        // A short transfer inside a device's bounds is an error.
+                        Status::IoErr
+                    } else {
+                        Status::Ok
+                    };
+                    bio.set_status(status);
+                    bio.endio();
                 }
-            }
-            total += n;
-            if n < batch.len() {
-                return total;
             }
         }
     }
 }
-

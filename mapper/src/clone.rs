@@ -97,9 +97,15 @@ fn fan_out_flush(tio: &TableIo, p: *mut Bio) {
 
 fn map_clone(tio: &TableIo, ti: usize, c: BioPtr) {
     let t = &tio.table.targets[ti];
-    let m = t.target.map(c, &MapCtx { devs: &tio.chans[ti] });
+    let m = t.target.map(
+        c,
+        &MapCtx {
+            devs: &tio.chans[ti],
+        },
+    );
     if let Some(c) = tio.dispatch(ti, m) {
         tio.state.requeue_clones.borrow_mut().push_back(c);
+        tio.state.slow.set(true);
     }
 }
 

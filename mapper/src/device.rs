@@ -105,6 +105,7 @@ impl MappedDevice {
             ch.state.suspended.set(true);
             // The channel's poller drops the guard once nothing is in flight.
             *ch.state.drain.borrow_mut() = Some(g);
+            ch.state.slow.set(true);
         })?;
         if flush {
             let waiter = Waiter::new();

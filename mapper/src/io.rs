@@ -46,7 +46,12 @@ impl TableIo {
         let chans = table
             .targets
             .iter()
-            .map(|t| t.dev_index.iter().map(|&i| flush_chans[i].clone()).collect())
+            .map(|t| {
+                t.dev_index
+                    .iter()
+                    .map(|&i| flush_chans[i].clone())
+                    .collect()
+            })
             .collect();
         Ok(TableIo {
             table,
@@ -101,6 +106,9 @@ pub(crate) fn ctx_target_dev(ctx: u64) -> (usize, usize) {
 
 /// State shared by a channel and its control messages.
 pub(crate) struct ChanState {
+    /// Whether the poller has slow work (retries, retired tables, a drain
+    /// waiter): one flag, so an idle channel costs a reactor turn one load.
+    pub slow: Cell<bool>,
     pub suspended: Cell<bool>,
     pub fast_path: Cell<bool>,
     /// Bios that arrived while suspended; resubmitted on resume.
@@ -131,6 +139,7 @@ impl MapperChannel {
         fast_path: bool,
     ) -> Result<MapperChannel, Error> {
         let state = Rc::new(ChanState {
+            slow: Cell::new(false),
             suspended: Cell::new(suspended),
             fast_path: Cell::new(fast_path),
             deferred: RefCell::new(VecDeque::new()),
@@ -148,7 +157,11 @@ impl MapperChannel {
     }
 
     /// Opens this reactor's channels for `table` with this channel's state.
-    pub(crate) fn open_table(&self, table: Arc<Table>, reactor: &Reactor) -> Result<TableIo, Error> {
+    pub(crate) fn open_table(
+        &self,
+        table: Arc<Table>,
+        reactor: &Reactor,
+    ) -> Result<TableIo, Error> {
         TableIo::open(table, reactor, self.state.clone())
     }
 
@@ -172,6 +185,7 @@ impl MapperChannel {
         let old = self.current.replace(tio);
         if old.inflight.get() > 0 {
             self.state.retired.borrow_mut().push(old);
+            self.state.slow.set(true);
         }
     }
 
@@ -229,7 +243,12 @@ impl Channel for MapperChannel {
         bio.set_ctx(ti as u64);
         bio.sector = rel;
         tio.get();
-        let m = t.target.map(bio, &MapCtx { devs: &tio.chans[ti] });
+        let m = t.target.map(
+            bio,
+            &MapCtx {
+                devs: &tio.chans[ti],
+            },
+        );
         if let Some(b) = tio.dispatch(ti, m) {
             self.requeue(tio, b);
         }
@@ -244,6 +263,7 @@ impl MapperChannel {
         bio.pop_end_io();
         tio.put();
         self.state.requeue.borrow_mut().push_back(bio);
+        self.state.slow.set(true);
     }
 
     #[cold]
@@ -276,6 +296,9 @@ impl Poller for MapperChannel {
     /// Slow work, once per reactor turn: retries, freeing retired tables,
     /// and telling a waiting suspend that I/O has drained.
     fn poll(&self) -> usize {
+        if !self.state.slow.get() {
+            return 0;
+        }
         let mut work = 0;
         if !self.state.suspended.get() {
             if !self.state.requeue.borrow().is_empty() {
@@ -305,6 +328,13 @@ impl Poller for MapperChannel {
             drop(self.state.drain.borrow_mut().take());
             work += 1;
         }
+        let st = &self.state;
+        st.slow.set(
+            !st.requeue.borrow().is_empty()
+                || !st.requeue_clones.borrow().is_empty()
+                || !st.retired.borrow().is_empty()
+                || st.drain.borrow().is_some(),
+        );
         work
     }
 

@@ -116,7 +116,11 @@ impl TableTarget {
             return to_end;
         }
         let m = self.max_io_len;
-        let in_chunk = if m.is_power_of_two() { rel & (m - 1) } else { rel % m };
+        let in_chunk = if m.is_power_of_two() {
+            rel & (m - 1)
+        } else {
+            rel % m
+        };
         to_end.min(m - in_chunk)
     }
 }
@@ -180,7 +184,8 @@ impl Table {
                 resolver,
             };
             let args: Vec<&str> = s.args.iter().map(String::as_str).collect();
-            let target = (tt.ctr)(&ctx, &args).map_err(|e| e.context(format!("table line {}", i + 1)))?;
+            let target =
+                (tt.ctr)(&ctx, &args).map_err(|e| e.context(format!("table line {}", i + 1)))?;
             if target.per_io_data_size() > udm_core::bio::PER_IO_DATA {
                 return Err(line(format!(
                     "target needs {} bytes of per-I/O data; the core reserves {}",
@@ -191,7 +196,11 @@ impl Table {
             let mut dev_index = Vec::new();
             for area in target.devices() {
                 let size = area.dev.limits().sectors;
-                if area.start.checked_add(area.len).is_none_or(|end| end > size) {
+                if area
+                    .start
+                    .checked_add(area.len)
+                    .is_none_or(|end| end > size)
+                {
                     return Err(line(format!(
                         "device '{}' is too small: the target needs sectors {}..{}, it has {size}",
                         area.dev.name(),
@@ -225,7 +234,8 @@ impl Table {
         let mut persistent = true;
         let mut read_only = false;
         for t in &targets {
-            let mut tcaps = Caps::FLUSH | Caps::FUA | Caps::DISCARD | Caps::WRITE_ZEROES | Caps::POLL;
+            let mut tcaps =
+                Caps::FLUSH | Caps::FUA | Caps::DISCARD | Caps::WRITE_ZEROES | Caps::POLL;
             for a in t.target.devices() {
                 let l = a.dev.limits();
                 limits.stack(&l);
@@ -358,13 +368,21 @@ mod tests {
     }
 
     fn no_devices(name: &str) -> Result<Arc<dyn BlockDevice>, Error> {
-        Err(Error::new(udm_core::ErrorKind::NotFound, format!("no device '{name}'")))
+        Err(Error::new(
+            udm_core::ErrorKind::NotFound,
+            format!("no device '{name}'"),
+        ))
     }
 
     #[test]
     fn gaps_overlaps_and_unknown_types_are_rejected() {
         let reg = Registry::builtin();
-        let e = |t: &str| Table::from_text(t, &reg, &no_devices).err().unwrap().to_string();
+        let e = |t: &str| {
+            Table::from_text(t, &reg, &no_devices)
+                .err()
+                .unwrap()
+                .to_string()
+        };
         assert!(e("0 8 zero; 16 8 zero").contains("gap or overlap"));
         assert!(e("0 8 zero; 4 8 zero").contains("gap or overlap"));
         assert!(e("8 8 zero").contains("gap or overlap"));

@@ -129,6 +129,8 @@ pub struct JobResult {
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Phase {
     Prefill,
+    /// Prefilled; waiting for the measured phase to start.
+    Ready,
     Run,
     VerifyWrite,
     VerifyRead,
@@ -241,7 +243,7 @@ impl Job {
                 };
                 Some((op, block))
             }
-            Phase::Done => None,
+            Phase::Ready | Phase::Done => None,
         }
     }
 
@@ -283,7 +285,7 @@ impl Job {
                 self.deadline.set(clock::now() + clock::ticks_in(rt));
             }
         }
-        if p == Phase::Done {
+        if matches!(p, Phase::Done | Phase::Ready) {
             return;
         }
         // SAFETY: the slot vector is not resized after setup.
@@ -303,9 +305,9 @@ impl Job {
     /// Moves to the next phase once the current one has drained.
     fn advance(&self) {
         let next = match self.phase.get() {
-            Phase::Prefill => Phase::Run,
+            Phase::Prefill => Phase::Ready,
             Phase::VerifyWrite => Phase::VerifyRead,
-            Phase::Run | Phase::VerifyRead | Phase::Done => Phase::Done,
+            Phase::Ready | Phase::Run | Phase::VerifyRead | Phase::Done => Phase::Done,
         };
         self.start_phase(next);
     }

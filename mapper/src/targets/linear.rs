@@ -50,7 +50,11 @@ impl Target for Linear {
 
     fn status(&self, ty: StatusType, out: &mut String) {
         if ty == StatusType::Table {
-            out.push_str(&format!("{} {}", self.devs[0].dev.name(), self.devs[0].start));
+            out.push_str(&format!(
+                "{} {}",
+                self.devs[0].dev.name(),
+                self.devs[0].start
+            ));
         }
     }
 

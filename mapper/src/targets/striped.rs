@@ -42,15 +42,23 @@ fn pow2_shift(v: u64) -> Option<u32> {
 fn striped_ctr(ctx: &CtrCtx<'_>, argv: &[&str]) -> Result<Box<dyn Target>, Error> {
     let e = |m: String| Error::invalid(format!("striped: {m}"));
     if argv.len() < 2 {
-        return Err(e("not enough arguments (expected <#stripes> <chunk sectors> <dev> <offset>…)".into()));
+        return Err(e(
+            "not enough arguments (expected <#stripes> <chunk sectors> <dev> <offset>…)".into(),
+        ));
     }
     let stripes = parse_count("stripe count", argv[0]).map_err(|x| x.context("striped"))?;
     if stripes == 0 {
-        return Err(e(format!("invalid stripe count '{}': must be at least 1", argv[0])));
+        return Err(e(format!(
+            "invalid stripe count '{}': must be at least 1",
+            argv[0]
+        )));
     }
     let chunk = parse_sector("chunk size", argv[1]).map_err(|x| x.context("striped"))?;
     if chunk == 0 {
-        return Err(e(format!("invalid chunk size '{}': must be at least 1 sector", argv[1])));
+        return Err(e(format!(
+            "invalid chunk size '{}': must be at least 1 sector",
+            argv[1]
+        )));
     }
     if !ctx.len.is_multiple_of(stripes as u64) {
         return Err(e(format!(
@@ -145,7 +153,11 @@ impl Target for Striped {
                 }
                 out.push_str(" 1 ");
                 for e in &self.errors {
-                    out.push(if e.load(Ordering::Relaxed) > 0 { 'D' } else { 'A' });
+                    out.push(if e.load(Ordering::Relaxed) > 0 {
+                        'D'
+                    } else {
+                        'A'
+                    });
                 }
             }
             StatusType::Table => {
