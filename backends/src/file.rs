@@ -46,6 +46,8 @@ pub struct FileDevice {
     opts: FileOpts,
     limits: Limits,
     caps: Caps,
+    /// A block device rather than a regular file (picks how to zero).
+    block_device: bool,
 }
 
 const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
@@ -113,6 +115,7 @@ impl FileDevice {
             opts,
             limits,
             caps,
+            block_device: meta.file_type().is_block_device(),
         };
         if dev.opts.iopoll {
             dev.probe_iopoll()?;
@@ -154,7 +157,7 @@ impl FileDevice {
         let r2 = result.clone();
         bio.set_end_io(probe_done, Rc::into_raw(r2) as *mut ());
         let fd = RingFd::Raw(self.file.as_raw_fd());
-        ring.submit_bio(fd, bio, 0, false);
+        ring.submit_bio(fd, bio, 0, false, self.block_device);
         reactor.run_until(|| result.get().is_some());
         match result.get() {
             Some(Status::Ok) => Ok(()),
@@ -287,6 +290,6 @@ impl Channel for FileChannel {
         if preflush && bio.op != Op::Flush {
             ring.flush_before_next(fd);
         }
-        ring.submit_bio(fd, bio, 0, fua);
+        ring.submit_bio(fd, bio, 0, fua, self.dev.block_device);
     }
 }

@@ -178,8 +178,11 @@ impl Ring {
     /// Submits `bio` (read, write, flush, discard or write-zeroes) against the
     /// file `fd`, at the bio's sector plus `base` bytes. `fua` turns a write
     /// into a durable one (RWF_DSYNC); `block_device` picks the discard
-    /// and zeroing mechanism.
-    pub fn submit_bio(&self, fd: RingFd, bio: BioPtr, base: u64, fua: bool) {
+    /// and zeroing mechanism: a block device zeroes with ZERO_RANGE (the
+    /// kernel's zeroout, which falls back to writing zeroes); a regular file
+    /// punches a hole for both, as the kernel's loop driver does, since not
+    /// every filesystem has ZERO_RANGE (tmpfs does not).
+    pub fn submit_bio(&self, fd: RingFd, bio: BioPtr, base: u64, fua: bool, block_device: bool) {
         let off = base + (bio.sector << SECTOR_SHIFT);
         let len = bio.len();
         let segs = bio.segs();
@@ -236,7 +239,11 @@ impl Ring {
             Op::WriteZeroes => with_fd!(fd, f, {
                 opcode::Fallocate::new(f, len as u64)
                     .offset(off)
-                    .mode(libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE)
+                    .mode(if block_device {
+                        libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE
+                    } else {
+                        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
+                    })
                     .build()
             }),
         };

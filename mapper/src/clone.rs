@@ -59,7 +59,7 @@ fn split(tio: &TableIo, p: *mut Bio) {
     let mut offset = 0usize;
     while sector < end {
         let ti = table.find(sector);
-        let t = &table.targets[ti];
+        let t = &tio.targets[ti];
         let rel = sector - t.begin;
         let n = t.room(rel).min(end - sector);
         let bytes = (n << SECTOR_SHIFT) as usize;
@@ -96,13 +96,8 @@ fn fan_out_flush(tio: &TableIo, p: *mut Bio) {
 }
 
 fn map_clone(tio: &TableIo, ti: usize, c: BioPtr) {
-    let t = &tio.table.targets[ti];
-    let m = t.target.map(
-        c,
-        &MapCtx {
-            devs: &tio.chans[ti],
-        },
-    );
+    let t = &tio.targets[ti];
+    let m = t.target.map(c, &MapCtx { devs: &t.chans });
     if let Some(c) = tio.dispatch(ti, m) {
         tio.state.requeue_clones.borrow_mut().push_back(c);
         tio.state.slow.set(true);
@@ -129,7 +124,7 @@ fn clone_endio(mut c: BioPtr) {
     let status = c.status();
     if c.ctx() != FLUSH_CLONE {
         let (ti, dev) = ctx_target_dev(c.ctx());
-        let t = &tio.table.targets[ti];
+        let t = &tio.targets[ti];
         if t.end_io.applies(status.is_ok()) {
             t.target.end_io(&mut c, dev);
         }

@@ -83,7 +83,7 @@ impl MappedDevice {
             c.fast_path = on;
             c.reactors.clone()
         };
-        self.for_each_channel(&handles, move |_, ch, _g| ch.state.fast_path.set(on))
+        self.for_each_channel(&handles, move |_, ch, _g| ch.set_fast_path(on))
     }
 
     /// Holds new I/O and waits until every I/O in flight has completed; with
@@ -102,7 +102,7 @@ impl MappedDevice {
             c.reactors.clone()
         };
         self.for_each_channel(&handles, |_, ch, g| {
-            ch.state.suspended.set(true);
+            ch.set_suspended(true);
             // The channel's poller drops the guard once nothing is in flight.
             *ch.state.drain.borrow_mut() = Some(g);
             ch.state.slow.set(true);
@@ -140,7 +140,7 @@ impl MappedDevice {
                     g.fail(e);
                 }
             }
-            ch.state.suspended.set(false);
+            ch.set_suspended(false);
             ch.kick();
         })
     }

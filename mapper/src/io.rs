@@ -12,20 +12,52 @@ use std::collections::VecDeque;
 use std::rc::Rc;
 use std::sync::Arc;
 
-use udm_core::{BioFlags, BioPtr, BlockDevice, Channel, Error, Op, Poller, Reactor, Status};
+use udm_core::{
+    BioFlags, BioPtr, BlockDevice, Channel, Error, Op, Poller, Reactor, Status, SECTOR_SHIFT,
+};
 
 use crate::clone;
 use crate::device::Guard;
 use crate::table::Table;
-use crate::target::{Map, MapCtx};
+use crate::target::{EndIoWhen, Map, MapCtx, Target};
+
+/// One target as a reactor sees it: everything the hot path reads, together.
+pub(crate) struct TargetIo {
+    pub begin: u64,
+    pub len: u64,
+    pub max_io_len: u64,
+    pub end_io: EndIoWhen,
+    pub target: Arc<dyn Target>,
+    /// Channels to the target's devices, in [`Target::devices`] order.
+    pub chans: Box<[Rc<dyn Channel>]>,
+}
+
+impl TargetIo {
+    /// Sectors from `rel` (target-relative) to the next split boundary.
+    #[inline]
+    pub fn room(&self, rel: u64) -> u64 {
+        let to_end = self.len - rel;
+        let m = self.max_io_len;
+        if m == 0 {
+            return to_end;
+        }
+        let in_chunk = if m.is_power_of_two() {
+            rel & (m - 1)
+        } else {
+            rel % m
+        };
+        to_end.min(m - in_chunk)
+    }
+}
 
 /// One reactor's view of one table: channels to each target's devices.
 pub(crate) struct TableIo {
     pub table: Arc<Table>,
-    /// Per target, channels in [`crate::Target::devices`] order.
-    pub chans: Vec<Vec<Rc<dyn Channel>>>,
+    pub targets: Box<[TargetIo]>,
     /// One channel per distinct device of the table (flush fan-out).
     pub flush_chans: Vec<Rc<dyn Channel>>,
+    /// Logical block size in sectors, minus one: alignment mask.
+    lbs_mask: u64,
     /// Bios (parents, not clones) mapped through this table and not completed.
     pub inflight: Cell<u64>,
     /// The owning channel's state (for retries from completion context).
@@ -43,19 +75,26 @@ impl TableIo {
             .iter()
             .map(|d: &Arc<dyn BlockDevice>| d.clone().open(reactor))
             .collect::<Result<Vec<_>, _>>()?;
-        let chans = table
+        let targets = table
             .targets
             .iter()
-            .map(|t| {
-                t.dev_index
+            .map(|t| TargetIo {
+                begin: t.begin,
+                len: t.len,
+                max_io_len: t.max_io_len,
+                end_io: t.end_io,
+                target: t.target.clone(),
+                chans: t
+                    .dev_index
                     .iter()
                     .map(|&i| flush_chans[i].clone())
-                    .collect()
+                    .collect(),
             })
             .collect();
         Ok(TableIo {
+            lbs_mask: (table.limits.logical_block_size as u64 >> SECTOR_SHIFT) - 1,
             table,
-            chans,
+            targets,
             flush_chans,
             inflight: Cell::new(0),
             state,
@@ -79,7 +118,7 @@ impl TableIo {
     pub fn dispatch(&self, ti: usize, m: Map) -> Option<BioPtr> {
         match m {
             Map::Remapped(mut bio, d) => {
-                match self.chans[ti].get(d) {
+                match self.targets[ti].chans.get(d) {
                     Some(ch) => {
                         bio.set_ctx(ti as u64 | (d as u64) << 32);
                         ch.submit(bio)
@@ -109,8 +148,8 @@ pub(crate) struct ChanState {
     /// Whether the poller has slow work (retries, retired tables, a drain
     /// waiter): one flag, so an idle channel costs a reactor turn one load.
     pub slow: Cell<bool>,
-    pub suspended: Cell<bool>,
-    pub fast_path: Cell<bool>,
+    suspended: Cell<bool>,
+    fast_path: Cell<bool>,
     /// Bios that arrived while suspended; resubmitted on resume.
     pub deferred: RefCell<VecDeque<BioPtr>>,
     /// Bios a target asked to retry, as submitted to this channel.
@@ -125,6 +164,9 @@ pub(crate) struct ChanState {
 
 /// A mapped device's channel on one reactor.
 pub struct MapperChannel {
+    /// Whether new bios may take the fast path at all: not suspended, fast
+    /// path on, every target opted in. One flag for the hot path to test.
+    fast: Cell<bool>,
     /// `current`'s address, so the hot path reads a pointer, not a RefCell.
     cur: Cell<*const TableIo>,
     current: RefCell<Rc<TableIo>>,
@@ -149,11 +191,32 @@ impl MapperChannel {
             drain: RefCell::new(None),
         });
         let tio = Rc::new(TableIo::open(table, reactor, state.clone())?);
-        Ok(MapperChannel {
+        let ch = MapperChannel {
+            fast: Cell::new(false),
             cur: Cell::new(Rc::as_ptr(&tio)),
             current: RefCell::new(tio),
             state,
-        })
+        };
+        ch.refresh();
+        Ok(ch)
+    }
+
+    fn refresh(&self) {
+        let st = &self.state;
+        self.fast
+            .set(!st.suspended.get() && st.fast_path.get() && self.tio().table.no_clone);
+    }
+
+    /// Holds (or, with false, releases the hold on) new I/O.
+    pub(crate) fn set_suspended(&self, on: bool) {
+        self.state.suspended.set(on);
+        self.refresh();
+    }
+
+    /// Turns the fast path on or off.
+    pub(crate) fn set_fast_path(&self, on: bool) {
+        self.state.fast_path.set(on);
+        self.refresh();
     }
 
     /// Opens this reactor's channels for `table` with this channel's state.
@@ -183,6 +246,7 @@ impl MapperChannel {
         let tio = Rc::new(tio);
         self.cur.set(Rc::as_ptr(&tio));
         let old = self.current.replace(tio);
+        self.refresh();
         if old.inflight.get() > 0 {
             self.state.retired.borrow_mut().push(old);
             self.state.slow.set(true);
@@ -211,8 +275,41 @@ impl MapperChannel {
 }
 
 impl Channel for MapperChannel {
+    /// The no-clone fast path; anything it does not take goes to `submit_slow`.
     #[inline]
     fn submit(&self, mut bio: BioPtr) {
+        let tio = self.tio();
+        if self.fast.get()
+            && (bio.op == Op::Read || bio.op == Op::Write)
+            && !bio.flags.contains(BioFlags::PREFLUSH)
+            && bio.can_push()
+        {
+            let ti = tio.table.find(bio.sector);
+            let t = &tio.targets[ti];
+            let rel = bio.sector.wrapping_sub(t.begin);
+            let n = bio.sectors();
+            // Inside one target and one max_io_len window, non-empty, aligned.
+            if rel < t.len && n != 0 && n <= t.room(rel) && (bio.sector | n) & tio.lbs_mask == 0 {
+                let _ = bio.push_end_io(noclone_endio, tio as *const TableIo as *mut ());
+                bio.set_ctx(ti as u64);
+                bio.sector = rel;
+                tio.get();
+                let m = t.target.map(bio, &MapCtx { devs: &t.chans });
+                if let Some(b) = tio.dispatch(ti, m) {
+                    self.requeue(tio, b);
+                }
+                return;
+            }
+        }
+        self.submit_slow(bio)
+    }
+}
+
+impl MapperChannel {
+    /// Everything but the fast path: held while suspended, checked against
+    /// the table's limits and capabilities, then cloned.
+    #[cold]
+    fn submit_slow(&self, bio: BioPtr) {
         if self.state.suspended.get() {
             return self.hold(bio);
         }
@@ -224,38 +321,9 @@ impl Channel for MapperChannel {
         if !table.caps.supports(bio.op) {
             return bio.complete(Status::NotSupp);
         }
-        if !self.state.fast_path.get()
-            || !table.no_clone
-            || bio.op == Op::Flush
-            || bio.flags.contains(BioFlags::PREFLUSH)
-            || !bio.can_push()
-        {
-            return clone::submit(tio, bio);
-        }
-        let ti = table.find(bio.sector);
-        let t = &table.targets[ti];
-        let rel = bio.sector - t.begin;
-        if bio.sectors() > t.room(rel) {
-            return clone::submit(tio, bio);
-        }
-        let pushed = bio.push_end_io(noclone_endio, tio as *const TableIo as *mut ());
-        debug_assert!(pushed, "can_push was checked");
-        bio.set_ctx(ti as u64);
-        bio.sector = rel;
-        tio.get();
-        let m = t.target.map(
-            bio,
-            &MapCtx {
-                devs: &tio.chans[ti],
-            },
-        );
-        if let Some(b) = tio.dispatch(ti, m) {
-            self.requeue(tio, b);
-        }
+        clone::submit(tio, bio)
     }
-}
 
-impl MapperChannel {
     /// A fast-path bio the target wants retried: undo the remap and keep it
     /// for the next turn, when it is submitted again from scratch.
     #[cold]
@@ -283,7 +351,7 @@ fn noclone_endio(mut bio: BioPtr) {
     // which includes this bio, is non-zero.
     let tio = unsafe { &*(bio.private() as *const TableIo) };
     let (ti, dev) = ctx_target_dev(bio.ctx());
-    let t = &tio.table.targets[ti];
+    let t = &tio.targets[ti];
     if t.end_io.applies(bio.status().is_ok()) {
         t.target.end_io(&mut bio, dev);
     }
@@ -295,10 +363,22 @@ fn noclone_endio(mut bio: BioPtr) {
 impl Poller for MapperChannel {
     /// Slow work, once per reactor turn: retries, freeing retired tables,
     /// and telling a waiting suspend that I/O has drained.
+    #[inline]
     fn poll(&self) -> usize {
         if !self.state.slow.get() {
             return 0;
         }
+        self.poll_slow()
+    }
+
+    fn deadline(&self) -> Option<std::time::Instant> {
+        None
+    }
+}
+
+impl MapperChannel {
+    #[cold]
+    fn poll_slow(&self) -> usize {
         let mut work = 0;
         if !self.state.suspended.get() {
             if !self.state.requeue.borrow().is_empty() {
@@ -336,9 +416,5 @@ impl Poller for MapperChannel {
                 || st.drain.borrow().is_some(),
         );
         work
-    }
-
-    fn deadline(&self) -> Option<std::time::Instant> {
-        None
     }
 }

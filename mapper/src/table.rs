@@ -98,31 +98,13 @@ pub struct TableTarget {
     /// The type name.
     pub ty: &'static str,
     /// The target.
-    pub target: Box<dyn Target>,
+    pub target: Arc<dyn Target>,
     /// [`Target::max_io_len`], cached.
     pub max_io_len: u64,
     /// [`Target::wants_end_io`], cached.
     pub end_io: EndIoWhen,
     /// For each of the target's devices, its index in [`Table::devices`].
     pub dev_index: Vec<usize>,
-}
-
-impl TableTarget {
-    /// Sectors from `rel` (target-relative) to the next split boundary.
-    #[inline]
-    pub fn room(&self, rel: u64) -> u64 {
-        let to_end = self.len - rel;
-        if self.max_io_len == 0 {
-            return to_end;
-        }
-        let m = self.max_io_len;
-        let in_chunk = if m.is_power_of_two() {
-            rel & (m - 1)
-        } else {
-            rel % m
-        };
-        to_end.min(m - in_chunk)
-    }
 }
 
 /// A built table: targets sorted by sector, covering `0..sectors` with no gaps.
@@ -225,7 +207,7 @@ impl Table {
                 max_io_len: target.max_io_len(),
                 end_io: target.wants_end_io(),
                 dev_index,
-                target,
+                target: Arc::from(target),
             });
         }
 

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The whole test suite: installs what it needs, then checks formatting and
+# lints, and runs every test (unit, property, integration, end to end).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+./scripts/setup.sh
+
+echo "== cargo fmt --check"
+cargo fmt --all -- --check
+echo "== cargo clippy"
+cargo clippy --all-targets --release -- -D warnings
+echo "== cargo test"
+cargo test --release --workspace 2>&1 | tee target/test.log
+# One closing line for CI: the totals over every test binary.
+awk '/^test result:/ { p += $4; f += $6; i += $8 } END { printf "%d passed, %d failed, %d skipped\n", p, f, i }' target/test.log
