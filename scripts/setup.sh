@@ -3,7 +3,7 @@
 # Idempotent: installs only what is missing. Run as root (or with sudo).
 set -euo pipefail
 
-APT_PACKAGES=(build-essential pkg-config valgrind)
+APT_PACKAGES=(build-essential pkg-config valgrind bc)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

@@ -564,7 +564,17 @@ fn false_if_busy(r: &Reactor) -> bool {
 impl Drop for Reactor {
     fn drop(&mut self) {
         let Some(core) = &self.core else { return };
-        core.mailbox.closed.store(true, Ordering::Release);
+        {
+            // Closed under the lock, so every send either sees it (and
+            // returns false) or has queued its message before it...
+            let _q = match core.mailbox.queue.lock() {
+                Ok(q) => q,
+                Err(p) => p.into_inner(),
+            };
+            core.mailbox.closed.store(true, Ordering::Release);
+        }
+        // ...and the messages accepted that way (send returned true) run.
+        self.run_messages();
         // Finish what is in flight (bounded: a wedged device must not hang exit).
         let start = Instant::now();
         while self.busy() && start.elapsed() < Duration::from_secs(5) {

@@ -290,12 +290,15 @@ impl Ring {
     /// submitted.
     pub fn submit(&self) -> usize {
         self.drain_backlog();
-        let pending = {
+        let (pending, cq_overflow) = {
             // SAFETY: see `ring()`; the borrow ends here.
             let sq = unsafe { (*self.ring.get()).submission_shared() };
-            sq.len()
+            (sq.len(), sq.cq_overflow())
         };
-        if pending == 0 && !self.kind.iopoll {
+        // Completions that overflowed the CQ only come back through an enter
+        // (which the submitter makes with GETEVENTS): without one, a reactor
+        // that never sleeps (Poll mode) would wait for them forever.
+        if pending == 0 && !cq_overflow && !self.kind.iopoll {
             return 0;
         }
         self.ring().submitter().submit().unwrap_or(0)
