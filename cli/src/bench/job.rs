@@ -23,7 +23,7 @@ use crate::{alloc, clock};
 
 /// The I/O pattern.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Rw {
+pub enum Pattern {
     /// Sequential reads.
     Read,
     /// Sequential writes.
@@ -38,32 +38,35 @@ pub enum Rw {
     RandRw,
 }
 
-impl Rw {
+impl Pattern {
     /// Parses fio's names.
-    pub fn parse(s: &str) -> Option<Rw> {
+    pub fn parse(s: &str) -> Option<Pattern> {
         Some(match s {
-            "read" => Rw::Read,
-            "write" => Rw::Write,
-            "rw" | "readwrite" => Rw::ReadWrite,
-            "randread" => Rw::RandRead,
-            "randwrite" => Rw::RandWrite,
-            "randrw" => Rw::RandRw,
+            "read" => Pattern::Read,
+            "write" => Pattern::Write,
+            "rw" | "readwrite" => Pattern::ReadWrite,
+            "randread" => Pattern::RandRead,
+            "randwrite" => Pattern::RandWrite,
+            "randrw" => Pattern::RandRw,
             _ => return None,
         })
     }
     /// fio's name.
     pub fn name(self) -> &'static str {
         match self {
-            Rw::Read => "read",
-            Rw::Write => "write",
-            Rw::ReadWrite => "rw",
-            Rw::RandRead => "randread",
-            Rw::RandWrite => "randwrite",
-            Rw::RandRw => "randrw",
+            Pattern::Read => "read",
+            Pattern::Write => "write",
+            Pattern::ReadWrite => "rw",
+            Pattern::RandRead => "randread",
+            Pattern::RandWrite => "randwrite",
+            Pattern::RandRw => "randrw",
         }
     }
     fn random(self) -> bool {
-        matches!(self, Rw::RandRead | Rw::RandWrite | Rw::RandRw)
+        matches!(
+            self,
+            Pattern::RandRead | Pattern::RandWrite | Pattern::RandRw
+        )
     }
 }
 
@@ -71,7 +74,7 @@ impl Rw {
 #[derive(Clone, Debug)]
 pub struct JobCfg {
     /// Pattern.
-    pub rw: Rw,
+    pub rw: Pattern,
     /// Percentage of reads in mixed patterns.
     pub mix_read: u32,
     /// Block size in bytes.
@@ -177,11 +180,12 @@ struct Stats {
 }
 
 impl Job {
+    /// Runs `f` on the statistics.
     #[inline]
-    fn stats(&self) -> &mut Stats {
-        // SAFETY: the job runs on one thread and no caller keeps the borrow
-        // across a call that could reach stats() again.
-        unsafe { &mut *self.stats.get() }
+    fn with_stats<R>(&self, f: impl FnOnce(&mut Stats) -> R) -> R {
+        // SAFETY: the job runs on one thread, and `f` (code in this file
+        // that only updates counters) cannot reach with_stats again.
+        f(unsafe { &mut *self.stats.get() })
     }
 
     #[inline]
@@ -213,9 +217,9 @@ impl Job {
                     i % n
                 };
                 let op = match self.cfg.rw {
-                    Rw::Read | Rw::RandRead => Op::Read,
-                    Rw::Write | Rw::RandWrite => Op::Write,
-                    Rw::ReadWrite | Rw::RandRw => {
+                    Pattern::Read | Pattern::RandRead => Op::Read,
+                    Pattern::Write | Pattern::RandWrite => Op::Write,
+                    Pattern::ReadWrite | Pattern::RandRw => {
                         if (self.next_rand() % 100) < self.cfg.mix_read as u64 {
                             Op::Read
                         } else {
@@ -335,17 +339,19 @@ fn bench_end_io(bio: BioPtr) {
 impl Job {
     #[inline]
     fn complete(&self, bio: &Bio, lat_ns: u64, slot: *mut Slot) {
-        let st = self.stats();
-        let _ = st.hist.record(lat_ns.max(1));
-        st.ios += 1;
-        st.bytes += bio.len() as u64;
-        if bio.op == Op::Read {
-            st.reads += 1;
-        } else {
-            st.writes += 1;
-        }
-        if st.ios & 1023 == 0 {
-            self.progress.store(st.ios, Ordering::Relaxed);
+        let ios = self.with_stats(|st| {
+            let _ = st.hist.record(lat_ns.max(1));
+            st.ios += 1;
+            st.bytes += bio.len() as u64;
+            if bio.op == Op::Read {
+                st.reads += 1;
+            } else {
+                st.writes += 1;
+            }
+            st.ios
+        });
+        if ios & 1023 == 0 {
+            self.progress.store(ios, Ordering::Relaxed);
         }
         let status = bio.status();
         if status != Status::Ok {
@@ -354,33 +360,30 @@ impl Job {
             // SAFETY: the read completed into the slot's buffer; nothing else
             // uses it until the slot's next I/O.
             let b = unsafe { std::slice::from_raw_parts((*slot).buf, bio.len() as usize) };
-            self.check(b, bio.sector);
+            let r = pattern::check(b, bio.sector, self.generation);
+            self.with_stats(|st| {
+                st.verified += 1;
+                if let Err(m) = r {
+                    st.mismatches += 1;
+                    st.first_mismatch.get_or_insert(m);
+                }
+            });
         }
     }
 
     #[cold]
     fn record_error(&self, bio: &Bio, status: Status) {
-        let st = self.stats();
-        st.errors += 1;
-        if st.first_error.is_none() {
-            st.first_error = Some(format!(
-                "{} of {} bytes at sector {}: {status}",
-                bio.op.name(),
-                bio.len(),
-                bio.sector
-            ));
-        }
-    }
-
-    fn check(&self, b: &[u8], sector: u64) {
-        let st = self.stats();
-        st.verified += 1;
-        if let Err(m) = pattern::check(b, sector, self.generation) {
-            st.mismatches += 1;
-            if st.first_mismatch.is_none() {
-                st.first_mismatch = Some(m);
+        self.with_stats(|st| {
+            st.errors += 1;
+            if st.first_error.is_none() {
+                st.first_error = Some(format!(
+                    "{} of {} bytes at sector {}: {status}",
+                    bio.op.name(),
+                    bio.len(),
+                    bio.sector
+                ));
             }
-        }
+        });
     }
 }
 

@@ -14,7 +14,7 @@ use udm_mapper::MappedDevice;
 
 use crate::args::Args;
 use crate::spec::{parse_size, Stack, DEFAULT_DEVS};
-use job::{run_job, JobCfg, JobResult, Rw};
+use job::{run_job, JobCfg, JobResult, Pattern};
 
 pub const USAGE: &str = "\
 udm bench [--dev NAME=SPEC]... [--target NAME] [options]
@@ -46,7 +46,7 @@ options:
 /// Everything one run needs.
 struct BenchCfg {
     target: String,
-    rw: Rw,
+    rw: Pattern,
     mix_read: u32,
     bs: u32,
     iodepth: u32,
@@ -66,12 +66,12 @@ pub fn main(mut args: Args) -> Result<i32, Error> {
     let devs = args.many("--dev");
     let target = args.opt("--target");
     let rw = match args.opt("--rw") {
-        Some(s) => Rw::parse(&s).ok_or_else(|| {
+        Some(s) => Pattern::parse(&s).ok_or_else(|| {
             Error::invalid(format!(
                 "--rw '{s}': expected read, write, rw, randread, randwrite or randrw"
             ))
         })?,
-        None => Rw::RandRead,
+        None => Pattern::RandRead,
     };
     let mix_read = args.num("--rwmixread", 50)?;
     if mix_read > 100 {
@@ -123,7 +123,7 @@ pub fn main(mut args: Args) -> Result<i32, Error> {
     if cfg.iodepth == 0 || cfg.jobs == 0 {
         return Err(Error::invalid("--iodepth and --jobs must be at least 1"));
     }
-    if cfg.bs == 0 || cfg.bs % 512 != 0 || cfg.bs > 64 << 20 {
+    if cfg.bs == 0 || !cfg.bs.is_multiple_of(512) || cfg.bs > 64 << 20 {
         return Err(Error::invalid(format!(
             "--bs {bs}: must be a multiple of 512 bytes, at most 64 MiB"
         )));
@@ -207,7 +207,7 @@ fn run(dev: &Arc<dyn BlockDevice>, cfg: BenchCfg) -> Result<Report, Error> {
     if let Some(m) = dev.as_any().downcast_ref::<MappedDevice>() {
         m.set_fast_path(cfg.fast_path)?;
     }
-    if cfg.bs % limits.logical_block_size != 0 {
+    if !cfg.bs.is_multiple_of(limits.logical_block_size) {
         return Err(Error::invalid(format!(
             "--bs {}: not a multiple of '{}''s logical block size {}",
             cfg.bs,
