@@ -13,7 +13,8 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use udm_core::{
-    BioFlags, BioPtr, BlockDevice, Channel, Error, Op, Poller, Reactor, Status, SECTOR_SHIFT,
+    check_bio, BioFlags, BioPtr, BlockDevice, Channel, Error, Op, Poller, Reactor, Status,
+    SECTOR_SHIFT,
 };
 
 use crate::clone;
@@ -314,13 +315,9 @@ impl MapperChannel {
             return self.hold(bio);
         }
         let tio = self.tio();
-        let table = &*tio.table;
-        if let Err(s) = table.limits.check(&bio) {
-            return bio.complete(s);
-        }
-        if !table.caps.supports(bio.op) {
-            return bio.complete(Status::NotSupp);
-        }
+        let Some(bio) = check_bio(bio, &tio.table.limits, tio.table.caps) else {
+            return;
+        };
         clone::submit(tio, bio)
     }
 
