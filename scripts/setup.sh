@@ -3,7 +3,7 @@
 # Idempotent: installs only what is missing. Run as root (or with sudo).
 set -euo pipefail
 
-APT_PACKAGES=(build-essential pkg-config valgrind bc)
+APT_PACKAGES=(build-essential pkg-config valgrind bc fio nbdkit libnbd-bin python3-libnbd qemu-utils)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
