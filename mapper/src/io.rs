@@ -59,6 +59,9 @@ pub(crate) struct TableIo {
     pub flush_chans: Vec<Rc<dyn Channel>>,
     /// Logical block size in sectors, minus one: alignment mask.
     lbs_mask: u64,
+    /// Whether any target has an end_io (most tables: none, and completion
+    /// skips the lookup).
+    any_end_io: bool,
     /// Bios (parents, not clones) mapped through this table and not completed.
     pub inflight: Cell<u64>,
     /// The owning channel's state (for retries from completion context).
@@ -93,6 +96,7 @@ impl TableIo {
             })
             .collect();
         Ok(TableIo {
+            any_end_io: table.targets.iter().any(|t| t.end_io != EndIoWhen::Never),
             lbs_mask: (table.limits.logical_block_size as u64 >> SECTOR_SHIFT) - 1,
             table,
             targets,
@@ -118,14 +122,8 @@ impl TableIo {
     #[inline]
     pub fn dispatch(&self, ti: usize, m: Map) -> Option<BioPtr> {
         match m {
-            Map::Remapped(mut bio, d) => {
-                match self.targets[ti].chans.get(d) {
-                    Some(ch) => {
-                        bio.set_ctx(ti as u64 | (d as u64) << 32);
-                        ch.submit(bio)
-                    }
-                    None => bio.complete(Status::IoErr),
-                }
+            Map::Remapped(bio, d) => {
+                self.targets[ti].submit_to(ti, bio, d);
                 None
             }
             Map::Submitted => None,
@@ -280,8 +278,9 @@ impl Channel for MapperChannel {
     #[inline]
     fn submit(&self, mut bio: BioPtr) {
         let tio = self.tio();
+        // Read or write (ops 0 and 1), no PREFLUSH, a free frame.
         if self.fast.get()
-            && (bio.op == Op::Read || bio.op == Op::Write)
+            && (bio.op as u8) <= Op::Write as u8
             && !bio.flags.contains(BioFlags::PREFLUSH)
             && bio.can_push()
         {
@@ -291,19 +290,49 @@ impl Channel for MapperChannel {
             let n = bio.sectors();
             // Inside one target and one max_io_len window, non-empty, aligned.
             if rel < t.len && n != 0 && n <= t.room(rel) && (bio.sector | n) & tio.lbs_mask == 0 {
+                // Cannot fail: can_push() held above.
                 let _ = bio.push_end_io(noclone_endio, tio as *const TableIo as *mut ());
+                // The target index, for end_io and for a target that completes
+                // the bio in map; dispatch adds the device index.
                 bio.set_ctx(ti as u64);
                 bio.sector = rel;
                 tio.get();
-                let m = t.target.map(bio, &MapCtx { devs: &t.chans });
-                if let Some(b) = tio.dispatch(ti, m) {
-                    self.requeue(tio, b);
+                match t.target.map(bio, &MapCtx { devs: &t.chans }) {
+                    Map::Remapped(bio, d) => t.submit_to(ti, bio, d),
+                    m => {
+                        if let Some(b) = tio.dispatch(ti, m) {
+                            self.requeue(tio, b);
+                        }
+                    }
                 }
                 return;
             }
         }
         self.submit_slow(bio)
     }
+}
+
+impl TargetIo {
+    /// Submits a bio this target remapped to its device `d`.
+    #[inline]
+    pub(crate) fn submit_to(&self, ti: usize, mut bio: BioPtr, d: usize) {
+        match self.chans.get(d) {
+            Some(ch) => {
+                if d != 0 {
+                    bio.set_ctx(ti as u64 | (d as u64) << 32);
+                }
+                ch.submit(bio)
+            }
+            None => bad_device(bio),
+        }
+    }
+}
+
+/// A target remapped to a device it does not have: a target bug, failed
+/// rather than trusted.
+#[cold]
+fn bad_device(bio: BioPtr) {
+    bio.complete(Status::IoErr)
 }
 
 impl MapperChannel {
@@ -347,14 +376,21 @@ fn noclone_endio(mut bio: BioPtr) {
     // which stays alive (as current or retired) while its inflight count,
     // which includes this bio, is non-zero.
     let tio = unsafe { &*(bio.private() as *const TableIo) };
-    let (ti, dev) = ctx_target_dev(bio.ctx());
-    let t = &tio.targets[ti];
-    if t.end_io.applies(bio.status().is_ok()) {
-        t.target.end_io(&mut bio, dev);
+    if tio.any_end_io {
+        target_end_io(tio, &mut bio);
     }
     bio.pop_end_io();
     tio.put();
     bio.endio();
+}
+
+/// Runs the mapping target's end_io if it wants one for this outcome.
+fn target_end_io(tio: &TableIo, bio: &mut BioPtr) {
+    let (ti, dev) = ctx_target_dev(bio.ctx());
+    let t = &tio.targets[ti];
+    if t.end_io.applies(bio.status().is_ok()) {
+        t.target.end_io(bio, dev);
+    }
 }
 
 impl Poller for MapperChannel {

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Instructions per I/O of `udm bench`, counted by callgrind: the slope
+# between a run over SMALL and one over LARGE bytes (same command otherwise),
+# so start-up and tear-down cancel out.
+#
+#   scripts/instr-per-io.sh [bench options...]
+#   e.g. scripts/instr-per-io.sh --target lin --rw read --bs 512 --iodepth 1
+#
+# Env: SMALL (default 4M), LARGE (default 12M), UDM (binary; default builds
+# target/release/udm). Prints "<instructions per I/O> <I/Os in the slope>".
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SMALL=${SMALL:-4M}
+LARGE=${LARGE:-12M}
+if [ -z "${UDM:-}" ]; then
+    cargo build --release -q -p udm
+    UDM=target/release/udm
+fi
+command -v valgrind >/dev/null || { echo "instr-per-io: valgrind is not installed (scripts/setup.sh)" >&2; exit 2; }
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+count() { # size -> "instructions ios"
+    valgrind --tool=callgrind --callgrind-out-file="$tmp/cg" "$UDM" bench --jobs 1 "$@" --size "$SIZE" --json >"$tmp/out" 2>/dev/null
+    local ir ios
+    ir=$(grep -m1 -E '^(summary|totals):' "$tmp/cg" | awk '{print $2}')
+    ios=$(grep -o '"ios": *[0-9]*' "$tmp/out" | head -1 | grep -o '[0-9]*$')
+    echo "$ir $ios"
+}
+read -r a na < <(SIZE=$SMALL count "$@")
+read -r b nb < <(SIZE=$LARGE count "$@")
+echo "$(( (b - a) / (nb - na) )) $(( nb - na ))"
