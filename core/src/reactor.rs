@@ -369,6 +369,11 @@ impl Reactor {
             // lifetime (register_buffer's contract), which outlives its rings.
             unsafe { ring.register_buffer(i as u16, *b) };
         }
+        if !kind.iopoll {
+            // Completions on this ring signal the mailbox eventfd, so a
+            // sleeping reactor wakes for them (see `sleep`).
+            ring.register_eventfd(core.mailbox.eventfd.as_raw_fd())?;
+        }
         core.extra_rings.borrow_mut().push(ring.clone());
         Ok(ring)
     }
@@ -419,20 +424,31 @@ impl Reactor {
         self.core().locals.borrow_mut().remove(&key)
     }
 
-    /// One turn of the loop: messages, queued completions, pollers, the rings.
-    /// Returns how much work it did (0 means idle).
+    /// One turn of the loop: messages, the rings' completions, queued
+    /// completions, pollers, then the rings' new submissions. Returns how
+    /// much work it did (0 means idle).
     pub fn poll_once(&self) -> usize {
+        let t = self.turn();
+        self.core().ring.submit();
+        t.work
+    }
+
+    /// A turn without the main ring's submission, which the caller either
+    /// makes alone or fuses with its wait (one `io_uring_enter` for both).
+    /// Completions run before pollers, so a poller sees everything the
+    /// turn's end_ios left for it (a requeue, a drained count) in that turn.
+    fn turn(&self) -> Turn {
         let core = self.core();
-        let mut work = 0;
+        let mut work = core.ring.reap();
+        // Consume the wake-up before looking at what it announces (messages,
+        // SQPOLL completions): one that lands after this is seen by the
+        // next sleep, not lost.
+        if core.ring.woken.replace(false) {
+            core.wake_armed.set(false);
+            self.drain_eventfd();
+        }
         if core.mailbox.pending.load(Ordering::Acquire) {
             work += self.run_messages();
-        }
-        work += core.run_deferred();
-        {
-            let pollers = core.pollers.borrow();
-            for p in pollers.iter() {
-                work += p.poll();
-            }
         }
         for r in core.extra_rings.borrow().iter() {
             if r.inflight() > 0 {
@@ -440,23 +456,54 @@ impl Reactor {
                 work += r.reap();
             }
         }
-        core.ring.submit();
-        work += core.ring.reap();
-        if core.ring.woken.replace(false) {
-            core.wake_armed.set(false);
-            self.drain_eventfd();
+        work += core.run_deferred();
+        let mut poller_work = 0;
+        {
+            let pollers = core.pollers.borrow();
+            for p in pollers.iter() {
+                poller_work += p.poll();
+            }
         }
-        work
+        Turn {
+            work: work + poller_work,
+            poller_work,
+        }
     }
 
-    /// Runs turns until `done()` says stop, waiting as the completion mode says
-    /// whenever a turn finds nothing to do.
+    /// Runs turns until `done()` says stop. Between turns it submits what
+    /// the turn queued and, when the completion mode allows and nothing is
+    /// runnable, waits for a completion in the same system call: at QD1 an
+    /// I/O costs one `io_uring_enter`, not a submit and then a wait.
     pub fn run_until(&self, mut done: impl FnMut() -> bool) {
-        while !done() {
-            if self.poll_once() == 0 {
-                self.idle();
-            } else if self.core().config.mode == CompletionMode::Hybrid {
-                self.core().last_work.set(Instant::now());
+        let core = self.core();
+        loop {
+            if done() {
+                core.ring.submit();
+                return;
+            }
+            let t = self.turn();
+            if done() {
+                core.ring.submit();
+                return;
+            }
+            let sleep = match core.config.mode {
+                CompletionMode::Interrupt => true,
+                CompletionMode::Poll => false,
+                CompletionMode::Hybrid => {
+                    if t.work > 0 {
+                        core.last_work.set(Instant::now());
+                        false
+                    } else {
+                        core.last_work.get().elapsed() >= core.config.hybrid_spin
+                    }
+                }
+            };
+            // A poller that did work may have more: give it another turn.
+            if !(sleep && t.poller_work == 0 && self.sleep()) {
+                core.ring.submit();
+                if t.work == 0 {
+                    std::hint::spin_loop();
+                }
             }
         }
     }
@@ -466,35 +513,36 @@ impl Reactor {
         self.run_until(|| false_if_busy(self));
     }
 
-    fn idle(&self) {
-        let core = self.core();
-        match core.config.mode {
-            CompletionMode::Poll => std::hint::spin_loop(),
-            CompletionMode::Hybrid if core.last_work.get().elapsed() < core.config.hybrid_spin => {
-                std::hint::spin_loop()
-            }
-            CompletionMode::Interrupt | CompletionMode::Hybrid => self.sleep(),
-        }
-    }
-
-    /// Sleeps in the ring until a completion, a message or the earliest
-    /// poller deadline, unless something must be spun on.
-    fn sleep(&self) {
+    /// Submits and sleeps in the ring until a completion, a message or the
+    /// earliest poller deadline. Returns false, having done nothing, when
+    /// something is runnable or must be spun on.
+    fn sleep(&self) -> bool {
         let core = self.core();
         if !core.done_head.get().is_null() || core.mailbox.pending.load(Ordering::Acquire) {
-            return;
+            return false;
         }
         let mut deadline: Option<Instant> = None;
         for p in core.pollers.borrow().iter() {
             if p.must_spin() {
-                return;
+                return false;
             }
             if let Some(d) = p.deadline() {
                 deadline = Some(deadline.map_or(d, |x| x.min(d)));
             }
         }
-        if core.extra_rings.borrow().iter().any(|r| r.inflight() > 0) {
-            return;
+        // An IOPOLL ring completes only when polled. Other extra rings (SQPOLL)
+        // signal the mailbox eventfd on completion, which wakes us below.
+        if core
+            .extra_rings
+            .borrow()
+            .iter()
+            .any(|r| r.inflight() > 0 && r.kind().iopoll)
+        {
+            return false;
+        }
+        let timeout = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        if timeout == Some(Duration::ZERO) {
+            return false;
         }
         if !core.wake_armed.get() {
             // SAFETY: wake_buf lives in the boxed core, which outlives the
@@ -505,13 +553,10 @@ impl Reactor {
             };
             core.wake_armed.set(true);
         }
-        // Re-check after arming: a message posted before the read was armed
-        // left the eventfd readable, so the read completes at once anyway.
-        let timeout = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-        if timeout == Some(Duration::ZERO) {
-            return;
-        }
+        // A message posted before the read was armed left the eventfd
+        // readable, so the read completes at once and the wait returns.
         core.ring.submit_and_wait(timeout);
+        true
     }
 
     fn drain_eventfd(&self) {
@@ -555,6 +600,14 @@ impl Reactor {
                 .iter()
                 .any(|p| p.deadline().is_some() || p.must_spin())
     }
+}
+
+/// What a turn did.
+struct Turn {
+    /// Work of every kind, pollers included.
+    work: usize,
+    /// Work the pollers did.
+    poller_work: usize,
 }
 
 fn false_if_busy(r: &Reactor) -> bool {

@@ -137,6 +137,12 @@ impl Ring {
         RingFd::Raw(fd)
     }
 
+    /// Has the kernel signal the eventfd `fd` whenever a completion is posted
+    /// (IORING_REGISTER_EVENTFD), so a thread sleeping elsewhere wakes for it.
+    pub fn register_eventfd(&self, fd: RawFd) -> io::Result<()> {
+        self.ring().submitter().register_eventfd(fd)
+    }
+
     /// Registers `buf` at `index` of the buffer table, so bios whose single
     /// segment lies inside it use READ_FIXED/WRITE_FIXED. Returns false when
     /// the kernel refuses (the ring then uses plain reads and writes).

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# udm's file backend against fio's io_uring engine on the same /dev/shm file,
+# same block size and depth, O_DIRECT, with fio batching as GUIDE.md says
+# (fio submits one I/O per call unless told otherwise). Runs interleave
+# (udm fio udm fio …); each figure is the median of ROUNDS runs.
+#   usage: scripts/bench-file-vs-fio.sh [ROUNDS] [RUNTIME_S]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROUNDS=${1:-5}
+RT=${2:-3}
+command -v fio >/dev/null || { echo "bench-file-vs-fio: fio is not installed (scripts/setup.sh)" >&2; exit 2; }
+cargo build --release -q -p udm
+UDM=./target/release/udm
+IMG=${IMG:-/dev/shm/udm-bench-fio.img}
+[ -f "$IMG" ] || dd if=/dev/urandom of="$IMG" bs=1M count=512 status=none
+trap 'rm -f "$IMG"' EXIT
+declare -A R
+median() { tr ' ' '\n' | grep . | sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
+udm() { # rw bs qd
+    "$UDM" bench --dev "f=file:$IMG" --target f --rw "$1" --bs "$2" --iodepth "$3" \
+        --runtime "$RT" --json | grep -o '"iops":[0-9.]*' | cut -d: -f2
+}
+fio_() { # rw bs qd
+    fio --name=cmp --filename="$IMG" --ioengine=io_uring --direct=1 --rw="$1" --bs="$2" \
+        --iodepth="$3" --iodepth_batch_submit=16 --iodepth_batch_complete_min=1 \
+        --iodepth_batch_complete_max=32 --runtime="$RT" --time_based \
+        --output-format=json | python3 -c 'import json,sys
+j=json.load(sys.stdin)["jobs"][0]; print(j["read"]["iops"]+j["write"]["iops"])'
+}
+CASES=("randread 4k 32" "randwrite 4k 32" "randread 4k 1" "read 128k 8")
+for r in $(seq "$ROUNDS"); do
+    echo "round $r/$ROUNDS" >&2
+    for c in "${CASES[@]}"; do
+        read -r rw bs qd <<<"$c"
+        R["$c udm"]+="$(udm "$rw" "$bs" "$qd") "
+        R["$c fio"]+="$(fio_ "$rw" "$bs" "$qd") "
+    done
+done
+printf '\n%-18s %12s %12s %8s\n' "case" "udm IOPS" "fio IOPS" "udm/fio"
+for c in "${CASES[@]}"; do
+    u=$(echo "${R[$c udm]}" | median)
+    f=$(echo "${R[$c fio]}" | median)
+    printf '%-18s %12.0f %12.0f %8.3f\n' "$c" "$u" "$f" "$(echo "$u / $f" | bc -l)"
+done
