@@ -288,8 +288,9 @@ impl Channel for FileChannel {
             _ => (&*self.ring, self.fd),
         };
         if preflush && bio.op != Op::Flush {
-            ring.flush_before_next(fd);
+            ring.submit_bio_preflush(fd, bio, 0, fua, self.dev.block_device);
+        } else {
+            ring.submit_bio(fd, bio, 0, fua, self.dev.block_device);
         }
-        ring.submit_bio(fd, bio, 0, fua, self.dev.block_device);
     }
 }

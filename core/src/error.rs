@@ -42,10 +42,21 @@ impl Error {
     pub fn invalid(msg: impl Into<String>) -> Error {
         Error::new(ErrorKind::Invalid, msg)
     }
-    /// An OS error with what we were doing.
+    /// An OS error with what we were doing. The kind follows the OS error
+    /// where a caller may act on it (a missing file is `NotFound`, an
+    /// unsupported operation `Unsupported`, a busy device `Busy`).
     pub fn os(msg: impl Into<String>, source: std::io::Error) -> Error {
+        let kind = match source.kind() {
+            std::io::ErrorKind::NotFound => ErrorKind::NotFound,
+            std::io::ErrorKind::Unsupported => ErrorKind::Unsupported,
+            _ => match source.raw_os_error() {
+                Some(libc::EBUSY) => ErrorKind::Busy,
+                Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS) => ErrorKind::Unsupported,
+                _ => ErrorKind::Os,
+            },
+        };
         Error {
-            kind: ErrorKind::Os,
+            kind,
             msg: msg.into(),
             source: Some(source),
         }
@@ -80,3 +91,23 @@ impl std::error::Error for Error {
 
 /// Shorthand for control-path results.
 pub type Result<T> = std::result::Result<T, Error>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn os_errors_keep_the_kind_a_caller_acts_on() {
+        let missing = std::fs::File::open("/nonexistent/udm-test").unwrap_err();
+        let e = Error::os("file '/nonexistent/udm-test'", missing);
+        assert_eq!(e.kind(), ErrorKind::NotFound);
+        assert_eq!(
+            e.to_string(),
+            "file '/nonexistent/udm-test': No such file or directory (os error 2)"
+        );
+        let busy = Error::os("open", std::io::Error::from_raw_os_error(libc::EBUSY));
+        assert_eq!(busy.kind(), ErrorKind::Busy);
+        let perm = Error::os("open", std::io::Error::from_raw_os_error(libc::EACCES));
+        assert_eq!(perm.kind(), ErrorKind::Os);
+    }
+}

@@ -68,7 +68,9 @@ pub struct Ring {
     /// Operations submitted or queued whose CQE has not arrived.
     inflight: Cell<u32>,
     /// Entries the SQ had no room for: pushed, in order, on the next submit.
-    backlog: UnsafeCell<VecDeque<squeue::Entry>>,
+    /// The flag marks an entry linked to the one after it: the two enter the
+    /// SQ together, since a link cut at a submission boundary is no link.
+    backlog: UnsafeCell<VecDeque<(squeue::Entry, bool)>>,
     next_file: Cell<u32>,
     fixed_buffers: Cell<bool>,
     pub(crate) woken: Cell<bool>,
@@ -168,17 +170,43 @@ impl Ring {
     /// Every pointer in `e` must stay valid until its CQE is reaped.
     #[inline]
     unsafe fn push(&self, e: squeue::Entry) {
+        // SAFETY: single-threaded, not re-entered; the borrow ends at once.
+        let backlogged = unsafe { !(*self.backlog.get()).is_empty() };
         // SAFETY: see `ring()`; the SQ borrow ends before we return.
-        let sq_full = unsafe {
-            let mut sq = (*self.ring.get()).submission_shared();
-            // SAFETY: the caller guarantees the entry's pointers stay valid.
-            sq.push(&e).is_err()
-        };
+        let sq_full = backlogged
+            || unsafe {
+                let mut sq = (*self.ring.get()).submission_shared();
+                // SAFETY: the caller guarantees the entry's pointers stay valid.
+                sq.push(&e).is_err()
+            };
         if sq_full {
+            // Behind earlier backlogged entries, to keep submission order.
             // SAFETY: single-threaded, not re-entered.
-            unsafe { (*self.backlog.get()).push_back(e) };
+            unsafe { (*self.backlog.get()).push_back((e, false)) };
         }
         self.inflight.set(self.inflight.get() + 1);
+    }
+
+    /// Queues `first` linked to `second` (IO_LINK set on `first` by the
+    /// caller): both enter the same submission, or neither does yet.
+    ///
+    /// # Safety
+    /// As for [`Ring::push`], for both entries.
+    unsafe fn push_linked(&self, first: squeue::Entry, second: squeue::Entry) {
+        // SAFETY: single-threaded, not re-entered.
+        let backlog = unsafe { &mut *self.backlog.get() };
+        let pushed = backlog.is_empty() && {
+            // SAFETY: see `ring()`; the SQ borrow ends in this block.
+            let mut sq = unsafe { (*self.ring.get()).submission_shared() };
+            // SAFETY: the caller guarantees both entries' pointers.
+            sq.capacity() - sq.len() >= 2
+                && unsafe { sq.push_multiple(&[first.clone(), second.clone()]) }.is_ok()
+        };
+        if !pushed {
+            backlog.push_back((first, true));
+            backlog.push_back((second, false));
+        }
+        self.inflight.set(self.inflight.get() + 2);
     }
 
     /// Submits `bio` (read, write, flush, discard or write-zeroes) against the
@@ -189,6 +217,24 @@ impl Ring {
     /// punches a hole for both, as the kernel's loop driver does, since not
     /// every filesystem has ZERO_RANGE (tmpfs does not).
     pub fn submit_bio(&self, fd: RingFd, bio: BioPtr, base: u64, fua: bool, block_device: bool) {
+        let e = self.bio_entry(fd, bio, base, fua, block_device);
+        // SAFETY: the entry points at the bio's segments (or at the segment
+        // array inside the descriptor, for readv/writev); we own the bio via
+        // user_data until the CQE, and add_seg's contract keeps the segments'
+        // memory valid until the bio completes.
+        unsafe { self.push(e) };
+    }
+
+    /// Builds the SQE for `bio`, which it then owns through `user_data`.
+    #[inline]
+    fn bio_entry(
+        &self,
+        fd: RingFd,
+        bio: BioPtr,
+        base: u64,
+        fua: bool,
+        block_device: bool,
+    ) -> squeue::Entry {
         let off = base + (bio.sector << SECTOR_SHIFT);
         let len = bio.len();
         let segs = bio.segs();
@@ -253,28 +299,32 @@ impl Ring {
                     .build()
             }),
         };
-        let e = e.user_data(bio.into_raw() as u64);
-        // SAFETY: the entry points at the bio's segments (or at the segment
-        // array inside the descriptor, for readv/writev); we own the bio via
-        // user_data until the CQE, and add_seg's contract keeps the segments'
-        // memory valid until the bio completes.
-        unsafe { self.push(e) };
+        e.user_data(bio.into_raw() as u64)
     }
 
-    /// Queues a data-sync of `fd` that must complete before the next entry
-    /// pushed starts (a PREFLUSH ahead of a write). Its own success is not
-    /// reported; a failure cancels the linked entry, which then fails.
-    pub fn flush_before_next(&self, fd: RingFd) {
-        let e = with_fd!(fd, f, {
+    /// Submits `bio` as [`Ring::submit_bio`] does, behind a data-sync of `fd`
+    /// that must complete first (a PREFLUSH ahead of a write). The sync's own
+    /// success posts nothing; its failure cancels the bio, which then fails.
+    pub fn submit_bio_preflush(
+        &self,
+        fd: RingFd,
+        bio: BioPtr,
+        base: u64,
+        fua: bool,
+        block_device: bool,
+    ) {
+        let sync = with_fd!(fd, f, {
             opcode::Fsync::new(f)
                 .flags(types::FsyncFlags::DATASYNC)
                 .build()
         })
         .flags(squeue::Flags::IO_LINK | squeue::Flags::SKIP_SUCCESS)
         .user_data(TAG_IGNORE);
-        // SAFETY: an fsync carries no pointers.
-        unsafe { self.push(e) };
-        // Only a failed fsync posts a CQE; count it as not in flight.
+        let e = self.bio_entry(fd, bio, base, fua, block_device);
+        // SAFETY: the fsync carries no pointers; the bio's entry is built
+        // under submit_bio's argument (owned through user_data until its CQE).
+        unsafe { self.push_linked(sync, e) };
+        // Only a failed fsync posts a CQE (TAG_IGNORE): not counted in flight.
         self.inflight.set(self.inflight.get() - 1);
     }
 
@@ -329,19 +379,34 @@ impl Ring {
     fn drain_backlog(&self) {
         // SAFETY: single-threaded and not re-entered: nothing below calls out.
         let backlog = unsafe { &mut *self.backlog.get() };
-        while let Some(e) = backlog.front() {
-            // SAFETY: see `ring()`.
-            let mut sq = unsafe { (*self.ring.get()).submission_shared() };
-            // SAFETY: entries in the backlog were built under push's contract.
-            if unsafe { sq.push(e) }.is_err() {
-                drop(sq);
+        while let Some(&(_, linked)) = backlog.front() {
+            // SAFETY: see `ring()`; the borrow ends in this statement.
+            let cap = unsafe { (*self.ring.get()).submission_shared().capacity() };
+            // A pair enters together; a one-entry SQ (never set up here) could
+            // not hold one and gets it an entry at a time.
+            let need = (if linked { 2 } else { 1 }).min(cap).min(backlog.len());
+            let pushed = {
+                // SAFETY: see `ring()`; the SQ borrow ends in this block.
+                let mut sq = unsafe { (*self.ring.get()).submission_shared() };
+                if cap - sq.len() < need {
+                    false
+                } else {
+                    for (e, _) in backlog.iter().take(need) {
+                        // SAFETY: entries in the backlog were built under
+                        // push's contract; the room was checked above.
+                        let _ = unsafe { sq.push(e) };
+                    }
+                    true
+                }
+            };
+            if !pushed {
                 // Make room: hand what the SQ holds to the kernel.
                 if self.ring().submitter().submit().is_err() {
                     return;
                 }
                 continue;
             }
-            backlog.pop_front();
+            backlog.drain(..need);
         }
     }
 
@@ -381,5 +446,47 @@ impl Ring {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn nop() -> squeue::Entry {
+        opcode::Nop::new().build().user_data(TAG_IGNORE)
+    }
+
+    fn sq_len(r: &Ring) -> usize {
+        // SAFETY: test-only look at the SQ; no other borrow is live.
+        unsafe { (*r.ring.get()).submission_shared().len() }
+    }
+
+    fn backlog_len(r: &Ring) -> usize {
+        // SAFETY: as above.
+        unsafe { (*r.backlog.get()).len() }
+    }
+
+    #[test]
+    fn a_linked_pair_never_straddles_a_submission() {
+        let r = Ring::new(2, RingKind::default()).unwrap();
+        // SAFETY: nops carry no pointers.
+        unsafe { r.push(nop()) };
+        assert_eq!(sq_len(&r), 1);
+        // One slot left: the pair must wait whole in the backlog, not put
+        // its first half (the one with IO_LINK) at the end of this batch.
+        // SAFETY: as above.
+        unsafe { r.push_linked(nop().flags(squeue::Flags::IO_LINK), nop()) };
+        assert_eq!((sq_len(&r), backlog_len(&r)), (1, 2));
+        // Entries pushed later queue behind the backlog, keeping order.
+        // SAFETY: as above.
+        unsafe { r.push(nop()) };
+        assert_eq!((sq_len(&r), backlog_len(&r)), (1, 3));
+        // Draining submits the lone nop to make room, then the pair as one
+        // batch of its own, and leaves the last nop queued.
+        r.drain_backlog();
+        assert_eq!((sq_len(&r), backlog_len(&r)), (1, 0));
+        r.submit();
+        assert_eq!(sq_len(&r), 0);
     }
 }
