@@ -531,12 +531,13 @@ impl Reactor {
             }
         }
         // An IOPOLL ring completes only when polled. Other extra rings (SQPOLL)
-        // signal the mailbox eventfd on completion, which wakes us below.
+        // signal the mailbox eventfd when they post a completion, which wakes
+        // us below; overflowed ones are posted only by our next submit.
         if core
             .extra_rings
             .borrow()
             .iter()
-            .any(|r| r.inflight() > 0 && r.kind().iopoll)
+            .any(|r| r.inflight() > 0 && (r.kind().iopoll || r.cq_overflow()))
         {
             return false;
         }

@@ -376,6 +376,18 @@ impl Ring {
         let _ = r;
     }
 
+    /// Whether completions overflowed the CQ and wait in the kernel for an
+    /// enter (which [`Ring::submit`] makes) to post them.
+    pub fn cq_overflow(&self) -> bool {
+        // SAFETY: see `ring()`; the borrow ends in this statement.
+        unsafe { (*self.ring.get()).submission_shared().cq_overflow() }
+    }
+
+    fn sq_len(&self) -> usize {
+        // SAFETY: see `ring()`; the borrow ends in this statement.
+        unsafe { (*self.ring.get()).submission_shared().len() }
+    }
+
     fn drain_backlog(&self) {
         // SAFETY: single-threaded and not re-entered: nothing below calls out.
         let backlog = unsafe { &mut *self.backlog.get() };
@@ -400,8 +412,13 @@ impl Ring {
                 }
             };
             if !pushed {
-                // Make room: hand what the SQ holds to the kernel.
-                if self.ring().submitter().submit().is_err() {
+                // Make room: hand what the SQ holds to the kernel. A SQPOLL
+                // thread takes entries in its own time (and not at all while
+                // the CQ is overflowing, which only our reaping cures): if
+                // that made no room, leave the rest for the next turn rather
+                // than spin here. Completions of what is in the SQ wake us.
+                let before = self.sq_len();
+                if self.ring().submitter().submit().is_err() || self.sq_len() >= before {
                     return;
                 }
                 continue;
