@@ -240,6 +240,20 @@ fn bad_input_gets_one_line_naming_what_is_wrong() {
             "--target 'nope'",
         ),
         (&["frob"], "unknown command 'frob'"),
+        (
+            &["bench", "--cpus", "0,x"],
+            "--cpus '0,x': 'x' is not a CPU number",
+        ),
+        (
+            &[
+                "bench",
+                "--dev",
+                "f=file:/nonexistent/udm.img",
+                "--target",
+                "f",
+            ],
+            "file '/nonexistent/udm.img'",
+        ),
     ];
     for (args, want) in cases {
         let (code, out, err) = udm(args);
@@ -263,4 +277,15 @@ fn table_prints_dmsetup_lines() {
         out.contains("status: 0 2097152 striped 2 ram0 ram1 1 AA"),
         "{out}"
     );
+}
+
+/// `--cpus` pins jobs round-robin; two jobs on one CPU still finish.
+#[test]
+fn jobs_pinned_with_cpus_run() {
+    let (code, out, err) = udm(&[
+        "bench", "--dev", "r=ram:8M", "--target", "r", "--jobs", "2", "--cpus", "0", "--size",
+        "4M", "--verify", "--json",
+    ]);
+    assert_eq!(code, 0, "{out} {err}");
+    assert!(out.contains("\"mismatches\":0"), "{out}");
 }

@@ -41,6 +41,7 @@ options:
   --hybrid             spin briefly, then sleep
   --no-fast-path       force the mapper's clone path
   --no-cache           disable the descriptor cache
+  --cpus LIST          pin job i to the i-th CPU of LIST (e.g. 0,1)
   --json               print one JSON object instead of the summary";
 
 /// Everything one run needs.
@@ -59,6 +60,8 @@ struct BenchCfg {
     fast_path: bool,
     cache: bool,
     json: bool,
+    /// CPUs to pin jobs to, round-robin; empty: not pinned.
+    cpus: Vec<usize>,
 }
 
 /// Runs `udm bench`.
@@ -118,6 +121,10 @@ pub fn main(mut args: Args) -> Result<i32, Error> {
         fast_path: !args.flag("--no-fast-path"),
         cache: !args.flag("--no-cache"),
         json: args.flag("--json"),
+        cpus: match args.opt("--cpus") {
+            Some(s) => parse_cpus(&s)?,
+            None => Vec::new(),
+        },
     };
     args.finish()?;
     if cfg.iodepth == 0 || cfg.jobs == 0 {
@@ -166,6 +173,7 @@ fn default_suite(stack: &Stack, base: BenchCfg) -> Result<i32, Error> {
             target: name.to_string(),
             runtime: Some(base.runtime.unwrap_or(Duration::from_secs(2))),
             json: false,
+            cpus: base.cpus.clone(),
             ..base
         };
         let r = run(&dev, cfg)?;
@@ -270,10 +278,14 @@ fn run(dev: &Arc<dyn BlockDevice>, cfg: BenchCfg) -> Result<Report, Error> {
         let dev = dev.clone();
         let ready = ready.clone();
         let prog = progress[j as usize].clone();
+        let cpu = (!cfg.cpus.is_empty()).then(|| cfg.cpus[j as usize % cfg.cpus.len()]);
         let h = std::thread::Builder::new()
             .name(format!("udm-job{j}"))
             .spawn(move || {
-                let r = run_job(dev, jc, ready.clone(), prog);
+                let r = match cpu.map(pin_to).transpose() {
+                    Ok(_) => run_job(dev, jc, ready.clone(), prog),
+                    Err(e) => Err(e),
+                };
                 if r.is_err() {
                     // Setup failed before the barrier: release the others.
                     ready.wait();
@@ -478,4 +490,36 @@ pub fn human_bytes(v: u64) -> String {
     } else {
         format!("{x:.1}{}", units[u])
     }
+}
+
+/// Parses `--cpus`: comma-separated CPU numbers.
+fn parse_cpus(s: &str) -> Result<Vec<usize>, Error> {
+    s.split(',')
+        .map(|c| {
+            c.trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|&n| n < libc::CPU_SETSIZE as usize)
+                .ok_or_else(|| Error::invalid(format!("--cpus '{s}': '{c}' is not a CPU number")))
+        })
+        .collect()
+}
+
+/// Pins the calling thread to `cpu`.
+fn pin_to(cpu: usize) -> Result<(), Error> {
+    // SAFETY: cpu_set_t is plain data, valid when zeroed; CPU_SET stays
+    // inside it because parse_cpus bounded `cpu` by CPU_SETSIZE; the call
+    // reads the set we pass and changes only this thread's affinity.
+    let r = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    if r != 0 {
+        return Err(Error::os(
+            format!("--cpus: pinning to CPU {cpu}"),
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(())
 }
