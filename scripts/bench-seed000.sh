@@ -22,9 +22,10 @@ run() { # key args...
 }
 median() { tr ' ' '\n' | grep . | sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 
-S512=(--rw read --bs 512 --iodepth 1 --jobs 2 --runtime "$RT" --prefill --size 256M)
-R4K=(--rw randread --bs 4k --iodepth 32 --jobs 1 --runtime "$RT" --prefill --size 512M)
-N4K=(--rw randread --bs 4k --iodepth 32 --jobs 1 --runtime "$RT")
+# Jobs are pinned (--cpus) so that A and B runs get the same placement.
+S512=(--rw read --bs 512 --iodepth 1 --jobs 2 --cpus 0,1 --runtime "$RT" --prefill --size 256M)
+R4K=(--rw randread --bs 4k --iodepth 32 --jobs 1 --cpus 1 --runtime "$RT" --prefill --size 512M)
+N4K=(--rw randread --bs 4k --iodepth 32 --jobs 1 --cpus 1 --runtime "$RT")
 for r in $(seq "$ROUNDS"); do
     echo "round $r/$ROUNDS" >&2
     for shape in S512 R4K; do
@@ -52,3 +53,18 @@ done
 for k in "null raw cache" "null raw nocache" "null lin cache" "null lin nocache"; do
     printf '%-22s %12.0f\n' "$k" "$(echo "${R[$k]}" | median)"
 done
+
+# Instructions per I/O (callgrind; exact and repeatable, unlike the clock).
+# CALLGRIND=0 skips this part.
+if [ "${CALLGRIND:-1}" != 0 ] && command -v valgrind >/dev/null; then
+    printf '\n%-22s %12s\n' "case" "instr/IO"
+    ipi() { UDM=$UDM scripts/instr-per-io.sh "$@" | cut -d' ' -f1; }
+    Q1=(--rw read --bs 512 --iodepth 1)
+    printf '%-22s %12s\n' "S512 raw" "$(ipi "${RAM[@]}" --target ram0 "${Q1[@]}")"
+    printf '%-22s %12s\n' "S512 lin" "$(ipi "${RAM[@]}" --target lin "${Q1[@]}")"
+    printf '%-22s %12s\n' "S512 str" "$(ipi "${RAM[@]}" --target str "${Q1[@]}")"
+    printf '%-22s %12s\n' "S512 lin-clone" "$(ipi "${RAM[@]}" --target lin "${Q1[@]}" --no-fast-path)"
+    Q32=(--rw randread --bs 4k --iodepth 32)
+    printf '%-22s %12s\n' "null raw" "$(ipi "${NULL[@]}" --target null0 "${Q32[@]}")"
+    printf '%-22s %12s\n' "null lin" "$(ipi "${NULL[@]}" --target nlin "${Q32[@]}")"
+fi
