@@ -15,6 +15,7 @@
 //! trusted networks only (unix sockets and loopback by default).
 
 pub mod conn;
+pub mod fuzzing;
 pub mod handshake;
 pub mod proto;
 pub mod server;

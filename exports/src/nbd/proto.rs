@@ -737,9 +737,9 @@ mod tests {
         let r = parse_request(&b).unwrap();
         assert_eq!(r, req(CMD_WRITE, CMD_FLAG_FUA, 4096, 512).with_cookie(42));
         assert_eq!(r.payload_len(), 512);
+        assert_eq!(parse_request(&b[..10]), Err(ProtoError::Short));
         b[0] ^= 1;
         assert_eq!(parse_request(&b), Err(ProtoError::BadMagic));
-        assert_eq!(parse_request(&b[..10]), Err(ProtoError::Short));
     }
 
     impl Request {
