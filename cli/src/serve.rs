@@ -159,7 +159,10 @@ pub fn main(mut a: Args) -> Result<i32, Error> {
     for (n, s) in &failed {
         eprintln!("udm: flush of '{n}' failed: {s}");
     }
-    eprintln!("udm: nbd: stopped; {} devices flushed", all.len() - failed.len());
+    eprintln!(
+        "udm: nbd: stopped; {} devices flushed",
+        all.len() - failed.len()
+    );
     Ok(if failed.is_empty() { 0 } else { 1 })
 }
 

@@ -3,6 +3,8 @@
 //! where the spec says so, a closed connection) and a log line, and leaves
 //! the server serving everyone else.
 
+#![allow(clippy::unwrap_used)] // helpers too: allow-unwrap-in-tests only covers #[test] fns
+
 mod common;
 
 use std::io::{Read, Write};
@@ -48,7 +50,11 @@ impl Raw {
         let g = r.read(18);
         assert_eq!(&g[..8], b"NBDMAGIC");
         assert_eq!(&g[8..16], b"IHAVEOPT");
-        assert_eq!(u16::from_be_bytes([g[16], g[17]]) & 3, 3, "FIXED_NEWSTYLE|NO_ZEROES");
+        assert_eq!(
+            u16::from_be_bytes([g[16], g[17]]) & 3,
+            3,
+            "FIXED_NEWSTYLE|NO_ZEROES"
+        );
         r.send(&client_flags.to_be_bytes());
         r
     }
@@ -80,7 +86,10 @@ impl Raw {
     /// Reads one option reply: (option, type, data).
     fn option_reply(&mut self) -> (u32, u32, Vec<u8>) {
         let h = self.read(20);
-        assert_eq!(u64::from_be_bytes(h[..8].try_into().unwrap()), OPT_REPLY_MAGIC);
+        assert_eq!(
+            u64::from_be_bytes(h[..8].try_into().unwrap()),
+            OPT_REPLY_MAGIC
+        );
         let opt = u32::from_be_bytes(h[8..12].try_into().unwrap());
         let ty = u32::from_be_bytes(h[12..16].try_into().unwrap());
         let len = u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize;
@@ -245,7 +254,14 @@ fn bad_requests_get_error_replies_and_the_connection_goes_on() {
         (0, CMD_READ, u64::MAX - 100, 512, EINVAL, "offset overflow"),
         (0, CMD_READ, 100, 512, EINVAL, "misaligned offset"),
         (0, CMD_READ, 0, 100, EINVAL, "misaligned length"),
-        (0, CMD_READ, 0, (32 << 20) + 512, EINVAL, "above max payload"),
+        (
+            0,
+            CMD_READ,
+            0,
+            (32 << 20) + 512,
+            EINVAL,
+            "above max payload",
+        ),
         (0, CMD_FLUSH, 4096, 0, EINVAL, "flush with an offset"),
         (0, CMD_BLOCK_STATUS, 0, 512, EINVAL, "no metadata context"),
     ];
@@ -307,7 +323,11 @@ fn structured_replies_carry_errors_as_error_chunks() {
     let h = c.read(20);
     assert_eq!(&h[..4], &0x668e_33efu32.to_be_bytes());
     assert_eq!(u16::from_be_bytes([h[4], h[5]]), 1, "DONE");
-    assert_eq!(u16::from_be_bytes([h[6], h[7]]), (1 << 15) + 1, "ERROR chunk");
+    assert_eq!(
+        u16::from_be_bytes([h[6], h[7]]),
+        (1 << 15) + 1,
+        "ERROR chunk"
+    );
     let len = u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize;
     let p = c.read(len);
     assert_eq!(u32::from_be_bytes(p[..4].try_into().unwrap()), EINVAL);

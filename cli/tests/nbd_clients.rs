@@ -2,6 +2,8 @@
 //! qemu-img, qemu-io, nbdinfo, nbdcopy and nbdsh, over unix sockets.
 //! The tools come from scripts/setup.sh.
 
+#![allow(clippy::unwrap_used)] // helpers too: allow-unwrap-in-tests only covers #[test] fns
+
 mod common;
 
 use common::{random_file, run, Serve};
@@ -66,7 +68,12 @@ fn fio_verifies_random_and_sequential_writes_over_every_target_type() {
         let s = Serve::start(&args);
         fio(&s.uri("t"), "randwrite", "4k", &[]);
         fio(&s.uri("t"), "write", "64k", &["--offset=4M"]);
-        fio(&s.uri("t"), "randwrite", "4k", &["--offset=8M", "--size=4M"]);
+        fio(
+            &s.uri("t"),
+            "randwrite",
+            "4k",
+            &["--offset=8M", "--size=4M"],
+        );
         let log = s.log();
         assert!(!log.contains("refused command"), "{what}: {log}");
     }
@@ -102,7 +109,10 @@ fn qemu_img_copies_a_random_image_in_and_compares_it() {
         "qemu-img",
         &["convert", "-n", "-f", "raw", "-O", "raw", img, &s.uri("t")],
     );
-    let out = run("qemu-img", &["compare", "-f", "raw", "-F", "raw", img, &s.uri("t")]);
+    let out = run(
+        "qemu-img",
+        &["compare", "-f", "raw", "-F", "raw", img, &s.uri("t")],
+    );
     assert!(out.contains("identical"), "{out}");
 }
 
@@ -165,7 +175,10 @@ fn nbdinfo_shows_size_flags_and_block_sizes() {
     assert!(ro.contains("\"is_read_only\": true"), "{ro}");
     assert!(ro.contains("\"can_trim\": false"), "{ro}");
     let list = run("nbdinfo", &["--list", &s.uri("")]);
-    assert!(list.contains("export=\"t\"") && list.contains("export=\"a\""), "{list}");
+    assert!(
+        list.contains("export=\"t\"") && list.contains("export=\"a\""),
+        "{list}"
+    );
 }
 
 #[test]

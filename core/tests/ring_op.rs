@@ -1,5 +1,7 @@
 //! The generic op API of the reactor's ring: `Ring::push_op` and `RingOp`.
 
+#![allow(clippy::unwrap_used)] // helpers too: allow-unwrap-in-tests only covers #[test] fns
+
 use std::cell::Cell;
 
 use udm_core::io_uring::{opcode, types};

@@ -2,6 +2,8 @@
 //! entry points the fuzz targets call: crashes the fuzzer found once stay
 //! fixed, checked by plain `cargo test` without nightly or libFuzzer.
 
+#![allow(clippy::unwrap_used)] // helpers too: allow-unwrap-in-tests only covers #[test] fns
+
 use std::path::PathBuf;
 
 use udm_exports::nbd::fuzzing;

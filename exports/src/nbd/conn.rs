@@ -115,7 +115,10 @@ impl Worker {
 
     /// Drops the channels (before the reactor goes).
     pub fn release(&self) {
-        self.channels.borrow_mut().iter_mut().for_each(|c| *c = None);
+        self.channels
+            .borrow_mut()
+            .iter_mut()
+            .for_each(|c| *c = None);
     }
 
     fn reactor(&self) -> &Reactor {
@@ -136,7 +139,6 @@ impl Worker {
         self.channels.borrow_mut()[export] = Some(c.clone());
         Ok(c)
     }
-
 }
 
 impl Poller for Worker {
@@ -753,11 +755,7 @@ impl Conn {
                 // SAFETY: the buffer holds len >= n bytes, rbuf holds `avail`
                 // bytes from rstart; distinct allocations.
                 unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        self.rbuf.as_ptr().add(self.rstart),
-                        req.buf,
-                        n,
-                    )
+                    std::ptr::copy_nonoverlapping(self.rbuf.as_ptr().add(self.rstart), req.buf, n)
                 };
             }
             self.rstart += n;
@@ -872,7 +870,9 @@ impl Conn {
         }
         req.data_len = 0;
         req.hdr_len = match failure {
-            Some((e, msg)) if structured => proto::encode_error_chunk(&mut req.hdr, req.cookie, e, msg),
+            Some((e, msg)) if structured => {
+                proto::encode_error_chunk(&mut req.hdr, req.cookie, e, msg)
+            }
             Some((e, _)) => proto::encode_simple_reply(&mut req.hdr, e, req.cookie),
             None => match req.cmd {
                 Command::Read => {
@@ -925,7 +925,9 @@ impl Conn {
             });
         }
         while self.iov.len() + 2 <= MAX_IOV {
-            let Some(r) = self.ready.pop_front() else { break };
+            let Some(r) = self.ready.pop_front() else {
+                break;
+            };
             // SAFETY: an active request of this connection.
             let req = unsafe { &mut *r };
             self.iov.push(libc::iovec {

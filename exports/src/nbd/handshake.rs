@@ -305,8 +305,7 @@ impl Handshake {
                     r.queries.contains(&proto::META_BASE_ALLOCATION)
                 } else {
                     r.queries.is_empty()
-                        || r
-                            .queries
+                        || r.queries
                             .iter()
                             .any(|q| *q == "base:" || *q == proto::META_BASE_ALLOCATION)
                 };
@@ -416,8 +415,10 @@ mod tests {
             outcome = o;
         }
         assert!(matches!(outcome, Outcome::Transmission(_)));
-        assert_eq!(out.len() % 1, 0);
-        assert!(out.ends_with(&[0u8; 124]), "EXPORT_NAME without NO_ZEROES pads");
+        assert!(
+            out.ends_with(&[0u8; 124]),
+            "EXPORT_NAME without NO_ZEROES pads"
+        );
     }
 
     #[test]

@@ -628,7 +628,10 @@ pub fn validate(req: &Request, p: &TxParams) -> Result<Command, Refusal> {
     }
     let mb = p.min_block.max(1) as u64;
     if !req.offset.is_multiple_of(mb) || !(req.len as u64).is_multiple_of(mb) {
-        return Err(refuse(EINVAL, "offset or length not aligned to the minimum block size"));
+        return Err(refuse(
+            EINVAL,
+            "offset or length not aligned to the minimum block size",
+        ));
     }
     Ok(cmd)
 }
@@ -766,7 +769,10 @@ mod tests {
         assert_eq!(e(req(CMD_FLUSH, 0, 0, 512)), EINVAL);
         let mut ro = p;
         ro.flags |= FLAG_READ_ONLY;
-        assert_eq!(validate(&req(CMD_WRITE, 0, 0, 512), &ro).unwrap_err().error, EPERM);
+        assert_eq!(
+            validate(&req(CMD_WRITE, 0, 0, 512), &ro).unwrap_err().error,
+            EPERM
+        );
         assert_eq!(
             validate(&req(CMD_WRITE_ZEROES, CMD_FLAG_FAST_ZERO, 0, 512), &p),
             Ok(Command::WriteZeroes {

@@ -20,9 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 
-use udm_core::{
-    BlockDevice, Caps, Error, Op, Reactor, ReactorConfig, ReactorHandle, Status,
-};
+use udm_core::{BlockDevice, Caps, Error, Op, Reactor, ReactorConfig, ReactorHandle, Status};
 
 use super::conn::{self, Worker};
 use super::proto::{self, ExportInfo};
@@ -286,7 +284,9 @@ impl Server {
                 }
                 // Accept everything pending on this listener.
                 loop {
-                    let Some((fd, peer)) = accept(l, addr) else { break };
+                    let Some((fd, peer)) = accept(l, addr) else {
+                        break;
+                    };
                     let id = next_id.fetch_add(1, Ordering::Relaxed);
                     let h = &handles[rr % handles.len()];
                     rr += 1;
@@ -418,7 +418,7 @@ fn reactor_main(
 pub fn flush_all(devs: &[Arc<dyn BlockDevice>]) -> Result<Vec<(String, Status)>, Error> {
     use std::cell::RefCell;
     let reactor = Reactor::new(ReactorConfig::default()).map_err(|e| Error::os("reactor", e))?;
-    let results: Rc<RefCell<Vec<(String, Option<Status>)>>> = Rc::new(RefCell::new(Vec::new()));
+    let results: Rc<FlushResults> = Rc::new(RefCell::new(Vec::new()));
     let mut chans = Vec::new();
     for (i, d) in devs.iter().enumerate() {
         results.borrow_mut().push((d.name().to_string(), None));
