@@ -378,3 +378,32 @@ fn clients_that_vanish_mid_request_or_mid_payload_affect_nobody_else() {
     other.request(0, CMD_DISC, 3, 0, 0);
     assert!(other.closed());
 }
+
+#[test]
+fn a_refused_write_cut_mid_payload_leaves_nothing_behind() {
+    let mut s = server();
+    let mut c = transmission(&s);
+    c.request(0, CMD_WRITE, 1, SIZE, 65536);
+    c.send(&[3u8; 1000]);
+    drop(c);
+    s.wait_log("mid-payload", 1);
+    // The connection was freed: shutdown does not wait for it.
+    assert_eq!(s.stop().code(), Some(0));
+}
+
+#[test]
+fn sigterm_with_idle_and_half_sent_clients_still_exits_zero_promptly() {
+    let mut s = server();
+    let _idle_handshake = Raw::connect(&s, 1);
+    let mut idle = transmission(&s);
+    idle.still_serves();
+    let mut half = transmission(&s);
+    half.request(0, CMD_WRITE, 1, 0, 65536);
+    half.send(&[3u8; 1000]);
+    let t0 = std::time::Instant::now();
+    assert_eq!(s.stop().code(), Some(0), "{}", s.log());
+    assert!(t0.elapsed() < Duration::from_secs(4), "{:?}", t0.elapsed());
+    assert!(idle.closed());
+    let log = s.log();
+    assert!(log.contains("server shutting down"), "{log}");
+}

@@ -28,6 +28,7 @@ use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::rc::Rc;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use udm_core::io_uring::{opcode, types};
 use udm_core::{
@@ -68,7 +69,14 @@ pub struct Worker {
     dirty: RefCell<Vec<*mut Conn>>,
     scratch: RefCell<Vec<*mut Conn>>,
     stopping: Cell<bool>,
+    /// When stopping, the moment connections still open are cut.
+    cut_at: Cell<Option<Instant>>,
 }
+
+/// How long a stopping server waits for connections to finish their
+/// requests (a client that stops reading replies would otherwise hold the
+/// shutdown forever).
+pub const STOP_GRACE: Duration = Duration::from_secs(5);
 
 impl Worker {
     /// A worker for `reactor`, which must outlive it (the server keeps both
@@ -85,6 +93,7 @@ impl Worker {
             dirty: RefCell::new(Vec::new()),
             scratch: RefCell::new(Vec::new()),
             stopping: Cell::new(false),
+            cut_at: Cell::new(None),
         })
     }
 
@@ -103,6 +112,7 @@ impl Worker {
     /// and close once their in-flight requests are answered.
     pub fn stop(&self) {
         self.stopping.set(true);
+        self.cut_at.set(Some(Instant::now() + STOP_GRACE));
         let conns = self.conns.borrow().clone();
         for c in conns {
             // SAFETY: a connection stays in `conns` until the poller frees it,
@@ -141,8 +151,34 @@ impl Worker {
     }
 }
 
+impl Worker {
+    /// After the grace period, cuts every connection still open: pending
+    /// sends and receives fail, requests in flight finish without replies.
+    fn cut_stragglers(&self) {
+        let Some(t) = self.cut_at.get() else { return };
+        if Instant::now() < t {
+            return;
+        }
+        self.cut_at.set(None);
+        let conns = self.conns.borrow().clone();
+        for c in conns {
+            // SAFETY: as in stop().
+            let conn = unsafe { &mut *c };
+            eprintln!(
+                "{}: still busy after {STOP_GRACE:?}; cutting it",
+                conn.tag()
+            );
+            conn.write_dead = true;
+            // SAFETY: plain syscall on the connection's own socket.
+            unsafe { libc::shutdown(conn.fd.as_raw_fd(), libc::SHUT_RDWR) };
+            conn.dirty();
+        }
+    }
+}
+
 impl Poller for Worker {
     fn poll(&self) -> usize {
+        self.cut_stragglers();
         if self.dirty.borrow().is_empty() {
             return 0;
         }
@@ -172,6 +208,14 @@ impl Poller for Worker {
 
     fn must_spin(&self) -> bool {
         !self.dirty.borrow().is_empty()
+    }
+
+    fn deadline(&self) -> Option<Instant> {
+        if self.conns.borrow().is_empty() {
+            None
+        } else {
+            self.cut_at.get()
+        }
     }
 }
 
@@ -511,6 +555,12 @@ impl Conn {
             };
             if !self.payload.is_null() {
                 let r = std::mem::replace(&mut self.payload, std::ptr::null_mut());
+                self.recycle(r);
+                why.push_str(" mid-payload");
+            } else if !self.skip_req.is_null() {
+                // A refused write whose payload was being dropped.
+                let r = std::mem::replace(&mut self.skip_req, std::ptr::null_mut());
+                self.skip = 0;
                 self.recycle(r);
                 why.push_str(" mid-payload");
             } else if self.rend > self.rstart && self.closing.is_none() {
