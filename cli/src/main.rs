@@ -3,12 +3,14 @@
 //! ```text
 //! udm bench [--dev NAME=SPEC]... [--target NAME] [options]   drive a device in process
 //! udm table [--dev NAME=SPEC]...                             print tables and status
+//! udm serve [--dev NAME=SPEC]... [--export NAME] [--listen ADDR]  serve devices over NBD
 //! ```
 
 mod alloc;
 mod args;
 mod bench;
 mod clock;
+mod serve;
 mod spec;
 
 use std::process::ExitCode;
@@ -26,6 +28,7 @@ udm — a userspace device-mapper
 usage:
   udm bench [--dev NAME=SPEC]... [--target NAME] [options]
   udm table [--dev NAME=SPEC]...
+  udm serve [--dev NAME=SPEC]... [--config FILE] [--export NAME[:ro]]... [--listen ADDR]...
   udm help
 
 Devices (--dev NAME=SPEC, repeatable, later ones may use earlier ones):
@@ -57,6 +60,15 @@ fn main() -> ExitCode {
             }
         }
         "table" => table(Args::new("table", argv)),
+        "serve" => {
+            let a = Args::new("serve", argv);
+            if a.wants_help() {
+                println!("{}", serve::USAGE);
+                Ok(0)
+            } else {
+                serve::main(a)
+            }
+        }
         "help" | "--help" | "-h" => {
             println!("{USAGE}");
             Ok(0)

@@ -27,4 +27,8 @@ pub use error::{Error, ErrorKind, Result};
 pub use reactor::{
     CacheStats, CompletionMode, Poller, Reactor, ReactorConfig, ReactorHandle, DEFAULT_CACHE_SIZE,
 };
-pub use ring::{Ring, RingFd, RingKind};
+pub use ring::{cqe_more, Ring, RingFd, RingKind, RingOp};
+
+/// The io_uring crate the core's [`Ring`] is built on, for callers that build
+/// their own entries for [`Ring::push_op`].
+pub use io_uring;

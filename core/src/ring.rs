@@ -38,6 +38,47 @@ macro_rules! with_fd {
 const TAG_IGNORE: u64 = 0;
 /// `user_data` of the reactor's wake-up read.
 pub(crate) const TAG_WAKE: u64 = 1;
+/// Low bits of a `user_data` that carries a [`RingOp`] pointer. Bios and ops
+/// are at least 8-aligned, so a bio pointer has its low three bits clear and
+/// an op pointer is told apart by this tag; 0 and 1 are never pointers.
+const TAG_OP: u64 = 2;
+/// Mask of the tag bits below an 8-aligned pointer.
+const TAG_MASK: u64 = 7;
+
+/// A generic operation on the ring, for callers that are not bios (sockets,
+/// timers, eventfds …).
+///
+/// Embed it as the **first field** of a `#[repr(C)]` struct of your own and
+/// pass a pointer to it to [`Ring::push_op`]; when a CQE for the entry
+/// arrives, the ring calls `complete(op, res, flags)` on the reactor's
+/// thread, where `op` is the pointer you pushed (cast it back to your
+/// struct), `res` the CQE's result (a negative errno on failure) and `flags`
+/// its flags. A multishot entry (`IORING_CQE_F_MORE` in `flags`) calls
+/// `complete` once per CQE; the op counts as in flight until the last one
+/// (the CQE without `F_MORE`).
+#[repr(C)]
+#[derive(Debug)]
+pub struct RingOp {
+    /// Called once per CQE of the op.
+    pub complete: fn(op: *mut RingOp, res: i32, flags: u32),
+}
+
+impl RingOp {
+    /// The `user_data` [`Ring::push_op`] gives `op`'s entries, for an
+    /// `AsyncCancel` of them.
+    pub fn user_data(op: *const RingOp) -> u64 {
+        op as u64 | TAG_OP
+    }
+}
+
+// Ops are tagged in the low bits of user_data: they must be 8-aligned.
+const _: () = assert!(std::mem::align_of::<RingOp>() >= 8);
+
+/// Whether a CQE's flags say more CQEs of the same (multishot) entry follow.
+#[inline]
+pub fn cqe_more(flags: u32) -> bool {
+    io_uring::cqueue::more(flags)
+}
 
 /// How a ring is set up.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -207,6 +248,26 @@ impl Ring {
             backlog.push_back((second, false));
         }
         self.inflight.set(self.inflight.get() + 2);
+    }
+
+    /// Queues `entry` as the generic operation `op`: its CQEs call
+    /// `(*op).complete` (see [`RingOp`]). The entry's `user_data` is
+    /// overwritten. The op counts in [`Ring::inflight`] until its final CQE,
+    /// so a reactor does not consider itself idle while the op is pending.
+    ///
+    /// # Safety
+    /// `op` must point to a live [`RingOp`] (the first field of the caller's
+    /// `#[repr(C)]` struct), and `op` and every buffer, iovec and msghdr the
+    /// entry names must stay valid (and, for buffers the kernel writes,
+    /// unaliased) until the final CQE of the entry has been reaped, i.e.
+    /// until `complete` was called with `flags` lacking `IORING_CQE_F_MORE`.
+    #[inline]
+    pub unsafe fn push_op(&self, entry: squeue::Entry, op: *mut RingOp) {
+        debug_assert!(op as u64 & TAG_MASK == 0, "RingOp must be 8-aligned");
+        let e = entry.user_data(op as u64 | TAG_OP);
+        // SAFETY: forwarded from the caller: the op and the entry's memory
+        // stay valid until the final CQE.
+        unsafe { self.push(e) };
     }
 
     /// Submits `bio` (read, write, flush, discard or write-zeroes) against the
@@ -434,17 +495,28 @@ impl Ring {
             let next = {
                 // SAFETY: see `ring()`; the CQ borrow ends before any end_io runs.
                 let mut cq = unsafe { (*self.ring.get()).completion_shared() };
-                let e = cq.next().map(|c| (c.user_data(), c.result()));
+                let e = cq.next().map(|c| (c.user_data(), c.result(), c.flags()));
                 cq.sync();
                 e
             };
-            let Some((ud, res)) = next else {
+            let Some((ud, res, flags)) = next else {
                 return n;
             };
             n += 1;
             match ud {
                 TAG_IGNORE => {}
                 TAG_WAKE => self.woken.set(true),
+                _ if ud & TAG_MASK == TAG_OP => {
+                    if !cqe_more(flags) {
+                        self.inflight.set(self.inflight.get() - 1);
+                    }
+                    let op = (ud & !TAG_MASK) as *mut RingOp;
+                    // SAFETY: user_data tagged TAG_OP was made by push_op from
+                    // a live RingOp, which push_op's contract keeps valid
+                    // until its final CQE (this one or a later one).
+                    let complete = unsafe { (*op).complete };
+                    complete(op, res, flags);
+                }
                 _ => {
                     self.inflight.set(self.inflight.get() - 1);
                     // SAFETY: every other user_data is a bio pointer that

@@ -1,0 +1,232 @@
+//! `udm serve`: builds the stack from `--dev` specs (or a `--config` file of
+//! them) and serves devices over NBD until SIGINT/SIGTERM.
+//!
+//! On a signal it stops accepting, finishes the requests in flight, flushes
+//! every device and exits 0.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
+
+use udm_core::{BlockDevice, Error, ReactorConfig};
+use udm_exports::nbd::{server, Export, Listen, Server, ServerConfig};
+
+use crate::args::Args;
+use crate::spec::Stack;
+
+/// Help text.
+pub const USAGE: &str = "\
+udm serve — export devices over NBD
+
+usage:
+  udm serve [--dev NAME=SPEC]... [--config FILE] [--export NAME[:ro]]...
+            [--listen unix:PATH | --listen [HOST:]PORT]... [--reactors N]
+
+  --dev NAME=SPEC     a device, as for 'udm bench' (repeatable)
+  --config FILE       more --dev specs, one NAME=SPEC per line ('#' comments)
+  --export NAME[:ro]  serve device NAME as export NAME, read-only with ':ro'
+                      (repeatable; default: the last device defined; the
+                      first export is the default export, name '')
+  --listen ADDR       unix:PATH, or HOST:PORT / :PORT / PORT for TCP (a bare
+                      port listens on 127.0.0.1); repeatable; default: a unix
+                      socket in the temporary directory, printed at start
+  --reactors N        reactor threads serving connections (default 1)
+
+Without --dev or --config: a 1 GiB RAM disk (ram0) with a linear device
+over it (lin), exported as 'lin'.
+
+NBD has no authentication and udm does not speak TLS: serve it only on
+trusted networks (unix sockets and loopback are the defaults).";
+
+/// The built-in stack of `udm serve`.
+pub const DEFAULT_DEVS: &[&str] = &["ram0=ram:1G", "lin=0 2097152 linear ram0 0"];
+
+/// Reads `NAME=SPEC` lines from `path`: blank lines and `#` comments skipped.
+pub fn read_config(path: &str) -> Result<Vec<String>, Error> {
+    let text =
+        std::fs::read_to_string(path).map_err(|e| Error::os(format!("--config '{path}'"), e))?;
+    Ok(parse_config(&text))
+}
+
+fn parse_config(text: &str) -> Vec<String> {
+    text.lines()
+        .map(|l| l.split('#').next().unwrap_or("").trim())
+        .filter(|l| !l.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+/// Parses `NAME[:ro]`.
+fn parse_export(s: &str) -> Result<(String, bool), Error> {
+    let (name, ro) = match s.rsplit_once(':') {
+        Some((n, "ro")) => (n, true),
+        Some((n, "rw")) => (n, false),
+        Some((_, flag)) => {
+            return Err(Error::invalid(format!(
+                "--export '{s}': unknown flag '{flag}' (known: ro, rw)"
+            )))
+        }
+        None => (s, false),
+    };
+    if name.is_empty() {
+        return Err(Error::invalid(format!("--export '{s}': empty device name")));
+    }
+    Ok((name.to_string(), ro))
+}
+
+/// Runs `udm serve`.
+pub fn main(mut a: Args) -> Result<i32, Error> {
+    let mut devs = a.many("--dev");
+    let configs = a.many("--config");
+    let exports = a.many("--export");
+    let listens = a.many("--listen");
+    let reactors = a.num("--reactors", 1)?;
+    a.finish()?;
+    if reactors == 0 || reactors > 64 {
+        return Err(Error::invalid(format!(
+            "--reactors {reactors}: expected 1 to 64"
+        )));
+    }
+    for c in &configs {
+        devs.extend(read_config(c)?);
+    }
+    let builtin = devs.is_empty();
+    if builtin {
+        devs = DEFAULT_DEVS.iter().map(|s| s.to_string()).collect();
+    }
+    let stack = Stack::build(&devs)?;
+    let mut table = Vec::new();
+    let wanted: Vec<(String, bool)> = if exports.is_empty() {
+        match stack.devices().last() {
+            Some(d) => vec![(d.name().to_string(), false)],
+            None => return Err(Error::invalid("no devices to export")),
+        }
+    } else {
+        exports
+            .iter()
+            .map(|e| parse_export(e))
+            .collect::<Result<_, _>>()?
+    };
+    for (name, ro) in &wanted {
+        let Some(dev) = stack.get(name) else {
+            return Err(Error::invalid(format!(
+                "--export '{name}': no such device (define it with --dev)"
+            )));
+        };
+        if table.iter().any(|e: &Export| &e.info.name == name) {
+            return Err(Error::invalid(format!("--export '{name}': exported twice")));
+        }
+        table.push(Export::new(name, dev, *ro));
+    }
+    let listen: Vec<Listen> = if listens.is_empty() {
+        let p = std::env::temp_dir().join(format!("udm-nbd-{}.sock", std::process::id()));
+        vec![Listen::Unix(p)]
+    } else {
+        listens
+            .iter()
+            .map(|l| Listen::parse(l))
+            .collect::<Result<_, _>>()?
+    };
+
+    // Signals become readable on a signalfd that the accept loop polls;
+    // blocked before the reactor threads start, so they inherit the mask.
+    let stop = signal_fd()?;
+    let srv = Server::bind(
+        table,
+        ServerConfig {
+            listen,
+            reactors: reactors as usize,
+            reactor: ReactorConfig::default(),
+        },
+    )?;
+    for e in srv.exports() {
+        let i = &e.info;
+        for l in srv.addresses() {
+            let uri = match &l {
+                Listen::Unix(p) => format!("nbd+unix:///{}?socket={}", i.name, p.display()),
+                Listen::Tcp(a) => format!("nbd://{a}/{}", i.name),
+            };
+            println!(
+                "udm: serving '{}' ({} bytes, block {}/{}/{}, flags {:#06x}) at {uri}",
+                i.name, i.size, i.min_block, i.pref_block, i.max_payload, i.flags
+            );
+        }
+    }
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    srv.run(stop.as_raw_fd())?;
+    let all: Vec<Arc<dyn BlockDevice>> = stack.devices().to_vec();
+    let failed = server::flush_all(&all)?;
+    for (n, s) in &failed {
+        eprintln!("udm: flush of '{n}' failed: {s}");
+    }
+    eprintln!(
+        "udm: nbd: stopped; {} devices flushed",
+        all.len() - failed.len()
+    );
+    Ok(if failed.is_empty() { 0 } else { 1 })
+}
+
+/// Blocks SIGINT and SIGTERM and returns a signalfd that reads them.
+fn signal_fd() -> Result<OwnedFd, Error> {
+    // SAFETY: plain libc calls on a local, zero-initialised sigset; results checked.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        if libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) != 0 {
+            return Err(Error::os("sigmask", std::io::Error::last_os_error()));
+        }
+        let fd = libc::signalfd(-1, &set, libc::SFD_CLOEXEC);
+        if fd < 0 {
+            return Err(Error::os("signalfd", std::io::Error::last_os_error()));
+        }
+        Ok(OwnedFd::from_raw_fd(fd))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_files_hold_one_spec_per_line_with_comments() {
+        let c = "# the stack\nram0=ram:64M\n\n  lin=0 131072 linear ram0 0  # over ram0\n";
+        assert_eq!(
+            parse_config(c),
+            vec!["ram0=ram:64M", "lin=0 131072 linear ram0 0"]
+        );
+    }
+
+    #[test]
+    fn exports_take_an_optional_ro_flag() {
+        assert_eq!(parse_export("lin").unwrap(), ("lin".into(), false));
+        assert_eq!(parse_export("lin:ro").unwrap(), ("lin".into(), true));
+        assert!(parse_export("lin:xx")
+            .unwrap_err()
+            .to_string()
+            .contains("unknown flag 'xx'"));
+    }
+
+    #[test]
+    fn listen_addresses_default_to_loopback() {
+        assert_eq!(
+            Listen::parse("10809").unwrap(),
+            Listen::Tcp("127.0.0.1:10809".parse().unwrap())
+        );
+        assert_eq!(
+            Listen::parse(":10809").unwrap(),
+            Listen::Tcp("127.0.0.1:10809".parse().unwrap())
+        );
+        assert_eq!(
+            Listen::parse("0.0.0.0:1").unwrap(),
+            Listen::Tcp("0.0.0.0:1".parse().unwrap())
+        );
+        assert_eq!(
+            Listen::parse("unix:/tmp/s").unwrap(),
+            Listen::Unix("/tmp/s".into())
+        );
+        assert!(Listen::parse("nonsense:::").is_err());
+    }
+}

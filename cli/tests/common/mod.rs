@@ -1,0 +1,175 @@
+//! Shared by the NBD tests: a `udm serve` child on a temporary unix socket,
+//! killed (SIGTERM, then SIGKILL) when dropped.
+
+#![allow(dead_code)]
+
+use std::io::Read;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+/// A temporary directory removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> TempDir {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let p = std::env::temp_dir().join(format!("udm-test-{tag}-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        TempDir(p)
+    }
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A running `udm serve`.
+pub struct Serve {
+    pub child: Option<Child>,
+    pub sock: PathBuf,
+    pub dir: TempDir,
+    stderr: PathBuf,
+}
+
+impl Serve {
+    /// Starts `udm serve ARGS --listen unix:<tmp>/nbd.sock` and waits until
+    /// the socket accepts.
+    pub fn start(args: &[&str]) -> Serve {
+        let dir = TempDir::new("serve");
+        let sock = dir.path("nbd.sock");
+        let stderr = dir.path("stderr");
+        let child = Command::new(env!("CARGO_BIN_EXE_udm"))
+            .arg("serve")
+            .args(args)
+            .arg("--listen")
+            .arg(format!("unix:{}", sock.display()))
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&stderr).unwrap())
+            .spawn()
+            .expect("spawn udm serve");
+        let s = Serve {
+            child: Some(child),
+            sock,
+            dir,
+            stderr,
+        };
+        let t0 = Instant::now();
+        while UnixStream::connect(&s.sock).is_err() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "udm serve did not listen: {}",
+                s.log()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        s
+    }
+
+    /// The NBD URI of `export`.
+    pub fn uri(&self, export: &str) -> String {
+        format!("nbd+unix:///{export}?socket={}", self.sock.display())
+    }
+
+    /// What the server logged so far.
+    pub fn log(&self) -> String {
+        let mut s = String::new();
+        if let Ok(mut f) = std::fs::File::open(&self.stderr) {
+            let _ = f.read_to_string(&mut s);
+        }
+        s
+    }
+
+    /// Waits until the log holds `n` lines containing `needle`.
+    pub fn wait_log(&self, needle: &str, n: usize) -> String {
+        let t0 = Instant::now();
+        loop {
+            let l = self.log();
+            if l.matches(needle).count() >= n {
+                return l;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "log never showed {n} x '{needle}':\n{l}"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Sends SIGTERM and waits for the exit status.
+    pub fn stop(&mut self) -> ExitStatus {
+        let mut c = self.child.take().expect("running");
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+        let t0 = Instant::now();
+        loop {
+            if let Some(st) = c.try_wait().unwrap() {
+                return st;
+            }
+            if t0.elapsed() > Duration::from_secs(20) {
+                let _ = c.kill();
+                panic!("udm serve did not stop on SIGTERM: {}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SAFETY: signalling our own child.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let t0 = Instant::now();
+            while t0.elapsed() < Duration::from_secs(5) {
+                if let Ok(Some(_)) = c.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Runs a client tool; panics with its output unless it succeeds.
+pub fn run(cmd: &str, args: &[&str]) -> String {
+    // nbdsh runs `python3 -m nbd`: the distribution's python3 has the
+    // libnbd bindings, one earlier on PATH (pyenv, venv) may not.
+    let path = format!("/usr/bin:{}", std::env::var("PATH").unwrap_or_default());
+    let out = Command::new(cmd)
+        .args(args)
+        .env("PATH", path)
+        .output()
+        .unwrap_or_else(|e| panic!("{cmd}: {e} (installed by scripts/setup.sh)"));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{cmd} {args:?} failed:\n{text}");
+    text
+}
+
+/// Writes `len` pseudo-random bytes to `path`.
+pub fn random_file(path: &Path, len: usize, seed: u64) {
+    let mut x = seed | 1;
+    let mut v = Vec::with_capacity(len);
+    while v.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v.truncate(len);
+    std::fs::write(path, v).unwrap();
+}

@@ -1,0 +1,11 @@
+//! udm's exports: block devices handed to programs outside the process.
+//!
+//! - [`nbd`]: the Network Block Device protocol (fixed newstyle handshake,
+//!   structured replies, `base:allocation`), served from the reactors.
+//!
+//! Exports sit on top of the stack: they serve any
+//! `Arc<dyn udm_core::BlockDevice>` and know nothing of targets or backends.
+
+#![deny(missing_docs)]
+
+pub mod nbd;

@@ -1,0 +1,457 @@
+//! The NBD server: listeners, the export table, placing connections on
+//! reactors, and shutdown.
+//!
+//! The thread that calls [`Server::run`] accepts (on every listener, with
+//! `poll(2)`, off the data path) and hands each socket to the next reactor
+//! thread through its [`ReactorHandle`] mailbox; from then on the
+//! connection lives on that reactor. When `stop_fd` becomes readable (a
+//! signalfd for SIGINT/SIGTERM, or an eventfd), the server stops
+//! accepting, lets every reactor finish the requests in flight, joins them,
+//! and returns; [`flush_all`] then flushes the devices.
+
+use std::io;
+use std::net::{SocketAddr, TcpListener};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::FileTypeExt;
+use std::os::unix::net::UnixListener;
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+
+use udm_core::{BlockDevice, Caps, Error, Op, Reactor, ReactorConfig, ReactorHandle, Status};
+
+use super::conn::{self, Worker};
+use super::proto::{self, ExportInfo};
+
+/// Largest READ/WRITE payload advertised (the spec's interoperable maximum).
+pub const MAX_PAYLOAD: u32 = 32 << 20;
+
+/// Reactor-local key under which each reactor keeps its [`Worker`].
+const WORKER_KEY: u64 = 0x4e42_4400_0000_0000;
+
+/// One export: a name, a device and what clients are told about it.
+pub struct Export {
+    /// Size, block sizes and transmission flags, as advertised.
+    pub info: ExportInfo,
+    /// The device served.
+    pub dev: Arc<dyn BlockDevice>,
+}
+
+impl Export {
+    /// Exports `dev` as `name`, read-only when asked or when the device is.
+    ///
+    /// Advertised: block sizes from the device's limits (minimum: logical
+    /// block size; preferred: the larger of `io_opt` and 4 KiB, a power of
+    /// two; maximum payload: [`MAX_PAYLOAD`], larger I/O is split into bios
+    /// of the device's `max_io_bytes`), and transmission flags from its
+    /// capabilities. FLUSH and FUA are always offered (a device without a
+    /// volatile cache completes them at once; one without native FUA gets
+    /// a flush after the write); CACHE is a no-op; CAN_MULTI_CONN is set
+    /// because the server keeps no per-connection cache: every connection's
+    /// I/O reaches the same device, and a flush reaches all of it.
+    pub fn new(name: &str, dev: Arc<dyn BlockDevice>, read_only: bool) -> Export {
+        let l = dev.limits();
+        let caps = dev.caps();
+        let ro = read_only || caps.contains(Caps::READ_ONLY);
+        let min_block = l.logical_block_size.clamp(1, 1 << 16).next_power_of_two();
+        let pref_block = l
+            .io_opt
+            .max(4096)
+            .max(min_block)
+            .min(MAX_PAYLOAD)
+            .next_power_of_two();
+        let mut flags = proto::FLAG_HAS_FLAGS
+            | proto::FLAG_SEND_FLUSH
+            | proto::FLAG_SEND_FUA
+            | proto::FLAG_SEND_CACHE
+            | proto::FLAG_CAN_MULTI_CONN;
+        if ro {
+            flags |= proto::FLAG_READ_ONLY;
+        } else {
+            if caps.contains(Caps::DISCARD) {
+                flags |= proto::FLAG_SEND_TRIM;
+            }
+            if caps.contains(Caps::WRITE_ZEROES) {
+                flags |= proto::FLAG_SEND_WRITE_ZEROES | proto::FLAG_SEND_FAST_ZERO;
+            }
+        }
+        Export {
+            info: ExportInfo {
+                name: name.to_string(),
+                description: format!("udm device '{}'", dev.name()),
+                size: l.bytes(),
+                flags,
+                min_block,
+                pref_block,
+                max_payload: MAX_PAYLOAD.max(pref_block),
+            },
+            dev,
+        }
+    }
+}
+
+/// Where to listen.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Listen {
+    /// A unix socket at this path.
+    Unix(PathBuf),
+    /// A TCP address.
+    Tcp(SocketAddr),
+}
+
+impl Listen {
+    /// Parses `unix:PATH`, `HOST:PORT`, `:PORT` or `PORT` (the last two on
+    /// loopback: NBD has no encryption, so the network is opt-in).
+    pub fn parse(s: &str) -> Result<Listen, Error> {
+        if let Some(p) = s.strip_prefix("unix:") {
+            if p.is_empty() {
+                return Err(Error::invalid(format!("--listen '{s}': empty socket path")));
+            }
+            return Ok(Listen::Unix(PathBuf::from(p)));
+        }
+        let port_only = s.strip_prefix(':').unwrap_or(s);
+        if let Ok(port) = port_only.parse::<u16>() {
+            return Ok(Listen::Tcp(SocketAddr::from(([127, 0, 0, 1], port))));
+        }
+        if let Ok(a) = s.parse::<SocketAddr>() {
+            return Ok(Listen::Tcp(a));
+        }
+        use std::net::ToSocketAddrs;
+        match s.to_socket_addrs().map(|mut a| a.next()) {
+            Ok(Some(a)) => Ok(Listen::Tcp(a)),
+            _ => Err(Error::invalid(format!(
+                "--listen '{s}': expected unix:PATH, HOST:PORT, :PORT or PORT"
+            ))),
+        }
+    }
+}
+
+impl std::fmt::Display for Listen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Listen::Unix(p) => write!(f, "unix:{}", p.display()),
+            Listen::Tcp(a) => write!(f, "{a}"),
+        }
+    }
+}
+
+/// How to run the server.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// Where to listen (at least one).
+    pub listen: Vec<Listen>,
+    /// Reactor threads serving connections.
+    pub reactors: usize,
+    /// How each reactor is built.
+    pub reactor: ReactorConfig,
+}
+
+enum Listener {
+    Unix(UnixListener, PathBuf),
+    Tcp(TcpListener),
+}
+
+impl Listener {
+    fn fd(&self) -> RawFd {
+        match self {
+            Listener::Unix(l, _) => l.as_raw_fd(),
+            Listener::Tcp(l) => l.as_raw_fd(),
+        }
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        if let Listener::Unix(_, p) = self {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+/// A bound server, ready to [`Server::run`].
+pub struct Server {
+    exports: Arc<Vec<Export>>,
+    listeners: Vec<(Listener, Listen)>,
+    cfg: ServerConfig,
+}
+
+impl Server {
+    /// Binds every listener (so that the caller can announce them).
+    pub fn bind(exports: Vec<Export>, cfg: ServerConfig) -> Result<Server, Error> {
+        if exports.is_empty() {
+            return Err(Error::invalid("nothing to export"));
+        }
+        let mut listeners = Vec::new();
+        for l in &cfg.listen {
+            let bound = match l {
+                Listen::Unix(p) => {
+                    // A stale socket from an earlier run is replaced; any
+                    // other file is left alone (bind then fails).
+                    if std::fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_socket()) {
+                        let _ = std::fs::remove_file(p);
+                    }
+                    let u = UnixListener::bind(p)
+                        .map_err(|e| Error::os(format!("listen on unix:{}", p.display()), e))?;
+                    Listener::Unix(u, p.clone())
+                }
+                Listen::Tcp(a) => Listener::Tcp(
+                    TcpListener::bind(a).map_err(|e| Error::os(format!("listen on {a}"), e))?,
+                ),
+            };
+            let actual = match &bound {
+                Listener::Tcp(t) => t.local_addr().map(Listen::Tcp).unwrap_or(l.clone()),
+                Listener::Unix(..) => l.clone(),
+            };
+            set_nonblocking(bound.fd());
+            listeners.push((bound, actual));
+        }
+        if listeners.is_empty() {
+            return Err(Error::invalid("no --listen address"));
+        }
+        Ok(Server {
+            exports: Arc::new(exports),
+            listeners,
+            cfg,
+        })
+    }
+
+    /// The addresses bound (TCP port 0 resolved to the real port).
+    pub fn addresses(&self) -> Vec<Listen> {
+        self.listeners.iter().map(|(_, a)| a.clone()).collect()
+    }
+
+    /// The export table.
+    pub fn exports(&self) -> &[Export] {
+        &self.exports
+    }
+
+    /// Serves until `stop_fd` is readable, then stops accepting, finishes
+    /// the requests in flight and returns.
+    pub fn run(self, stop_fd: RawFd) -> Result<(), Error> {
+        let mut threads: Vec<JoinHandle<()>> = Vec::new();
+        let mut handles: Vec<ReactorHandle> = Vec::new();
+        for i in 0..self.cfg.reactors.max(1) {
+            let (tx, rx) = mpsc::channel();
+            let exports = self.exports.clone();
+            let rcfg = self.cfg.reactor;
+            let t = std::thread::Builder::new()
+                .name(format!("udm-nbd-{i}"))
+                .spawn(move || reactor_main(rcfg, exports, tx))
+                .map_err(|e| Error::os("spawn reactor thread", e))?;
+            match rx.recv() {
+                Ok(Ok(h)) => handles.push(h),
+                Ok(Err(e)) => return Err(Error::os("reactor setup", e)),
+                Err(_) => return Err(Error::invalid("reactor thread died during setup")),
+            }
+            threads.push(t);
+        }
+        let next_id = AtomicU64::new(1);
+        let mut pfds: Vec<libc::pollfd> = self
+            .listeners
+            .iter()
+            .map(|(l, _)| libc::pollfd {
+                fd: l.fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            })
+            .collect();
+        pfds.push(libc::pollfd {
+            fd: stop_fd,
+            events: libc::POLLIN,
+            revents: 0,
+        });
+        let mut rr = 0usize;
+        'accept: loop {
+            // SAFETY: pfds is a live array of pollfd of the length given.
+            let n = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, -1) };
+            if n < 0 {
+                if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                break;
+            }
+            if pfds[pfds.len() - 1].revents != 0 {
+                let mut b = [0u8; 128];
+                // SAFETY: reads into a live local buffer of its size.
+                unsafe { libc::read(stop_fd, b.as_mut_ptr().cast(), b.len()) };
+                break 'accept;
+            }
+            for (i, (l, addr)) in self.listeners.iter().enumerate() {
+                if pfds[i].revents == 0 {
+                    continue;
+                }
+                // Accept everything pending on this listener.
+                loop {
+                    let Some((fd, peer)) = accept(l, addr) else {
+                        break;
+                    };
+                    let id = next_id.fetch_add(1, Ordering::Relaxed);
+                    let h = &handles[rr % handles.len()];
+                    rr += 1;
+                    let sent = h.send(move |r: &Reactor| {
+                        if let Some(w) = worker_of(r) {
+                            conn::start(&w, fd, peer, id);
+                        }
+                    });
+                    if !sent {
+                        eprintln!("udm: nbd: reactor {} is gone; connection dropped", h.id());
+                    }
+                }
+            }
+        }
+        eprintln!("udm: nbd: shutting down: no new connections; finishing requests in flight");
+        drop(self.listeners);
+        for h in &handles {
+            h.send(|r: &Reactor| {
+                if let Some(w) = worker_of(r) {
+                    w.stop();
+                }
+            });
+        }
+        for t in threads {
+            let _ = t.join();
+        }
+        Ok(())
+    }
+}
+
+fn set_nonblocking(fd: RawFd) {
+    // SAFETY: fcntl on a descriptor we own.
+    unsafe {
+        let fl = libc::fcntl(fd, libc::F_GETFL);
+        libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK);
+    }
+}
+
+fn accept(l: &Listener, addr: &Listen) -> Option<(OwnedFd, String)> {
+    loop {
+        // SAFETY: accept4 on our listening socket, no address wanted.
+        let fd = unsafe {
+            libc::accept4(
+                l.fd(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                libc::SOCK_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            let e = io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EINTR) | Some(libc::ECONNABORTED) => continue,
+                Some(libc::EAGAIN) => return None,
+                _ => {
+                    eprintln!("udm: nbd: accept on {addr}: {e}");
+                    // Out of descriptors or similar: back off a little
+                    // rather than spin on a listener that stays readable.
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                    return None;
+                }
+            }
+        }
+        // SAFETY: a fresh descriptor we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let peer = match l {
+            Listener::Unix(..) => format!("{addr}"),
+            Listener::Tcp(_) => {
+                let one: libc::c_int = 1;
+                // SAFETY: setsockopt with a live c_int of the size given.
+                unsafe {
+                    libc::setsockopt(
+                        fd.as_raw_fd(),
+                        libc::IPPROTO_TCP,
+                        libc::TCP_NODELAY,
+                        (&one as *const libc::c_int).cast(),
+                        std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                    )
+                };
+                peer_of(&fd)
+            }
+        };
+        return Some((fd, peer));
+    }
+}
+
+fn peer_of(fd: &OwnedFd) -> String {
+    let s = std::mem::ManuallyDrop::new(
+        // SAFETY: borrowed for the call only; ManuallyDrop keeps it open.
+        unsafe { std::net::TcpStream::from_raw_fd(fd.as_raw_fd()) },
+    );
+    match s.peer_addr() {
+        Ok(a) => format!("tcp {a}"),
+        Err(_) => "tcp".into(),
+    }
+}
+
+fn worker_of(r: &Reactor) -> Option<Rc<Worker>> {
+    r.local(WORKER_KEY)?.downcast::<Worker>().ok()
+}
+
+fn reactor_main(
+    cfg: ReactorConfig,
+    exports: Arc<Vec<Export>>,
+    ready: mpsc::Sender<io::Result<ReactorHandle>>,
+) {
+    let reactor = match Reactor::new(cfg) {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    let worker = Worker::new(&reactor, exports);
+    reactor.add_poller(worker.clone());
+    reactor.set_local(WORKER_KEY, worker.clone());
+    if ready.send(Ok(reactor.handle())).is_err() {
+        return;
+    }
+    reactor.run_until(|| worker.stopping() && worker.connections() == 0);
+    worker.release();
+    reactor.remove_local(WORKER_KEY);
+    drop(worker);
+    reactor.drain();
+}
+
+/// Flushes every device in `devs` (on a reactor of the calling thread).
+/// Returns the devices whose flush failed, with the status.
+pub fn flush_all(devs: &[Arc<dyn BlockDevice>]) -> Result<Vec<(String, Status)>, Error> {
+    use std::cell::RefCell;
+    let reactor = Reactor::new(ReactorConfig::default()).map_err(|e| Error::os("reactor", e))?;
+    let results: Rc<FlushResults> = Rc::new(RefCell::new(Vec::new()));
+    let mut chans = Vec::new();
+    for (i, d) in devs.iter().enumerate() {
+        results.borrow_mut().push((d.name().to_string(), None));
+        let chan = d.clone().open(&reactor)?;
+        let mut bio = reactor.alloc_bio();
+        bio.set_dataless(Op::Flush, 0, 0);
+        bio.set_ctx(i as u64);
+        let p = Rc::into_raw(results.clone()) as *mut ();
+        bio.set_end_io(flush_end_io, p);
+        chan.submit(bio);
+        chans.push(chan);
+    }
+    reactor.run_until(|| results.borrow().iter().all(|(_, s)| s.is_some()));
+    drop(chans);
+    let out = results
+        .borrow()
+        .iter()
+        .filter_map(|(n, s)| match s {
+            Some(s) if !s.is_ok() => Some((n.clone(), *s)),
+            _ => None,
+        })
+        .collect();
+    Ok(out)
+}
+
+type FlushResults = std::cell::RefCell<Vec<(String, Option<Status>)>>;
+
+fn flush_end_io(bio: udm_core::BioPtr) {
+    // SAFETY: private was made by Rc::into_raw in flush_all, once per bio.
+    let results = unsafe { Rc::from_raw(bio.private() as *const FlushResults) };
+    let i = bio.ctx() as usize;
+    let status = bio.status();
+    if let Some(e) = results.borrow_mut().get_mut(i) {
+        e.1 = Some(status);
+    };
+}

@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# NBD servers side by side, driven by the same fio nbd jobs, interleaved:
+#   udm serve (ram under linear), nbdkit memory + offset filter, qemu-nbd and
+#   qemu-storage-daemon (a raw file on /dev/shm), and nbdkit null (the
+#   client's ceiling).
+# Jobs: 4k randread QD1, 4k randread QD32, 4k randwrite QD32, 128k read QD8.
+# Per server and job: IOPS, p99 completion latency, and the server's CPU
+# seconds per million I/Os (utime+stime of /proc/PID/stat, all threads).
+# Each round starts every server in turn and runs every job on it; the
+# report gives the median over rounds.
+#
+# usage: scripts/bench-nbd.sh [ROUNDS=3] [RUNTIME_S=4]
+set -euo pipefail
+ROUNDS=${1:-3}
+RUNTIME=${2:-4}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+UDM=$ROOT/target/release/udm
+(cd "$ROOT" && cargo build --release -q -p udm)
+for t in fio nbdkit qemu-nbd qemu-storage-daemon; do
+    command -v $t >/dev/null || { echo "bench-nbd: $t missing (scripts/setup.sh installs it)" >&2; exit 2; }
+done
+W=$(mktemp -d /tmp/udm-bench-nbd.XXXXXX)
+IMG=/dev/shm/udm-bench-nbd-$$.raw
+PID=
+cleanup() {
+    [ -n "$PID" ] && kill "$PID" 2>/dev/null && wait "$PID" 2>/dev/null || true
+    rm -rf "$W" "$IMG"
+}
+trap cleanup EXIT
+truncate -s 1G "$IMG"
+TCK=$(getconf CLK_TCK)
+SERVERS="udm nbdkit-memory qemu-nbd qsd nbdkit-null"
+JOBS="randread-4k-qd1 randread-4k-qd32 randwrite-4k-qd32 read-128k-qd8"
+
+start() { # server -> sets PID and URI
+    local s=$1 sock=$W/$1.sock
+    rm -f "$sock"
+    case $s in
+    udm)
+        "$UDM" serve --dev ram0=ram:1G --dev 'lin=0 2097152 linear ram0 0' \
+            --listen "unix:$sock" >"$W/$s.log" 2>&1 &
+        URI="nbd+unix:///lin?socket=$sock" ;;
+    nbdkit-memory)
+        nbdkit -f -U "$sock" --filter=offset memory 1G offset=0 range=1G >"$W/$s.log" 2>&1 &
+        URI="nbd+unix:///?socket=$sock" ;;
+    nbdkit-null)
+        nbdkit -f -U "$sock" null 1G >"$W/$s.log" 2>&1 &
+        URI="nbd+unix:///?socket=$sock" ;;
+    qemu-nbd)
+        qemu-nbd -f raw -t -e 4 --socket="$sock" "$IMG" >"$W/$s.log" 2>&1 &
+        URI="nbd+unix:///?socket=$sock" ;;
+    qsd)
+        qemu-storage-daemon \
+            --blockdev driver=file,node-name=file0,filename="$IMG" \
+            --blockdev driver=raw,node-name=disk0,file=file0 \
+            --nbd-server addr.type=unix,addr.path="$sock" \
+            --export type=nbd,id=e0,node-name=disk0,name=disk0,writable=on >"$W/$s.log" 2>&1 &
+        URI="nbd+unix:///disk0?socket=$sock" ;;
+    esac
+    PID=$!
+    for _ in $(seq 200); do [ -S "$sock" ] && return 0; sleep 0.05; done
+    echo "bench-nbd: $s did not start:" >&2; cat "$W/$s.log" >&2; exit 1
+}
+
+stop() { kill "$PID" 2>/dev/null; wait "$PID" 2>/dev/null || true; PID=; }
+
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$PID/stat"; }
+
+run_job() { # job -> fio json on stdout
+    local rw bs qd
+    IFS=- read -r rw bs qd <<<"$1"
+    fio --name=j --ioengine=nbd --uri="$URI" --rw="$rw" --bs="$bs" --iodepth="${qd#qd}" \
+        --size=1G --time_based --runtime="$RUNTIME" --norandommap --randrepeat=0 \
+        --output-format=json
+}
+
+RES=$W/results.tsv
+for r in $(seq "$ROUNDS"); do
+    for s in $SERVERS; do
+        start "$s"
+        for j in $JOBS; do
+            c0=$(cpu_ticks)
+            run_job "$j" >"$W/out.json"
+            c1=$(cpu_ticks)
+            python3 - "$W/out.json" "$s" "$j" "$r" "$c0" "$c1" "$TCK" >>"$RES" <<'PY'
+import json, sys
+f, s, j, r, c0, c1, tck = sys.argv[1:]
+t = open(f).read()
+# the nbd engine prints a line of its own before the JSON
+d = json.loads(t[t.index("{"):])["jobs"][0]
+side = d["read"] if d["read"]["total_ios"] > 0 else d["write"]
+ios = side["total_ios"]
+p99 = side["clat_ns"]["percentile"].get("99.000000", 0) / 1000
+cpu = (int(c1) - int(c0)) / int(tck)
+print(f"{s}\t{j}\t{r}\t{side['iops']:.0f}\t{p99:.1f}\t{cpu / max(ios, 1) * 1e6:.2f}")
+PY
+        done
+        stop
+    done
+    echo "bench-nbd: round $r of $ROUNDS done" >&2
+done
+
+python3 - "$RES" "$SERVERS" "$JOBS" <<'PY'
+import sys, statistics as st
+rows = [l.split("\t") for l in open(sys.argv[1]).read().splitlines()]
+servers, jobs = sys.argv[2].split(), sys.argv[3].split()
+print(f"medians of {len(set(r[2] for r in rows))} rounds; CPU = server CPU seconds per million I/Os")
+print(f"{'job':20} {'server':15} {'IOPS':>9} {'p99 us':>9} {'CPU s/MIO':>10}")
+for j in jobs:
+    for s in servers:
+        v = [r for r in rows if r[0] == s and r[1] == j]
+        if not v:
+            continue
+        med = lambda i: st.median(float(x[i]) for x in v)
+        print(f"{j:20} {s:15} {med(3):9.0f} {med(4):9.1f} {med(5):10.2f}")
+    print()
+PY
