@@ -195,11 +195,13 @@ fn writecache_ctr(ctx: &CtrCtx<'_>, argv: &[&str]) -> Result<Box<dyn Target>, Er
                     _ => {}
                 }
             }
-            other => return Err(bad(format!(
+            other => {
+                return Err(bad(format!(
                 "unknown feature '{other}' (known: start_sector, high_watermark, low_watermark, \
                      writeback_jobs, autocommit_blocks, autocommit_time, fua, nofua, cleaner, \
                      max_age, pause_writeback, nocoalesce)"
-            ))),
+            )))
+            }
         }
         i += if took_value { 2 } else { 1 };
     }

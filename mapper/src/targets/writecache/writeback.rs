@@ -175,6 +175,8 @@ impl Worker {
                                 "writecache: formatting the metadata failed",
                             ))));
                         }
+                        let n = me.shared.geo.n_blocks;
+                        me.shared.lock().free.free(0, n);
                         me.write_super(0, move |s| {
                             result.set(Some(if s.is_ok() {
                                 Ok(())
