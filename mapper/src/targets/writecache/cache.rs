@@ -512,7 +512,7 @@ impl Channel for WcChannel {
                 bio.set_status(Status::Ok);
                 bio.pending = 1;
                 bio.set_ctx(0);
-                self.map(bio, false);
+                self.map(bio);
             }
             _ => bio.complete(Status::NotSupp),
         }
@@ -564,14 +564,15 @@ impl WcChannel {
         if !waiting.is_empty() {
             self.shared.lock().space_waiters -= waiting.len() as u64;
             for bio in waiting {
-                self.map(bio, false);
+                // map fails them if the cache has failed meanwhile.
+                self.map(bio);
             }
         }
     }
 
     /// Maps the caller's bio (from the block in its context word on) into
     /// sub-I/Os, under the lock, then issues them without it.
-    fn map(&self, mut bio: BioPtr, _retry: bool) {
+    fn map(&self, mut bio: BioPtr) {
         let sh = &*self.shared;
         let bs = sh.cfg.bs_sectors();
         let ob0 = bio.sector / bs;
@@ -582,7 +583,11 @@ impl WcChannel {
         let mut blocked = false;
         {
             let mut st = sh.lock();
-            if bio.op == Op::Read {
+            if st.error != 0 {
+                // A failed cache fails all I/O (as dm-writecache does).
+                bio.set_status(Status::IoErr);
+                from = nblk;
+            } else if bio.op == Op::Read {
                 map_read(&mut st, ob0, nblk, &mut subs);
                 from = nblk;
             } else {
@@ -868,7 +873,7 @@ fn sub_done(c: BioPtr) {
             st.error = Status::IoErr.errno();
         }
         let poke = kind == K_CACHE_WRITE && st.uncommitted >= sh.cfg.autocommit_blocks;
-        let kick = freed && st.space_waiters > 0;
+        let kick = (freed && st.space_waiters > 0) || !status.is_ok();
         drop(st);
         if poke {
             sh.poke();

@@ -715,6 +715,9 @@ impl Worker {
             st.commit_wanted = st.commit_wanted.max(pg);
         }
         self.wb_busy.set(false);
+        if !ok {
+            sh.kick_all();
+        }
         sh.cv.notify_all();
         sh.poke();
     }
@@ -736,6 +739,12 @@ impl Worker {
                 // Parked bios must still hear about the error.
                 (false, Vec::new())
             } else {
+                // Pick first: it may find that writeback needs a commit.
+                let batch = if self.wb_busy.get() {
+                    Vec::new()
+                } else {
+                    self.pick(&mut st, now)
+                };
                 let auto_time = st
                     .dirty_since
                     .is_some_and(|t| now.duration_since(t) >= sh.cfg.autocommit_time);
@@ -743,11 +752,6 @@ impl Worker {
                     && (st.commit_wanted >= st.pending_gen
                         || st.uncommitted >= sh.cfg.autocommit_blocks
                         || auto_time);
-                let batch = if self.wb_busy.get() {
-                    Vec::new()
-                } else {
-                    self.pick(&mut st, now)
-                };
                 (commit, batch)
             }
         };
