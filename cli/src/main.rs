@@ -3,12 +3,15 @@
 //! ```text
 //! udm bench [--dev NAME=SPEC]... [--target NAME] [options]   drive a device in process
 //! udm table [--dev NAME=SPEC]...                             print tables and status
+//! udm status [--dev NAME=SPEC]... [DEVICE]                   dmsetup-style status lines
+//! udm message [--dev NAME=SPEC]... DEVICE [SECTOR] MSG...    send a target a message
 //! ```
 
 mod alloc;
 mod args;
 mod bench;
 mod clock;
+mod message;
 mod spec;
 
 use std::process::ExitCode;
@@ -26,6 +29,8 @@ udm — a userspace device-mapper
 usage:
   udm bench [--dev NAME=SPEC]... [--target NAME] [options]
   udm table [--dev NAME=SPEC]...
+  udm status [--dev NAME=SPEC]... [DEVICE]
+  udm message [--dev NAME=SPEC]... DEVICE [SECTOR] MESSAGE...
   udm help
 
 Devices (--dev NAME=SPEC, repeatable, later ones may use earlier ones):
@@ -34,7 +39,8 @@ Devices (--dev NAME=SPEC, repeatable, later ones may use earlier ones):
   file:<path>[,size=<size>][,buffered][,sqpoll][,iopoll][,ro]
                                       a file or block device through io_uring
   '<start> <len> <type> <args>;...'   a device-mapper table over earlier devices
-                                      or paths; targets: linear, striped, zero, error
+                                      or paths; targets: linear, striped, zero,
+                                      error, writecache
 
 Without --dev, the built-in stack is used: ram0 and ram1 (1 GiB RAM disks),
 lin (linear over ram0) and str (striped over ram0 and ram1).";
@@ -57,6 +63,8 @@ fn main() -> ExitCode {
             }
         }
         "table" => table(Args::new("table", argv)),
+        "status" => message::status(Args::new("status", argv)),
+        "message" => message::message(Args::new("message", argv)),
         "help" | "--help" | "-h" => {
             println!("{USAGE}");
             Ok(0)

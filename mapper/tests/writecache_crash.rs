@@ -173,8 +173,8 @@ fn trial(seed: u64) -> Result<(), String> {
                         }
                     }
                     Op::Flush => {
-                        for x in 0..ORIGIN_SECTORS as usize {
-                            model.floor[x] = model.floor[x].max(covered[x]);
+                        for (f, &c) in model.floor.iter_mut().zip(&covered) {
+                            *f = (*f).max(c);
                         }
                     }
                     _ => {}
@@ -221,12 +221,14 @@ fn trial(seed: u64) -> Result<(), String> {
                     model.floor[x] = 0;
                     model.acked[x] = 0;
                 }
-                _ => return Err(format!(
+                _ => {
+                    return Err(format!(
                     "life {life} ({}): sector {x} holds {} but the durable rule allows tags {:?}",
                     if tear { "torn" } else { "clean cut" },
                     describe(got),
                     allowed
-                )),
+                ))
+                }
             }
         }
         drop(dev);

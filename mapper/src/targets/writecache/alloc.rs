@@ -204,11 +204,11 @@ mod tests {
         let mut birth = vec![u64::MAX; n as usize];
         // (birth, block): the writeback order, oldest first.
         let mut lru: BTreeSet<(u64, u32)> = BTreeSet::new();
-        let mut take = |f: &mut FreeExtents,
-                        lru: &mut BTreeSet<(u64, u32)>,
-                        birth: &mut Vec<u64>,
-                        clock: u64,
-                        w: u32| {
+        let take = |f: &mut FreeExtents,
+                    lru: &mut BTreeSet<(u64, u32)>,
+                    birth: &mut Vec<u64>,
+                    clock: u64,
+                    w: u32| {
             let mut left = w;
             while left > 0 {
                 let Some((s, l)) = f.alloc(left) else { break };
@@ -278,7 +278,7 @@ mod tests {
         let mut owned = vec![false; 1000];
         let mut held = Vec::new();
         for _ in 0..20_000 {
-            if rng.next() % 2 == 0 {
+            if rng.next().is_multiple_of(2) {
                 if let Some((s, l)) = f.alloc(1 + (rng.next() % 40) as u32) {
                     for b in s..s + l {
                         assert!(!owned[b as usize], "block {b} handed out twice");

@@ -502,7 +502,10 @@ impl Channel for WcChannel {
             }
             Op::Read | Op::Write => {
                 let bs = self.shared.cfg.bs_sectors();
-                if bio.sector % bs != 0 || bio.sectors() % bs != 0 || bio.sectors() == 0 {
+                if !bio.sector.is_multiple_of(bs)
+                    || !bio.sectors().is_multiple_of(bs)
+                    || bio.sectors() == 0
+                {
                     return bio.complete(Status::Inval);
                 }
                 let me = self as *const WcChannel as *mut ();
@@ -838,7 +841,7 @@ fn sub_done(c: BioPtr) {
     let status = c.status();
     let kind = c.ctx() >> 56;
     let block = (c.ctx() & ((1 << 56) - 1)) as u32;
-    let n = (c.len() / sh.cfg.block_size) as u32;
+    let n = c.len() / sh.cfg.block_size;
     let origin_write = kind == K_ORIGIN && parent.op == Op::Write;
     drop(c);
     if kind == K_CACHE_WRITE || kind == K_CACHE_READ {

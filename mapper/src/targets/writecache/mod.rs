@@ -212,7 +212,7 @@ fn writecache_ctr(ctx: &CtrCtx<'_>, argv: &[&str]) -> Result<Box<dyn Target>, Er
         )));
     }
     let bss = (bs >> SECTOR_SHIFT) as u64;
-    if ctx.len % bss != 0 {
+    if !ctx.len.is_multiple_of(bss) {
         return Err(bad(format!(
             "target length {} is not a multiple of the block size ({bss} sectors)",
             ctx.len

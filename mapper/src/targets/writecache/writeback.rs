@@ -247,7 +247,7 @@ impl Worker {
             let e = DiskEntry::decode(&buf[o..o + 16]);
             let valid = e.seq != 0
                 && e.seq <= sb_seq
-                && e.sector % bs == 0
+                && e.sector.is_multiple_of(bs)
                 && e.sector / bs < sh.origin_blocks;
             if !valid {
                 if e != DiskEntry::FREE {
