@@ -2,14 +2,17 @@
 //!
 //! - [`ram`]: memory, allocated lazily (brd);
 //! - [`null`]: completes without touching data, optional delay (null_blk);
-//! - [`file`]: a regular file or block device through io_uring.
+//! - [`file`]: a regular file or block device through io_uring;
+//! - [`powercut`]: wraps a device and can lose power (crash testing).
 
 #![deny(missing_docs)]
 
 pub mod file;
 pub mod null;
+pub mod powercut;
 pub mod ram;
 
 pub use file::{AlignedBuf, FileDevice, FileOpts};
 pub use null::NullDevice;
+pub use powercut::{Power, PowerCut};
 pub use ram::RamDevice;

@@ -76,6 +76,15 @@ impl Args {
         found
     }
 
+    /// The arguments left that are not options, in order (read options first).
+    pub fn rest(&mut self) -> Vec<String> {
+        self.items
+            .iter_mut()
+            .filter(|it| it.as_deref().is_some_and(|a| !a.starts_with('-')))
+            .filter_map(Option::take)
+            .collect()
+    }
+
     /// Fails on anything not consumed.
     pub fn finish(self) -> Result<(), Error> {
         match self.items.into_iter().flatten().next() {

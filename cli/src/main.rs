@@ -4,12 +4,15 @@
 //! udm bench [--dev NAME=SPEC]... [--target NAME] [options]   drive a device in process
 //! udm table [--dev NAME=SPEC]...                             print tables and status
 //! udm serve [--dev NAME=SPEC]... [--export NAME] [--listen ADDR]  serve devices over NBD
+//! udm status [--dev NAME=SPEC]... [DEVICE]                   dmsetup-style status lines
+//! udm message [--dev NAME=SPEC]... DEVICE [SECTOR] MSG...    send a target a message
 //! ```
 
 mod alloc;
 mod args;
 mod bench;
 mod clock;
+mod message;
 mod serve;
 mod spec;
 
@@ -29,6 +32,8 @@ usage:
   udm bench [--dev NAME=SPEC]... [--target NAME] [options]
   udm table [--dev NAME=SPEC]...
   udm serve [--dev NAME=SPEC]... [--config FILE] [--export NAME[:ro]]... [--listen ADDR]...
+  udm status [--dev NAME=SPEC]... [DEVICE]
+  udm message [--dev NAME=SPEC]... DEVICE [SECTOR] MESSAGE...
   udm help
 
 Devices (--dev NAME=SPEC, repeatable, later ones may use earlier ones):
@@ -37,7 +42,8 @@ Devices (--dev NAME=SPEC, repeatable, later ones may use earlier ones):
   file:<path>[,size=<size>][,buffered][,sqpoll][,iopoll][,ro]
                                       a file or block device through io_uring
   '<start> <len> <type> <args>;...'   a device-mapper table over earlier devices
-                                      or paths; targets: linear, striped, zero, error
+                                      or paths; targets: linear, striped, zero,
+                                      error, writecache
 
 Without --dev, the built-in stack is used: ram0 and ram1 (1 GiB RAM disks),
 lin (linear over ram0) and str (striped over ram0 and ram1).";
@@ -69,6 +75,8 @@ fn main() -> ExitCode {
                 serve::main(a)
             }
         }
+        "status" => message::status(Args::new("status", argv)),
+        "message" => message::message(Args::new("message", argv)),
         "help" | "--help" | "-h" => {
             println!("{USAGE}");
             Ok(0)

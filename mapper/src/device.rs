@@ -120,6 +120,9 @@ impl MappedDevice {
             }
             waiter.wait()?;
         }
+        for t in &self.table().targets {
+            t.target.postsuspend()?;
+        }
         Ok(())
     }
 

@@ -68,6 +68,7 @@ impl Registry {
                 targets::striped::STRIPED,
                 targets::zero::ZERO,
                 targets::error::ERROR,
+                targets::writecache::WRITECACHE,
             ],
         }
     }

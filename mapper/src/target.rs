@@ -134,6 +134,13 @@ pub trait Target: Send + Sync {
 
     /// Adjusts the stacked limits (dm's `io_hints`), e.g. a stripe's io_opt.
     fn io_hints(&self, _limits: &mut Limits) {}
+
+    /// Called on a control thread once a suspend has drained the device's
+    /// I/O (dm's `postsuspend`), e.g. for a cache to commit or write back.
+    /// An error fails the suspend (the device stays suspended).
+    fn postsuspend(&self) -> Result<(), Error> {
+        Ok(())
+    }
 }
 
 /// Resolves a device named in a table: another udm device, or a path.

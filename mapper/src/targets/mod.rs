@@ -3,4 +3,5 @@
 pub mod error;
 pub mod linear;
 pub mod striped;
+pub mod writecache;
 pub mod zero;

@@ -1,0 +1,903 @@
+//! The cache engine: shared state and the per-reactor data path.
+//!
+//! The target itself only remaps onto [`WcDev`], an internal block device
+//! that *is* the cache. Making the engine a device gives it what a target's
+//! `map` lacks: a hook on every reactor (`open`), where it opens that
+//! reactor's channels to the origin and the cache and registers itself so
+//! that the worker can complete bios parked on that reactor (a FLUSH or FUA
+//! waiting for a commit). The mapper needs no change: flushes fan out to
+//! the table's devices, so they reach the engine; the no-clone fast path
+//! hands it the caller's bio, and the engine's own bios point into the
+//! caller's buffers (no copies on the data path).
+//!
+//! All shared state is behind one mutex (as the kernel's `wc_lock`), held
+//! only to decide; bios are submitted after it is dropped.
+
+use std::any::Any;
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use udm_core::{
+    Bio, BioPtr, BlockDevice, Caps, Channel, Error, Limits, Op, Reactor, ReactorHandle, Status,
+    SECTOR_SHIFT,
+};
+
+use super::alloc::FreeExtents;
+use super::meta::{DiskEntry, Geometry, ENTRIES_PER_MBLOCK};
+
+/// "No cache block".
+pub(crate) const NONE: u32 = u32::MAX;
+
+/// The constructor's settings.
+#[derive(Clone)]
+pub(crate) struct Config {
+    pub origin: Arc<dyn BlockDevice>,
+    pub cache: Arc<dyn BlockDevice>,
+    pub block_size: u32,
+    pub start_sector: u64,
+    pub high_watermark: u32,
+    pub low_watermark: u32,
+    pub writeback_jobs: u32,
+    pub autocommit_blocks: u64,
+    pub autocommit_time: Duration,
+    pub fua: bool,
+    pub max_age: Option<Duration>,
+    pub pause_writeback: Duration,
+    pub nocoalesce: bool,
+    /// Sectors of the target (the origin area used).
+    pub len: u64,
+}
+
+impl Config {
+    pub fn bs_sectors(&self) -> u64 {
+        (self.block_size >> SECTOR_SHIFT) as u64
+    }
+}
+
+/// Where a cache block is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum St {
+    /// In the free extents.
+    Free,
+    /// Holds the newest data of its origin block.
+    Live,
+    /// Rewritten elsewhere (block `by`); still on disk until marked free.
+    Superseded,
+    /// Marked free in the image at generation `gen`; reusable once that is
+    /// committed.
+    FreePending,
+    /// Free on disk, but I/O still pins it.
+    Zombie,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Entry {
+    /// Origin block index.
+    pub ob: u64,
+    /// Generation its entry was (or will be) committed with; 0 until its
+    /// first data write completed.
+    pub seq: u64,
+    /// For FreePending: the generation of the free marker. For Superseded:
+    /// the superseding block.
+    pub aux: u64,
+    /// Milliseconds since the engine started, when it was cached (max_age).
+    pub born_ms: u32,
+    pub prev: u32,
+    pub next: u32,
+    pub writes: u16,
+    pub reads: u16,
+    pub wb: bool,
+    pub st: St,
+}
+
+impl Entry {
+    const FREE: Entry = Entry {
+        ob: 0,
+        seq: 0,
+        aux: 0,
+        born_ms: 0,
+        prev: NONE,
+        next: NONE,
+        writes: 0,
+        reads: 0,
+        wb: false,
+        st: St::Free,
+    };
+}
+
+/// dm-writecache's statistics counters (in blocks, as dm counts them).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Stats {
+    pub reads: u64,
+    pub read_hits: u64,
+    pub writes: u64,
+    pub write_hits_uncommitted: u64,
+    pub write_hits_committed: u64,
+    pub writes_around: u64,
+    pub writes_allocate: u64,
+    pub writes_blocked_on_freelist: u64,
+    pub flushes: u64,
+    pub discards: u64,
+}
+
+/// Everything behind the lock.
+pub(crate) struct State {
+    pub entries: Vec<Entry>,
+    /// Origin block → cache block holding its newest data.
+    pub map: Vec<u32>,
+    pub free: FreeExtents,
+    /// The metadata image: what the next commit writes.
+    pub disk: Vec<DiskEntry>,
+    pub dirty: Vec<bool>,
+    pub ndirty: usize,
+    pub lru_head: u32,
+    pub lru_tail: u32,
+    /// Live entries.
+    pub live: u64,
+    /// Generation of the last completed commit.
+    pub committed: u64,
+    /// The generation the next commit to start will publish.
+    pub pending_gen: u64,
+    /// Highest generation someone waits for.
+    pub commit_wanted: u64,
+    /// Image changes since the last commit started (autocommit).
+    pub uncommitted: u64,
+    pub dirty_since: Option<Instant>,
+    pub superseded: Vec<u32>,
+    pub free_pending: Vec<u32>,
+    /// Origin blocks with superseded or freed entries whose free marker is
+    /// not durable yet: their newest entry must not be written back and
+    /// freed before those markers are on disk.
+    pub shadows: HashMap<u64, u32>,
+    pub wb_active: bool,
+    pub wb_inflight: u64,
+    pub writeback_all: u32,
+    pub cleaner: bool,
+    pub flush_on_suspend: bool,
+    pub last_origin_write: Option<Instant>,
+    pub space_waiters: u64,
+    pub stats: Stats,
+    pub error: i32,
+    pub ready: bool,
+}
+
+impl State {
+    pub fn new(g: &Geometry, origin_blocks: u64) -> State {
+        let n = g.n_blocks as usize;
+        State {
+            entries: vec![Entry::FREE; n],
+            map: vec![NONE; origin_blocks as usize],
+            free: FreeExtents::new(),
+            disk: vec![DiskEntry::FREE; n],
+            dirty: vec![false; g.mblocks as usize],
+            ndirty: 0,
+            lru_head: NONE,
+            lru_tail: NONE,
+            live: 0,
+            committed: 0,
+            pending_gen: 1,
+            commit_wanted: 0,
+            uncommitted: 0,
+            dirty_since: None,
+            superseded: Vec::new(),
+            free_pending: Vec::new(),
+            shadows: HashMap::new(),
+            wb_active: false,
+            wb_inflight: 0,
+            writeback_all: 0,
+            cleaner: false,
+            flush_on_suspend: false,
+            last_origin_write: None,
+            space_waiters: 0,
+            stats: Stats::default(),
+            error: 0,
+            ready: false,
+        }
+    }
+
+    pub fn set_disk(&mut self, b: u32, e: DiskEntry) {
+        self.disk[b as usize] = e;
+        let m = b as usize / ENTRIES_PER_MBLOCK;
+        if !self.dirty[m] {
+            self.dirty[m] = true;
+            self.ndirty += 1;
+        }
+        self.uncommitted += 1;
+        if self.dirty_since.is_none() {
+            self.dirty_since = Some(Instant::now());
+        }
+    }
+
+    pub fn lru_push(&mut self, b: u32) {
+        let t = self.lru_tail;
+        self.entries[b as usize].prev = t;
+        self.entries[b as usize].next = NONE;
+        if t == NONE {
+            self.lru_head = b;
+        } else {
+            self.entries[t as usize].next = b;
+        }
+        self.lru_tail = b;
+    }
+
+    pub fn lru_remove(&mut self, b: u32) {
+        let Entry { prev, next, .. } = self.entries[b as usize];
+        if prev == NONE {
+            self.lru_head = next;
+        } else {
+            self.entries[prev as usize].next = next;
+        }
+        if next == NONE {
+            self.lru_tail = prev;
+        } else {
+            self.entries[next as usize].prev = prev;
+        }
+        self.entries[b as usize].prev = NONE;
+        self.entries[b as usize].next = NONE;
+    }
+
+    /// Whether a write may go to `b` in place: its entry is not part of a
+    /// commit yet (so no durable entry points at its old data) and it is
+    /// not being written back.
+    #[inline]
+    pub fn in_place_ok(&self, b: u32) -> bool {
+        let e = &self.entries[b as usize];
+        e.st == St::Live && !e.wb && (e.seq == 0 || e.seq == self.pending_gen)
+    }
+
+    /// The block is free on disk for good; hand it back when unpinned.
+    pub fn release(&mut self, b: u32) {
+        let e = &mut self.entries[b as usize];
+        if e.reads > 0 || e.writes > 0 {
+            e.st = St::Zombie;
+        } else {
+            *e = Entry::FREE;
+            self.free.free(b, 1);
+        }
+    }
+
+    /// A block whose pins dropped: free it if it was waiting for that.
+    pub fn unpinned(&mut self, b: u32) -> bool {
+        let e = &self.entries[b as usize];
+        if e.st == St::Zombie && e.reads == 0 && e.writes == 0 {
+            self.entries[b as usize] = Entry::FREE;
+            self.free.free(b, 1);
+            return true;
+        }
+        false
+    }
+
+    pub fn shadow_add(&mut self, ob: u64) {
+        *self.shadows.entry(ob).or_insert(0) += 1;
+    }
+
+    pub fn shadow_sub(&mut self, ob: u64) {
+        if let Some(c) = self.shadows.get_mut(&ob) {
+            *c -= 1;
+            if *c == 0 {
+                self.shadows.remove(&ob);
+            }
+        }
+    }
+
+    /// Blocks in use (not in the free extents).
+    pub fn used(&self, n: u64) -> u64 {
+        n - self.free.free_blocks()
+    }
+}
+
+/// What every reactor and the worker share.
+pub(crate) struct Shared {
+    pub cfg: Config,
+    pub geo: Geometry,
+    pub origin_blocks: u64,
+    st: Mutex<State>,
+    /// Signalled when commits and writeback make progress (message waiters).
+    pub cv: Condvar,
+    pub worker: OnceLock<ReactorHandle>,
+    pub poked: AtomicBool,
+    pub stop: AtomicBool,
+    chans: Mutex<Vec<(ReactorHandle, u64)>>,
+    pub started: Instant,
+    /// Blocks under writeback (for the status line without the lock).
+    pub wb_blocks: AtomicU64,
+}
+
+static NEXT_KEY: AtomicU64 = AtomicU64::new(0x7763_0000_0000);
+
+impl Shared {
+    pub fn new(cfg: Config, geo: Geometry) -> Shared {
+        let origin_blocks = cfg.len / cfg.bs_sectors();
+        Shared {
+            st: Mutex::new(State::new(&geo, origin_blocks)),
+            cfg,
+            geo,
+            origin_blocks,
+            cv: Condvar::new(),
+            worker: OnceLock::new(),
+            poked: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            chans: Mutex::new(Vec::new()),
+            started: Instant::now(),
+            wb_blocks: AtomicU64::new(0),
+        }
+    }
+
+    pub fn lock(&self) -> MutexGuard<'_, State> {
+        self.st.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Asks the worker to look at the state again.
+    pub fn poke(&self) {
+        if !self.poked.swap(true, Ordering::AcqRel) {
+            if let Some(h) = self.worker.get() {
+                h.wake();
+            }
+        }
+    }
+
+    /// Tells every reactor's channel to release what waits on a commit or
+    /// on free space.
+    pub fn kick_all(&self) {
+        let chans = self.chans.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        for (h, key) in chans {
+            h.send(move |r| {
+                if let Some(ch) = r.local(key).and_then(|c| c.downcast::<WcChannel>().ok()) {
+                    ch.kick();
+                }
+            });
+        }
+        self.cv.notify_all();
+    }
+
+    /// Sector of data block `b` on the cache device.
+    #[inline]
+    pub fn cache_sector(&self, b: u32) -> u64 {
+        self.cfg.start_sector + (self.geo.block_offset(b) >> SECTOR_SHIFT)
+    }
+
+    pub fn now_ms(&self) -> u32 {
+        self.started.elapsed().as_millis().min(u32::MAX as u128) as u32
+    }
+}
+
+/// The engine as a block device (see the module docs).
+pub(crate) struct WcDev {
+    name: String,
+    pub shared: Arc<Shared>,
+    key: u64,
+}
+
+impl WcDev {
+    pub fn new(shared: Arc<Shared>) -> WcDev {
+        WcDev {
+            name: format!(
+                "writecache({},{})",
+                shared.cfg.origin.name(),
+                shared.cfg.cache.name()
+            ),
+            shared,
+            key: NEXT_KEY.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+}
+
+impl BlockDevice for WcDev {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn limits(&self) -> Limits {
+        let c = &self.shared.cfg;
+        let mut l = Limits::new(c.len);
+        l.stack(&c.origin.limits());
+        l.stack(&c.cache.limits());
+        // dm-writecache: the logical block size is the cache block size.
+        l.logical_block_size = l.logical_block_size.max(c.block_size);
+        l.physical_block_size = l.physical_block_size.max(c.block_size);
+        l.sectors = c.len;
+        l
+    }
+
+    fn caps(&self) -> Caps {
+        let c = &self.shared.cfg;
+        let mut caps = Caps::FLUSH | Caps::FUA;
+        let (o, k) = (c.origin.caps(), c.cache.caps());
+        if o.contains(Caps::PERSISTENT) && k.contains(Caps::PERSISTENT) {
+            caps.insert(Caps::PERSISTENT);
+        }
+        if o.contains(Caps::READ_ONLY) || k.contains(Caps::READ_ONLY) {
+            caps.insert(Caps::READ_ONLY);
+        }
+        caps
+    }
+
+    fn open(self: Arc<Self>, reactor: &Reactor) -> Result<Rc<dyn Channel>, Error> {
+        if let Some(ch) = reactor
+            .local(self.key)
+            .and_then(|c| c.downcast::<WcChannel>().ok())
+        {
+            return Ok(ch);
+        }
+        let c = &self.shared.cfg;
+        let ch = Rc::new(WcChannel {
+            shared: self.shared.clone(),
+            origin: c.origin.clone().open(reactor)?,
+            cache: c.cache.clone().open(reactor)?,
+            parked: RefCell::new(Vec::new()),
+            space_wait: RefCell::new(Vec::new()),
+            subs: RefCell::new(Vec::new()),
+        });
+        reactor.set_local(self.key, ch.clone());
+        let mut chans = self.shared.chans.lock().unwrap_or_else(|p| p.into_inner());
+        chans.retain(|(h, _)| !h.is_closed());
+        chans.push((reactor.handle(), self.key));
+        Ok(ch)
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// Sub-I/O kinds, in the top byte of a sub-bio's context word.
+const K_CACHE_WRITE: u64 = 1;
+const K_CACHE_READ: u64 = 2;
+const K_ORIGIN: u64 = 3;
+
+/// One I/O the engine issues for a caller's bio.
+#[derive(Clone, Copy)]
+struct Sub {
+    kind: u64,
+    /// First cache block (cache kinds) or origin block.
+    block: u64,
+    /// Offset in the caller's bio, in blocks.
+    off: u64,
+    /// Length in blocks.
+    n: u64,
+}
+
+/// A parked bio: a FLUSH or a FUA write waiting for generation `gen` to
+/// commit. `framed` says whether the engine pushed a frame on it.
+struct Parked {
+    gen: u64,
+    bio: BioPtr,
+    framed: bool,
+}
+
+/// The engine's channel on one reactor.
+pub(crate) struct WcChannel {
+    shared: Arc<Shared>,
+    origin: Rc<dyn Channel>,
+    cache: Rc<dyn Channel>,
+    parked: RefCell<Vec<Parked>>,
+    /// Writes waiting for free blocks (their context word says where to
+    /// resume).
+    space_wait: RefCell<Vec<BioPtr>>,
+    /// Scratch list of sub-I/Os (reused: no allocation per bio).
+    subs: RefCell<Vec<Sub>>,
+}
+
+impl Channel for WcChannel {
+    fn submit(&self, mut bio: BioPtr) {
+        match bio.op {
+            Op::Flush => {
+                let gen = {
+                    let mut st = self.shared.lock();
+                    st.stats.flushes += 1;
+                    let g = st.pending_gen;
+                    st.commit_wanted = st.commit_wanted.max(g);
+                    g
+                };
+                self.park(Parked {
+                    gen,
+                    bio,
+                    framed: false,
+                });
+                self.shared.poke();
+            }
+            Op::Read | Op::Write => {
+                let bs = self.shared.cfg.bs_sectors();
+                if !bio.sector.is_multiple_of(bs)
+                    || !bio.sectors().is_multiple_of(bs)
+                    || bio.sectors() == 0
+                {
+                    return bio.complete(Status::Inval);
+                }
+                let me = self as *const WcChannel as *mut ();
+                if !bio.push_end_io(parent_done, me) {
+                    return bio.complete(Status::NoMem);
+                }
+                bio.set_status(Status::Ok);
+                bio.pending = 1;
+                bio.set_ctx(0);
+                self.map(bio);
+            }
+            _ => bio.complete(Status::NotSupp),
+        }
+    }
+}
+
+impl WcChannel {
+    fn park(&self, p: Parked) {
+        self.parked.borrow_mut().push(p);
+        // The commit may have completed between taking the generation and
+        // parking: look again so the bio is not left waiting.
+        self.kick();
+    }
+
+    /// Releases parked bios whose generation is committed, and retries
+    /// writes that waited for space.
+    pub fn kick(&self) {
+        let (committed, error) = {
+            let st = self.shared.lock();
+            (st.committed, st.error)
+        };
+        let ready: Vec<Parked> = {
+            let mut p = self.parked.borrow_mut();
+            if p.is_empty() {
+                Vec::new()
+            } else {
+                let (ready, wait): (Vec<_>, Vec<_>) = std::mem::take(&mut *p)
+                    .into_iter()
+                    .partition(|x| x.gen <= committed || error != 0);
+                *p = wait;
+                ready
+            }
+        };
+        for Parked {
+            mut bio, framed, ..
+        } in ready
+        {
+            let s = if error != 0 && bio.status().is_ok() {
+                Status::IoErr
+            } else {
+                bio.status()
+            };
+            if framed {
+                bio.pop_end_io();
+            }
+            bio.complete(s);
+        }
+        let waiting: Vec<BioPtr> = std::mem::take(&mut *self.space_wait.borrow_mut());
+        if !waiting.is_empty() {
+            self.shared.lock().space_waiters -= waiting.len() as u64;
+            for bio in waiting {
+                // map fails them if the cache has failed meanwhile.
+                self.map(bio);
+            }
+        }
+    }
+
+    /// Maps the caller's bio (from the block in its context word on) into
+    /// sub-I/Os, under the lock, then issues them without it.
+    fn map(&self, mut bio: BioPtr) {
+        let sh = &*self.shared;
+        let bs = sh.cfg.bs_sectors();
+        let ob0 = bio.sector / bs;
+        let nblk = bio.sectors() / bs;
+        let mut from = bio.ctx();
+        let mut subs = self.subs.borrow_mut();
+        subs.clear();
+        let mut blocked = false;
+        {
+            let mut st = sh.lock();
+            if st.error != 0 {
+                // A failed cache fails all I/O (as dm-writecache does).
+                bio.set_status(Status::IoErr);
+                from = nblk;
+            } else if bio.op == Op::Read {
+                map_read(&mut st, ob0, nblk, &mut subs);
+                from = nblk;
+            } else {
+                let now = sh.now_ms();
+                from = map_write(sh, &mut st, ob0, nblk, from, now, &mut subs);
+                if from < nblk {
+                    blocked = true;
+                    st.stats.writes_blocked_on_freelist += 1;
+                    st.space_waiters += 1;
+                }
+            }
+        }
+        bio.pending += subs.len() as u32;
+        bio.set_ctx(from);
+        let p = bio.into_raw();
+        // SAFETY: `p` came from into_raw above; the parent stays alive while
+        // its pending count (held by this function and by each sub) is
+        // non-zero, and subs only complete on a later reactor turn.
+        let parent = unsafe { &*p };
+        let bsz = sh.cfg.block_size as u64;
+        for s in subs.iter() {
+            let mut c = parent.alloc_clone();
+            c.flags = udm_core::BioFlags::NONE;
+            c.add_segs_from(parent, (s.off * bsz) as usize, (s.n * bsz) as usize);
+            c.set_end_io(sub_done, p.cast());
+            c.set_ctx(s.kind << 56 | s.block);
+            match s.kind {
+                K_ORIGIN => {
+                    c.sector = s.block * bs;
+                    self.origin.submit(c);
+                }
+                _ => {
+                    c.sector = sh.cache_sector(s.block as u32);
+                    self.cache.submit(c);
+                }
+            }
+        }
+        subs.clear();
+        drop(subs);
+        // SAFETY: as above; we still hold one pending count.
+        let bio = unsafe { BioPtr::from_raw(p) };
+        if blocked {
+            self.space_wait.borrow_mut().push(bio);
+            sh.poke();
+        } else {
+            self.put(bio, false);
+        }
+    }
+
+    /// Drops one pending count of the caller's bio; the last one finishes it.
+    fn put(&self, mut bio: BioPtr, in_completion: bool) {
+        bio.pending -= 1;
+        if bio.pending > 0 {
+            let _ = bio.into_raw();
+            return;
+        }
+        let s = bio.status();
+        if bio.op == Op::Write && bio.flags.contains(udm_core::BioFlags::FUA) && s.is_ok() {
+            // FUA: durable before it is acknowledged.
+            let gen = {
+                let mut st = self.shared.lock();
+                let g = st.pending_gen;
+                st.commit_wanted = st.commit_wanted.max(g);
+                g
+            };
+            self.park(Parked {
+                gen,
+                bio,
+                framed: true,
+            });
+            self.shared.poke();
+            return;
+        }
+        bio.pop_end_io();
+        if in_completion {
+            bio.endio();
+        } else {
+            bio.complete(s);
+        }
+    }
+}
+
+/// Read runs: cached blocks contiguous on the cache in one read, misses
+/// contiguous on the origin in another.
+fn map_read(st: &mut State, ob0: u64, n: u64, subs: &mut Vec<Sub>) {
+    let mut i = 0;
+    while i < n {
+        let b = st.map[(ob0 + i) as usize];
+        let mut k = 1;
+        if b != NONE {
+            st.entries[b as usize].reads += 1;
+            while i + k < n && st.map[(ob0 + i + k) as usize] == b + k as u32 {
+                st.entries[(b + k as u32) as usize].reads += 1;
+                k += 1;
+            }
+            st.stats.read_hits += k;
+            subs.push(Sub {
+                kind: K_CACHE_READ,
+                block: b as u64,
+                off: i,
+                n: k,
+            });
+        } else {
+            while i + k < n && st.map[(ob0 + i + k) as usize] == NONE {
+                k += 1;
+            }
+            subs.push(Sub {
+                kind: K_ORIGIN,
+                block: ob0 + i,
+                off: i,
+                n: k,
+            });
+        }
+        st.stats.reads += k;
+        i += k;
+    }
+}
+
+/// Write runs from block `from`; returns where it stopped (`n` when done,
+/// less when the cache ran out of free blocks).
+fn map_write(
+    sh: &Shared,
+    st: &mut State,
+    ob0: u64,
+    n: u64,
+    mut i: u64,
+    now: u32,
+    subs: &mut Vec<Sub>,
+) -> u64 {
+    while i < n {
+        let ob = ob0 + i;
+        let b = st.map[ob as usize];
+        if b != NONE && st.in_place_ok(b) {
+            // Overwrite in place, as one I/O while the blocks lie
+            // contiguously on the cache (dm commit ee50cc19).
+            let mut k = 1;
+            st.entries[b as usize].writes += 1;
+            while i + k < n
+                && st.map[(ob + k) as usize] == b + k as u32
+                && st.in_place_ok(b + k as u32)
+            {
+                st.entries[(b + k as u32) as usize].writes += 1;
+                k += 1;
+            }
+            st.stats.write_hits_uncommitted += k;
+            st.stats.writes += k;
+            subs.push(Sub {
+                kind: K_CACHE_WRITE,
+                block: b as u64,
+                off: i,
+                n: k,
+            });
+            i += k;
+            continue;
+        }
+        if b == NONE && st.cleaner {
+            // The cleaner caches nothing new: straight to the origin.
+            let mut k = 1;
+            while i + k < n && st.map[(ob + k) as usize] == NONE {
+                k += 1;
+            }
+            st.stats.writes_around += k;
+            st.stats.writes += k;
+            st.last_origin_write = Some(Instant::now());
+            subs.push(Sub {
+                kind: K_ORIGIN,
+                block: ob,
+                off: i,
+                n: k,
+            });
+            i += k;
+            continue;
+        }
+        // New blocks: as many as follow that need one, in as few extents
+        // as the free space allows.
+        let mut m = 1;
+        while i + m < n {
+            let nb = st.map[(ob + m) as usize];
+            let needs = if nb == NONE {
+                !st.cleaner
+            } else {
+                !st.in_place_ok(nb)
+            };
+            if !needs {
+                break;
+            }
+            m += 1;
+        }
+        let want = if sh.cfg.nocoalesce { 1 } else { m as u32 };
+        let Some((start, got)) = st.free.alloc(want) else {
+            return i;
+        };
+        for k in 0..got {
+            let nb = start + k;
+            let obk = ob + k as u64;
+            let old = st.map[obk as usize];
+            if old != NONE {
+                // The old copy stays on disk until this one is committed.
+                st.entries[old as usize].st = St::Superseded;
+                st.entries[old as usize].aux = nb as u64;
+                st.lru_remove(old);
+                st.superseded.push(old);
+                st.shadow_add(obk);
+                st.live -= 1;
+                st.stats.write_hits_committed += 1;
+            } else {
+                st.stats.writes_allocate += 1;
+            }
+            st.entries[nb as usize] = Entry {
+                ob: obk,
+                seq: 0,
+                aux: 0,
+                born_ms: now,
+                prev: NONE,
+                next: NONE,
+                writes: 1,
+                reads: 0,
+                wb: false,
+                st: St::Live,
+            };
+            st.lru_push(nb);
+            st.map[obk as usize] = nb;
+            st.live += 1;
+        }
+        st.stats.writes += got as u64;
+        subs.push(Sub {
+            kind: K_CACHE_WRITE,
+            block: start as u64,
+            off: i,
+            n: got as u64,
+        });
+        i += got as u64;
+    }
+    n
+}
+
+/// A sub-I/O completed: account it under the lock, then drop its parent's
+/// pending count.
+fn sub_done(c: BioPtr) {
+    let p = c.private() as *mut Bio;
+    // SAFETY: a sub's private is its parent, alive while the sub is pending
+    // (put drops the count only below).
+    let parent = unsafe { &mut *p };
+    // SAFETY: the parent's private is the WcChannel that pushed its frame,
+    // kept alive by its table while I/O is in flight.
+    let ch = unsafe { &*(parent.private() as *const WcChannel) };
+    let sh = &*ch.shared;
+    let status = c.status();
+    let kind = c.ctx() >> 56;
+    let block = (c.ctx() & ((1 << 56) - 1)) as u32;
+    let n = c.len() / sh.cfg.block_size;
+    let origin_write = kind == K_ORIGIN && parent.op == Op::Write;
+    drop(c);
+    if kind == K_CACHE_WRITE || kind == K_CACHE_READ {
+        let mut st = sh.lock();
+        let mut freed = false;
+        let bsz = sh.cfg.bs_sectors();
+        for b in block..block + n {
+            let e = &mut st.entries[b as usize];
+            if kind == K_CACHE_WRITE {
+                e.writes -= 1;
+                if status.is_ok() && e.seq == 0 && e.st == St::Live {
+                    // First completed write: the entry joins the image, in
+                    // the generation no commit has started on.
+                    let g = st.pending_gen;
+                    let e = &mut st.entries[b as usize];
+                    e.seq = g;
+                    let ob = e.ob;
+                    st.set_disk(
+                        b,
+                        DiskEntry {
+                            sector: ob * bsz,
+                            seq: g,
+                        },
+                    );
+                }
+            } else {
+                e.reads -= 1;
+            }
+            freed |= st.unpinned(b);
+        }
+        if !status.is_ok() {
+            st.error = Status::IoErr.errno();
+        }
+        let poke = kind == K_CACHE_WRITE && st.uncommitted >= sh.cfg.autocommit_blocks;
+        let kick = (freed && st.space_waiters > 0) || !status.is_ok();
+        drop(st);
+        if poke {
+            sh.poke();
+        }
+        if kick {
+            sh.kick_all();
+        }
+    } else if origin_write {
+        sh.lock().last_origin_write = Some(Instant::now());
+    }
+    if !status.is_ok() && parent.status().is_ok() {
+        parent.set_status(status);
+    }
+    // SAFETY: we hold one of the parent's pending counts; it is ours again.
+    let bio = unsafe { BioPtr::from_raw(p) };
+    ch.put(bio, true);
+}
+
+/// End_io pushed on callers' bios: only reached if a bio completes without
+/// the engine (it never does: the engine pops its frame before completing).
+fn parent_done(mut bio: BioPtr) {
+    bio.pop_end_io();
+    bio.endio();
+}

@@ -1,0 +1,883 @@
+//! The writecache's worker: a thread with its own reactor and channels to
+//! the origin and the cache (the kernel's workqueue). It loads or formats
+//! the metadata, runs commits (on FLUSH, FUA, autocommit and to release
+//! freed blocks), and writes back: above `high_watermark` down to
+//! `low_watermark`, everything on `flush`/`cleaner`, and blocks older than
+//! `max_age`. Writeback takes the oldest committed blocks, sorts them by
+//! origin sector and merges neighbours into large origin writes.
+
+use std::cell::Cell;
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use udm_core::{
+    BioFlags, BioPtr, Caps, Channel, Error, ErrorKind, Op, Poller, Reactor, ReactorConfig, Status,
+    SECTOR_SHIFT,
+};
+
+use super::cache::{Shared, St, State, NONE};
+use super::meta::{encode_mblock, DiskEntry, Super, MBLOCK_BYTES, SB_BYTES};
+
+/// Most blocks one writeback batch takes.
+const BATCH_BYTES: u64 = 16 << 20;
+/// Largest origin write writeback issues.
+const MAX_RUN_BYTES: u64 = 1 << 20;
+
+type Done = Box<dyn FnOnce(Status, Vec<u8>)>;
+
+struct IoCtx {
+    buf: Vec<u8>,
+    done: Done,
+}
+
+pub(crate) struct Worker {
+    shared: Arc<Shared>,
+    reactor: *const Reactor,
+    origin: Rc<dyn Channel>,
+    cache: Rc<dyn Channel>,
+    inflight: Cell<u64>,
+    commit_busy: Cell<bool>,
+    wb_busy: Cell<bool>,
+    cache_fua: bool,
+}
+
+fn io_done(bio: BioPtr) {
+    // SAFETY: private is the Box<IoCtx> leaked in `Worker::io`, taken back once.
+    let ctx = unsafe { Box::from_raw(bio.private() as *mut IoCtx) };
+    let s = bio.status();
+    drop(bio);
+    let IoCtx { buf, done } = *ctx;
+    done(s, buf);
+}
+
+impl Worker {
+    fn reactor(&self) -> &Reactor {
+        // SAFETY: the worker lives inside `run`, on the reactor's thread,
+        // and `run` drains all of its I/O before the reactor is dropped.
+        unsafe { &*self.reactor }
+    }
+
+    /// Issues one I/O on `ch` with `buf` as its data (moved in, handed back
+    /// to `done`).
+    fn io(
+        self: &Rc<Self>,
+        cache: bool,
+        op: Op,
+        flags: BioFlags,
+        sector: u64,
+        mut buf: Vec<u8>,
+        done: impl FnOnce(Status, Vec<u8>) + 'static,
+    ) {
+        let mut bio = self.reactor().alloc_bio();
+        bio.flags = flags;
+        if op.has_data() {
+            bio.op = op;
+            bio.sector = sector;
+            // SAFETY: the buffer moves into the IoCtx below, which keeps it
+            // (its heap block does not move) until io_done runs.
+            unsafe { bio.add_seg(buf.as_mut_ptr(), buf.len()) };
+        } else {
+            bio.set_dataless(op, sector, 0);
+        }
+        self.inflight.set(self.inflight.get() + 1);
+        let me = self.clone();
+        let ctx = Box::new(IoCtx {
+            buf,
+            done: Box::new(move |s, b| {
+                me.inflight.set(me.inflight.get() - 1);
+                done(s, b)
+            }),
+        });
+        bio.set_end_io(io_done, Box::into_raw(ctx).cast());
+        if cache {
+            self.cache.submit(bio)
+        } else {
+            self.origin.submit(bio)
+        }
+    }
+
+    fn fail(&self, st: &mut State) {
+        st.error = Status::IoErr.errno();
+    }
+
+    // -------------------------------------------------------------------
+    // Load / format
+    // -------------------------------------------------------------------
+
+    fn load(self: &Rc<Self>, result: Rc<Cell<Option<Result<(), Error>>>>) {
+        let sh = self.shared.clone();
+        let me = self.clone();
+        let sb_sector = sh.cfg.start_sector;
+        self.io(
+            true,
+            Op::Read,
+            BioFlags::NONE,
+            sb_sector,
+            vec![0; SB_BYTES as usize],
+            move |s, buf| {
+                if !s.is_ok() {
+                    return result.set(Some(Err(Error::new(
+                        ErrorKind::Io,
+                        format!("writecache: reading the superblock failed: {s}"),
+                    ))));
+                }
+                match Super::decode(&buf) {
+                    Err(e) => result.set(Some(Err(e))),
+                    Ok(None) => me.format(result),
+                    Ok(Some(sb)) => {
+                        let g = &sh.geo;
+                        if sb.block_size != g.block_size {
+                            return result.set(Some(Err(Error::invalid(format!(
+                                "writecache: block size {} does not match the cache's ({})",
+                                g.block_size, sb.block_size
+                            )))));
+                        }
+                        if sb.n_blocks != g.n_blocks {
+                            return result.set(Some(Err(Error::invalid(format!(
+                                "writecache: the cache holds {} blocks but this table gives it {}",
+                                sb.n_blocks, g.n_blocks
+                            )))));
+                        }
+                        me.read_entries(sb.seq, result);
+                    }
+                }
+            },
+        );
+    }
+
+    /// A new cache: zero the entry array, then write a superblock.
+    fn format(self: &Rc<Self>, result: Rc<Cell<Option<Result<(), Error>>>>) {
+        let g = self.shared.geo;
+        let total = g.mblocks as u64 * MBLOCK_BYTES as u64;
+        let chunk = 1u64 << 20;
+        let left = Rc::new(Cell::new(total.div_ceil(chunk)));
+        let ok = Rc::new(Cell::new(true));
+        let mut off = 0;
+        while off < total {
+            let n = chunk.min(total - off);
+            let (left, ok, me, result) = (left.clone(), ok.clone(), self.clone(), result.clone());
+            let sector = self.shared.cfg.start_sector + ((SB_BYTES + off) >> SECTOR_SHIFT);
+            self.io(
+                true,
+                Op::Write,
+                BioFlags::NONE,
+                sector,
+                vec![0; n as usize],
+                move |s, _| {
+                    ok.set(ok.get() && s.is_ok());
+                    left.set(left.get() - 1);
+                    if left.get() == 0 {
+                        if !ok.get() {
+                            return result.set(Some(Err(Error::new(
+                                ErrorKind::Io,
+                                "writecache: formatting the metadata failed",
+                            ))));
+                        }
+                        let n = me.shared.geo.n_blocks;
+                        me.shared.lock().free.free(0, n);
+                        me.write_super(0, move |s| {
+                            result.set(Some(if s.is_ok() {
+                                Ok(())
+                            } else {
+                                Err(Error::new(
+                                    ErrorKind::Io,
+                                    "writecache: writing the superblock failed",
+                                ))
+                            }))
+                        });
+                    }
+                },
+            );
+            off += n;
+        }
+    }
+
+    fn read_entries(self: &Rc<Self>, sb_seq: u64, result: Rc<Cell<Option<Result<(), Error>>>>) {
+        let g = self.shared.geo;
+        let total = g.mblocks as usize * MBLOCK_BYTES;
+        let sector = self.shared.cfg.start_sector + (SB_BYTES >> SECTOR_SHIFT);
+        let me = self.clone();
+        self.io(
+            true,
+            Op::Read,
+            BioFlags::NONE,
+            sector,
+            vec![0; total],
+            move |s, buf| {
+                if !s.is_ok() {
+                    return result.set(Some(Err(Error::new(
+                        ErrorKind::Io,
+                        "writecache: reading the metadata failed",
+                    ))));
+                }
+                me.rebuild(sb_seq, &buf);
+                // Commit the cleaned-up image before serving I/O: stale and
+                // torn leftovers become free markers on disk.
+                me.shared.lock().commit_wanted = sb_seq + 1;
+                let r2 = result.clone();
+                me.start_commit(Some(Box::new(move |ok| {
+                    r2.set(Some(if ok {
+                        Ok(())
+                    } else {
+                        Err(Error::new(
+                            ErrorKind::Io,
+                            "writecache: committing the recovered metadata failed",
+                        ))
+                    }))
+                })));
+            },
+        );
+    }
+
+    /// Rebuilds the in-memory state from the entry array: for each origin
+    /// block the committed entry with the highest seq wins; everything else
+    /// is free.
+    fn rebuild(&self, sb_seq: u64, buf: &[u8]) {
+        let sh = &*self.shared;
+        let bs = sh.cfg.bs_sectors();
+        let n = sh.geo.n_blocks;
+        let mut st = sh.lock();
+        st.committed = sb_seq;
+        st.pending_gen = sb_seq + 1;
+        let mut winners: Vec<(u64, u32)> = Vec::new();
+        for b in 0..n {
+            let o = b as usize * 16;
+            let e = DiskEntry::decode(&buf[o..o + 16]);
+            let valid = e.seq != 0
+                && e.seq <= sb_seq
+                && e.sector.is_multiple_of(bs)
+                && e.sector / bs < sh.origin_blocks;
+            if !valid {
+                if e != DiskEntry::FREE {
+                    st.set_disk(b, DiskEntry::FREE);
+                }
+                continue;
+            }
+            let ob = e.sector / bs;
+            let cur = st.map[ob as usize];
+            if cur != NONE {
+                if st.entries[cur as usize].seq >= e.seq {
+                    st.set_disk(b, DiskEntry::FREE);
+                    continue;
+                }
+                st.set_disk(cur, DiskEntry::FREE);
+                st.entries[cur as usize].st = St::Free;
+            }
+            st.map[ob as usize] = b;
+            st.disk[b as usize] = e;
+            let en = &mut st.entries[b as usize];
+            en.ob = ob;
+            en.seq = e.seq;
+            en.st = St::Live;
+            winners.push((e.seq, b));
+        }
+        // Oldest first in the writeback order.
+        winners.sort_unstable();
+        for &(_, b) in &winners {
+            if st.entries[b as usize].st == St::Live
+                && st.map[st.entries[b as usize].ob as usize] == b
+            {
+                st.lru_push(b);
+                st.live += 1;
+            }
+        }
+        let mut b = 0;
+        while b < n {
+            if st.entries[b as usize].st == St::Free {
+                let s = b;
+                while b < n && st.entries[b as usize].st == St::Free {
+                    b += 1;
+                }
+                st.free.free(s, b - s);
+            } else {
+                b += 1;
+            }
+        }
+    }
+
+    // -------------------------------------------------------------------
+    // Commit
+    // -------------------------------------------------------------------
+
+    fn write_super(self: &Rc<Self>, seq: u64, done: impl FnOnce(Status) + 'static) {
+        let g = self.shared.geo;
+        let mut buf = vec![0u8; SB_BYTES as usize];
+        Super {
+            block_size: g.block_size,
+            n_blocks: g.n_blocks,
+            seq,
+        }
+        .encode(&mut buf);
+        let me = self.clone();
+        self.io(
+            true,
+            Op::Write,
+            BioFlags::FUA,
+            self.shared.cfg.start_sector,
+            buf,
+            move |s, _| {
+                if !s.is_ok() || me.cache_fua {
+                    return done(s);
+                }
+                me.io(
+                    true,
+                    Op::Flush,
+                    BioFlags::NONE,
+                    0,
+                    Vec::new(),
+                    move |s, _| done(s),
+                );
+            },
+        );
+    }
+
+    /// Publishes the next generation: changed metadata blocks, a flush of
+    /// the cache and the origin, then the superblock with FUA.
+    fn start_commit(self: &Rc<Self>, then: Option<Box<dyn FnOnce(bool)>>) {
+        let sh = &*self.shared;
+        self.commit_busy.set(true);
+        let (gen, runs) = {
+            let mut st = sh.lock();
+            let gen = st.pending_gen;
+            st.pending_gen += 1;
+            st.uncommitted = 0;
+            st.dirty_since = None;
+            // Copy the dirty metadata blocks, merged into runs.
+            let mut runs: Vec<(u32, Vec<u8>)> = Vec::new();
+            if st.ndirty > 0 {
+                let nm = st.dirty.len() as u32;
+                let mut m = 0;
+                while m < nm {
+                    if !st.dirty[m as usize] {
+                        m += 1;
+                        continue;
+                    }
+                    let start = m;
+                    let mut buf = Vec::new();
+                    while m < nm && st.dirty[m as usize] && buf.len() < MAX_RUN_BYTES as usize {
+                        st.dirty[m as usize] = false;
+                        let o = buf.len();
+                        buf.resize(o + MBLOCK_BYTES, 0);
+                        encode_mblock(&st.disk, m, &mut buf[o..]);
+                        m += 1;
+                    }
+                    runs.push((start, buf));
+                }
+                st.ndirty = 0;
+            }
+            (gen, runs)
+        };
+        let left = Rc::new(Cell::new(runs.len() as u64 + 1));
+        let ok = Rc::new(Cell::new(true));
+        let then = Rc::new(Cell::new(then));
+        let step = {
+            let me = self.clone();
+            let (left, ok, then) = (left.clone(), ok.clone(), then.clone());
+            move |s: Status| {
+                ok.set(ok.get() && s.is_ok());
+                left.set(left.get() - 1);
+                if left.get() == 0 {
+                    me.commit_flush(gen, ok.get(), then.take());
+                }
+            }
+        };
+        let step = Rc::new(step);
+        for (m, buf) in runs {
+            let sector = sh.cfg.start_sector + (sh.geo.mblock_offset(m) >> SECTOR_SHIFT);
+            let step = step.clone();
+            self.io(true, Op::Write, BioFlags::NONE, sector, buf, move |s, _| {
+                step(s)
+            });
+        }
+        step(Status::Ok);
+    }
+
+    fn commit_flush(self: &Rc<Self>, gen: u64, ok: bool, then: Option<Box<dyn FnOnce(bool)>>) {
+        if !ok {
+            return self.commit_done(gen, false, then);
+        }
+        // Both devices: the cache holds the data and entries, the origin
+        // what was written around the cache.
+        let left = Rc::new(Cell::new(2u32));
+        let good = Rc::new(Cell::new(true));
+        let then = Rc::new(Cell::new(then));
+        for cache in [true, false] {
+            let (me, left, good, then) = (self.clone(), left.clone(), good.clone(), then.clone());
+            self.io(
+                cache,
+                Op::Flush,
+                BioFlags::NONE,
+                0,
+                Vec::new(),
+                move |s, _| {
+                    good.set(good.get() && s.is_ok());
+                    left.set(left.get() - 1);
+                    if left.get() > 0 {
+                        return;
+                    }
+                    if !good.get() {
+                        return me.commit_done(gen, false, then.take());
+                    }
+                    let me2 = me.clone();
+                    me.write_super(gen, move |s| me2.commit_done(gen, s.is_ok(), then.take()));
+                },
+            );
+        }
+    }
+
+    fn commit_done(self: &Rc<Self>, gen: u64, ok: bool, then: Option<Box<dyn FnOnce(bool)>>) {
+        let sh = &*self.shared;
+        {
+            let mut st = sh.lock();
+            if !ok {
+                self.fail(&mut st);
+            } else {
+                st.committed = gen;
+                // Free markers now durable: the blocks are reusable.
+                let fp = std::mem::take(&mut st.free_pending);
+                let mut keep = Vec::new();
+                for b in fp {
+                    let e = st.entries[b as usize];
+                    if e.aux <= gen {
+                        st.shadow_sub(e.ob);
+                        st.release(b);
+                    } else {
+                        keep.push(b);
+                    }
+                }
+                st.free_pending = keep;
+                // Superseded blocks whose successor is now durable get a
+                // free marker in the next commit.
+                let sup = std::mem::take(&mut st.superseded);
+                let mut keep = Vec::new();
+                let pg = st.pending_gen;
+                for b in sup {
+                    let by = st.entries[b as usize].aux as usize;
+                    let s = st.entries[by].seq;
+                    if s != 0 && s <= gen {
+                        st.entries[b as usize].st = St::FreePending;
+                        st.entries[b as usize].aux = pg;
+                        st.set_disk(b, DiskEntry::FREE);
+                        st.free_pending.push(b);
+                    } else {
+                        keep.push(b);
+                    }
+                }
+                st.superseded = keep;
+                // Space is wanted: do not wait for autocommit to release.
+                let n = sh.geo.n_blocks as u64;
+                let pressed = st.writeback_all > 0
+                    || st.space_waiters > 0
+                    || st.wb_active
+                    || st.used(n) * 100 >= n * sh.cfg.low_watermark as u64;
+                if pressed && !st.free_pending.is_empty() {
+                    st.commit_wanted = st.commit_wanted.max(pg);
+                }
+            }
+        }
+        self.commit_busy.set(false);
+        if let Some(f) = then {
+            f(ok);
+        }
+        sh.kick_all();
+        sh.poke();
+    }
+
+    // -------------------------------------------------------------------
+    // Writeback
+    // -------------------------------------------------------------------
+
+    /// Picks the oldest committed blocks that may go back, up to a batch.
+    fn pick(&self, st: &mut State, now: Instant) -> Vec<u32> {
+        let sh = &*self.shared;
+        let n = sh.geo.n_blocks as u64;
+        let used = st.used(n);
+        if used * 100 >= n * sh.cfg.high_watermark as u64 {
+            st.wb_active = true;
+        }
+        if used * 100 <= n * sh.cfg.low_watermark as u64 {
+            st.wb_active = false;
+        }
+        let all = st.writeback_all > 0 || st.cleaner;
+        let paused = st
+            .last_origin_write
+            .is_some_and(|t| now.duration_since(t) < sh.cfg.pause_writeback);
+        let by_watermark = st.wb_active && !paused;
+        let age_limit = sh.cfg.max_age.map(|a| {
+            sh.now_ms()
+                .saturating_sub(a.as_millis().min(u32::MAX as u128) as u32)
+        });
+        if !all && !by_watermark && age_limit.is_none() {
+            return Vec::new();
+        }
+        let mut max = (BATCH_BYTES / sh.cfg.block_size as u64).max(1);
+        if sh.cfg.writeback_jobs > 0 {
+            max = max.min((sh.cfg.writeback_jobs as u64).saturating_sub(st.wb_inflight));
+        }
+        let mut out = Vec::new();
+        let mut b = st.lru_head;
+        let mut scanned = 0u64;
+        let mut need_commit = false;
+        while b != NONE && (out.len() as u64) < max && scanned < 4 * max + 4096 {
+            let e = st.entries[b as usize];
+            scanned += 1;
+            if !all && !by_watermark {
+                // max_age only: the list is oldest first, so stop at the
+                // first block young enough.
+                match age_limit {
+                    Some(lim) if e.born_ms <= lim => {}
+                    _ => break,
+                }
+            }
+            if e.st == St::Live && !e.wb && e.writes == 0 {
+                if e.seq != 0 && e.seq <= st.committed && !st.shadows.contains_key(&e.ob) {
+                    out.push(b);
+                } else {
+                    need_commit = true;
+                }
+            }
+            b = e.next;
+        }
+        if need_commit || (out.is_empty() && (st.live > 0 || !st.free_pending.is_empty()) && all) {
+            let pg = st.pending_gen;
+            st.commit_wanted = st.commit_wanted.max(pg);
+        }
+        for &b in &out {
+            let e = &mut st.entries[b as usize];
+            e.wb = true;
+            e.reads += 1;
+        }
+        st.wb_inflight += out.len() as u64;
+        sh.wb_blocks.store(st.wb_inflight, Ordering::Relaxed);
+        out
+    }
+
+    fn writeback(self: &Rc<Self>, blocks: Vec<u32>) {
+        let sh = self.shared.clone();
+        let bs = sh.cfg.block_size as u64;
+        let bss = sh.cfg.bs_sectors();
+        // Sort by origin block; group runs contiguous on the origin.
+        let mut v: Vec<(u64, u32)> = {
+            let st = sh.lock();
+            blocks
+                .iter()
+                .map(|&b| (st.entries[b as usize].ob, b))
+                .collect()
+        };
+        v.sort_unstable();
+        let max_run = (MAX_RUN_BYTES / bs).max(1) as usize;
+        let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
+        let mut i = 0;
+        while i < v.len() {
+            let mut j = i + 1;
+            while j < v.len() && v[j].0 == v[j - 1].0 + 1 && j - i < max_run {
+                j += 1;
+            }
+            runs.push(i..j);
+            i = j;
+        }
+        self.wb_busy.set(true);
+        let v = Rc::new(v);
+        let nruns = runs.len();
+        let left = Rc::new(Cell::new(nruns as u64));
+        let ok = Rc::new(Cell::new(true));
+        for r in runs {
+            // Read the run's cache pieces into one buffer (one read per
+            // piece contiguous on the cache), then write it in one go.
+            let len = r.len();
+            let buf = vec![0u8; len * bs as usize];
+            let base_ptr = buf.as_ptr() as *mut u8;
+            let pieces_left = Rc::new(Cell::new(0u64));
+            let read_ok = Rc::new(Cell::new(true));
+            let held = Rc::new(Cell::new(Some(buf)));
+            let mut k = r.start;
+            let mut pieces = Vec::new();
+            while k < r.end {
+                let mut m = k + 1;
+                while m < r.end && v[m].1 == v[m - 1].1 + 1 {
+                    m += 1;
+                }
+                pieces.push((k, m));
+                k = m;
+            }
+            pieces_left.set(pieces.len() as u64);
+            for (a, z) in pieces {
+                let mut bio = self.reactor().alloc_bio();
+                bio.op = Op::Read;
+                bio.sector = sh.cache_sector(v[a].1);
+                // SAFETY: the run's buffer is kept in `held` until the last
+                // piece completes (below), and pieces are disjoint ranges of it.
+                unsafe {
+                    bio.add_seg(
+                        base_ptr.add((a - r.start) * bs as usize),
+                        (z - a) * bs as usize,
+                    )
+                };
+                let me = self.clone();
+                let (pieces_left, read_ok, held) =
+                    (pieces_left.clone(), read_ok.clone(), held.clone());
+                let (left, ok, v) = (left.clone(), ok.clone(), v.clone());
+                let origin_sector = v[r.start].0 * bss;
+                let all_blocks: Vec<u32> = v.iter().map(|x| x.1).collect();
+                let fua = sh.cfg.fua;
+                let done: Done = Box::new(move |s, _| {
+                    read_ok.set(read_ok.get() && s.is_ok());
+                    pieces_left.set(pieces_left.get() - 1);
+                    if pieces_left.get() > 0 {
+                        return;
+                    }
+                    let Some(buf) = held.take() else { return };
+                    if !read_ok.get() {
+                        ok.set(false);
+                        left.set(left.get() - 1);
+                        if left.get() == 0 {
+                            me.writeback_flush(all_blocks, false);
+                        }
+                        return;
+                    }
+                    let flags = if fua { BioFlags::FUA } else { BioFlags::NONE };
+                    let me2 = me.clone();
+                    me.io(false, Op::Write, flags, origin_sector, buf, move |s, _| {
+                        ok.set(ok.get() && s.is_ok());
+                        left.set(left.get() - 1);
+                        if left.get() == 0 {
+                            me2.writeback_flush(all_blocks, ok.get());
+                        }
+                    });
+                });
+                self.inflight.set(self.inflight.get() + 1);
+                let me3 = self.clone();
+                let ctx = Box::new(IoCtx {
+                    buf: Vec::new(),
+                    done: Box::new(move |s, b| {
+                        me3.inflight.set(me3.inflight.get() - 1);
+                        done(s, b)
+                    }),
+                });
+                bio.set_end_io(io_done, Box::into_raw(ctx).cast());
+                self.cache.submit(bio);
+            }
+        }
+    }
+
+    /// After the origin writes: flush the origin, then free the blocks (their
+    /// free markers go in the next commit).
+    fn writeback_flush(self: &Rc<Self>, blocks: Vec<u32>, ok: bool) {
+        let me = self.clone();
+        let origin_fua = self.shared.cfg.fua && self.shared.cfg.origin.caps().contains(Caps::FUA);
+        let finish = move |s: Status| me.writeback_done(blocks, ok && s.is_ok());
+        if !ok || origin_fua {
+            return finish(Status::Ok);
+        }
+        self.io(
+            false,
+            Op::Flush,
+            BioFlags::NONE,
+            0,
+            Vec::new(),
+            move |s, _| finish(s),
+        );
+    }
+
+    fn writeback_done(self: &Rc<Self>, blocks: Vec<u32>, ok: bool) {
+        let sh = &*self.shared;
+        {
+            let mut st = sh.lock();
+            let pg = st.pending_gen;
+            for &b in &blocks {
+                let e = &mut st.entries[b as usize];
+                e.wb = false;
+                e.reads -= 1;
+                let ob = e.ob;
+                if !ok {
+                    st.unpinned(b);
+                    continue;
+                }
+                if e.st == St::Live && st.map[ob as usize] == b {
+                    st.map[ob as usize] = NONE;
+                    st.lru_remove(b);
+                    st.live -= 1;
+                    let e = &mut st.entries[b as usize];
+                    e.st = St::FreePending;
+                    e.aux = pg;
+                    st.set_disk(b, DiskEntry::FREE);
+                    st.free_pending.push(b);
+                    st.shadow_add(ob);
+                }
+            }
+            if !ok {
+                self.fail(&mut st);
+            }
+            st.wb_inflight -= blocks.len() as u64;
+            sh.wb_blocks.store(st.wb_inflight, Ordering::Relaxed);
+            st.commit_wanted = st.commit_wanted.max(pg);
+        }
+        self.wb_busy.set(false);
+        if !ok {
+            sh.kick_all();
+        }
+        sh.cv.notify_all();
+        sh.poke();
+    }
+
+    // -------------------------------------------------------------------
+    // The loop
+    // -------------------------------------------------------------------
+
+    /// Looks at the state and starts what is due.
+    fn step(self: &Rc<Self>) {
+        let sh = &*self.shared;
+        if sh.stop.load(Ordering::Acquire) {
+            return;
+        }
+        let now = Instant::now();
+        let (commit, batch) = {
+            let mut st = sh.lock();
+            if !st.ready || st.error != 0 {
+                // Parked bios must still hear about the error.
+                (false, Vec::new())
+            } else {
+                // Pick first: it may find that writeback needs a commit.
+                let batch = if self.wb_busy.get() {
+                    Vec::new()
+                } else {
+                    self.pick(&mut st, now)
+                };
+                let auto_time = st
+                    .dirty_since
+                    .is_some_and(|t| now.duration_since(t) >= sh.cfg.autocommit_time);
+                let commit = !self.commit_busy.get()
+                    && (st.commit_wanted >= st.pending_gen
+                        || st.uncommitted >= sh.cfg.autocommit_blocks
+                        || auto_time);
+                (commit, batch)
+            }
+        };
+        if commit {
+            self.start_commit(None);
+        }
+        if !batch.is_empty() {
+            self.writeback(batch);
+        }
+    }
+
+    fn next_deadline(&self) -> Option<Instant> {
+        let sh = &*self.shared;
+        let st = sh.lock();
+        let mut d = st.dirty_since.map(|t| t + sh.cfg.autocommit_time);
+        if sh.cfg.max_age.is_some() && st.lru_head != NONE {
+            // Look again in a while; max_age is coarse (as in dm).
+            let t = Instant::now() + Duration::from_millis(100);
+            d = Some(d.map_or(t, |x| x.min(t)));
+        }
+        if st.last_origin_write.is_some() && st.wb_active {
+            let t = Instant::now() + Duration::from_millis(50);
+            d = Some(d.map_or(t, |x| x.min(t)));
+        }
+        d
+    }
+}
+
+struct WorkerPoller(Rc<Worker>);
+
+impl Poller for WorkerPoller {
+    fn poll(&self) -> usize {
+        let w = &self.0;
+        let due = self.deadline().is_some_and(|d| d <= Instant::now());
+        if w.shared.poked.swap(false, Ordering::AcqRel) || due {
+            w.step();
+            return 1;
+        }
+        0
+    }
+
+    fn deadline(&self) -> Option<Instant> {
+        if self.0.shared.stop.load(Ordering::Acquire) {
+            return None;
+        }
+        self.0.next_deadline()
+    }
+}
+
+/// Starts the worker thread; returns once the metadata is loaded (or
+/// formatted), or with the error that prevented it.
+pub(crate) fn start(shared: Arc<Shared>) -> Result<std::thread::JoinHandle<()>, Error> {
+    let (tx, rx) = mpsc::channel::<Result<(), Error>>();
+    let sh = shared.clone();
+    let join = std::thread::Builder::new()
+        .name("writecache".into())
+        .spawn(move || run(sh, tx))
+        .map_err(|e| Error::os("writecache: spawning the worker thread", e))?;
+    match rx.recv() {
+        Ok(Ok(())) => Ok(join),
+        Ok(Err(e)) => {
+            let _ = join.join();
+            Err(e)
+        }
+        Err(_) => {
+            let _ = join.join();
+            Err(Error::new(
+                ErrorKind::Io,
+                "writecache: the worker thread died while loading",
+            ))
+        }
+    }
+}
+
+fn run(sh: Arc<Shared>, tx: mpsc::Sender<Result<(), Error>>) {
+    let reactor = match Reactor::new(ReactorConfig::default()) {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = tx.send(Err(Error::os(
+                "writecache: creating the worker's reactor",
+                e,
+            )));
+            return;
+        }
+    };
+    let open = |d: &Arc<dyn udm_core::BlockDevice>| d.clone().open(&reactor);
+    let (origin, cache) = match (open(&sh.cfg.origin), open(&sh.cfg.cache)) {
+        (Ok(o), Ok(c)) => (o, c),
+        (Err(e), _) | (_, Err(e)) => {
+            let _ = tx.send(Err(e));
+            return;
+        }
+    };
+    let _ = sh.worker.set(reactor.handle());
+    let w = Rc::new(Worker {
+        shared: sh.clone(),
+        reactor: &reactor as *const Reactor,
+        origin,
+        cache,
+        inflight: Cell::new(0),
+        commit_busy: Cell::new(false),
+        wb_busy: Cell::new(false),
+        cache_fua: sh.cfg.cache.caps().contains(Caps::FUA),
+    });
+    let result: Rc<Cell<Option<Result<(), Error>>>> = Rc::new(Cell::new(None));
+    w.load(result.clone());
+    let mut loaded = None;
+    reactor.run_until(|| {
+        if loaded.is_none() {
+            loaded = result.take();
+        }
+        loaded.is_some() && w.inflight.get() == 0
+    });
+    match loaded {
+        Some(Ok(())) => {
+            sh.lock().ready = true;
+            let _ = tx.send(Ok(()));
+        }
+        Some(Err(e)) => {
+            let _ = tx.send(Err(e));
+            return;
+        }
+        None => return,
+    }
+    reactor.add_poller(Rc::new(WorkerPoller(w.clone())));
+    sh.poke();
+    reactor.run_until(|| sh.stop.load(Ordering::Acquire) && w.inflight.get() == 0);
+    // Every callback (which dereferences the reactor) has run.
+}

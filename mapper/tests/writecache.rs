@@ -1,0 +1,372 @@
+//! The writecache target as users see it: reads and writes through the
+//! cache, writeback to the origin, watermarks, the cleaner, restart from the
+//! on-disk metadata, status and table lines, and the constructor's errors.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use udm_core::{BioFlags, BlockDevice, Status};
+use udm_mapper::MappedDevice;
+
+/// Origin 8 MiB, cache 2 MiB: about 480 blocks of 4 KiB.
+fn setup() -> Devices {
+    let mut d = Devices::new();
+    d.ram("origin", 16384);
+    d.ram("cache", 4096);
+    d
+}
+
+fn wc(d: &Devices, features: &str) -> Arc<MappedDevice> {
+    d.mapped(
+        "wc",
+        &format!("0 16384 writecache s origin cache 4096 {features}"),
+    )
+}
+
+/// The status line's numbers.
+fn status(md: &MappedDevice) -> Vec<u64> {
+    let l = md.table().status_lines().remove(0);
+    l.split_whitespace()
+        .skip(3)
+        .map(|x| x.parse().expect("number"))
+        .collect()
+}
+
+const ERR: usize = 0;
+const BLOCKS: usize = 1;
+const FREE: usize = 2;
+const READ_HITS: usize = 5;
+const WRITES_AROUND: usize = 9;
+
+#[test]
+fn writes_are_read_back_from_the_cache_and_leave_the_origin_alone() {
+    let d = setup();
+    let md = wc(&d, "0");
+    let dev = as_dev(&md);
+    let t = Tester::new();
+    t.write(&dev, 64, pattern(1, 64, 128));
+    assert_sectors_eq(&t.read(&dev, 64, 128), &pattern(1, 64, 128), "read back");
+    let origin = d.get("origin");
+    assert!(
+        t.read(&origin, 64, 128).iter().all(|&b| b == 0),
+        "origin untouched"
+    );
+    let s = status(&md);
+    assert_eq!(s[ERR], 0);
+    assert_eq!(s[READ_HITS], 16, "16 blocks read from the cache");
+    assert_eq!(s[BLOCKS] - s[FREE], 16, "16 blocks used");
+}
+
+#[test]
+fn a_read_spanning_hits_and_misses_is_split_and_completed_once() {
+    let d = setup();
+    let origin = d.get("origin");
+    let t = Tester::new();
+    t.write(&origin, 0, pattern(7, 0, 256));
+    let md = wc(&d, "0");
+    let dev = as_dev(&md);
+    // Cache blocks 2 and 5..7 (sectors 16..24, 40..56).
+    t.write(&dev, 16, pattern(8, 16, 8));
+    t.write(&dev, 40, pattern(8, 40, 16));
+    let mut want = pattern(7, 0, 256);
+    want[16 * SECTOR..24 * SECTOR].copy_from_slice(&pattern(8, 16, 8));
+    want[40 * SECTOR..56 * SECTOR].copy_from_slice(&pattern(8, 40, 16));
+    let got = t.run(&dev, Req::read(0, 256).segs(5));
+    got.assert_returned_intact();
+    assert_eq!(got.status, Status::Ok);
+    assert_sectors_eq(&got.data, &want, "mixed read");
+}
+
+#[test]
+fn overwrites_return_the_newest_data_before_and_after_commits() {
+    let d = setup();
+    let md = wc(&d, "0");
+    let dev = as_dev(&md);
+    let t = Tester::new();
+    t.write(&dev, 0, pattern(1, 0, 64));
+    // Uncommitted: overwritten in place.
+    t.write(&dev, 8, pattern(2, 8, 16));
+    assert_eq!(t.run(&dev, Req::flush()).status, Status::Ok);
+    // Committed: the new data goes to new blocks.
+    t.write(&dev, 16, pattern(3, 16, 32));
+    let mut want = pattern(1, 0, 64);
+    want[8 * SECTOR..24 * SECTOR].copy_from_slice(&pattern(2, 8, 16));
+    want[16 * SECTOR..48 * SECTOR].copy_from_slice(&pattern(3, 16, 32));
+    assert_sectors_eq(&t.read(&dev, 0, 64), &want, "after overwrites");
+    let s = status(&md);
+    assert_eq!(s[7], 2, "write hits on uncommitted blocks");
+    assert_eq!(s[8], 4, "write hits on committed blocks");
+}
+
+#[test]
+fn flush_message_writes_everything_back_to_the_origin() {
+    let d = setup();
+    let md = wc(&d, "0");
+    let dev = as_dev(&md);
+    let t = Tester::new();
+    let mut rng = Rng::new(3);
+    let mut want = vec![0u8; 16384 * SECTOR];
+    for i in 0..100 {
+        let s = rng.range(0, 16384 / 8 - 4) * 8;
+        let n = rng.range(1, 4) * 8;
+        let data = pattern(i, s, n);
+        want[s as usize * SECTOR..(s + n) as usize * SECTOR].copy_from_slice(&data);
+        t.write(&dev, s, data);
+    }
+    assert_eq!(md.message(0, &["flush"]).expect("flush"), "");
+    let s = status(&md);
+    assert_eq!(s[FREE], s[BLOCKS], "everything written back and freed");
+    let origin = d.get("origin");
+    assert_sectors_eq(&t.read_all(&origin), &want, "origin after flush");
+    assert_sectors_eq(&t.read_all(&dev), &want, "device after flush");
+}
+
+#[test]
+fn writeback_starts_above_the_high_watermark_and_stops_at_the_low() {
+    let d = setup();
+    let md = wc(&d, "4 high_watermark 20 low_watermark 10");
+    let dev = as_dev(&md);
+    let t = Tester::new();
+    let n = status(&md)[BLOCKS];
+    // Fill 40% of the cache.
+    let blocks = n * 40 / 100;
+    t.write(&dev, 0, pattern(5, 0, blocks * 8));
+    assert_eq!(t.run(&dev, Req::flush()).status, Status::Ok);
+    wait_for("writeback down to the low watermark", || {
+        let s = status(&md);
+        (s[BLOCKS] - s[FREE]) * 100 <= s[BLOCKS] * 10
+    });
+    let origin = d.get("origin");
+    let o = t.read(&origin, 0, blocks * 8);
+    let written_back = o.chunks(4096).filter(|c| c.iter().any(|&b| b != 0)).count() as u64;
+    assert!(
+        written_back >= blocks - n * 10 / 100 - 1,
+        "oldest blocks went back: {written_back} of {blocks}"
+    );
+    assert_sectors_eq(
+        &t.read(&dev, 0, blocks * 8),
+        &pattern(5, 0, blocks * 8),
+        "data",
+    );
+}
+
+#[test]
+fn the_cleaner_drains_the_cache_and_then_writes_go_around_it() {
+    let d = setup();
+    let md = wc(&d, "0");
+    let dev = as_dev(&md);
+    let t = Tester::new();
+    t.write(&dev, 0, pattern(1, 0, 256));
+    assert_eq!(t.run(&dev, Req::flush()).status, Status::Ok);
+    md.message(0, &["cleaner"]).expect("cleaner");
+    wait_for("the cleaner to drain", || {
+        let s = status(&md);
+        s[FREE] == s[BLOCKS]
+    });
+    t.write(&dev, 1024, pattern(2, 1024, 64));
+    assert_eq!(status(&md)[WRITES_AROUND], 8);
+    let origin = d.get("origin");
+    assert_sectors_eq(&t.read(&origin, 0, 256), &pattern(1, 0, 256), "drained");
+    assert_sectors_eq(&t.read(&origin, 1024, 64), &pattern(2, 1024, 64), "around");
+    let tl = md.table().table_lines().remove(0);
+    assert_eq!(tl, "0 16384 writecache s origin cache 4096 0");
+}
+
+#[test]
+fn pause_writeback_holds_watermark_writeback_after_writes_around() {
+    let d = setup();
+    let md = wc(
+        &d,
+        "6 high_watermark 1 low_watermark 0 pause_writeback 60000",
+    );
+    let dev = as_dev(&md);
+    let t = Tester::new();
+    md.message(0, &["cleaner"]).expect("cleaner");
+    // A write around the cache (the cleaner caches nothing new) ...
+    t.write(&dev, 0, pattern(1, 0, 8));
+    assert_eq!(status(&md)[WRITES_AROUND], 1);
+    // ... does not pause a drain that was asked for: flush still works.
+    assert_eq!(md.message(0, &["flush"]).expect("flush"), "");
+}
+
+#[test]
+fn a_clean_restart_finds_the_committed_data() {
+    let d = setup();
+    let t = Tester::new();
+    {
+        let md = wc(&d, "0");
+        let dev = as_dev(&md);
+        t.write(&dev, 0, pattern(1, 0, 512));
+        t.write(&dev, 100 * 8, pattern(2, 800, 8));
+        assert_eq!(t.run(&dev, Req::flush()).status, Status::Ok);
+        t.write(&dev, 200 * 8, pattern(3, 1600, 8).clone());
+        // FUA: durable on completion, no flush needed.
+        let d2 = t.run(
+            &dev,
+            Req::write(300 * 8, pattern(4, 2400, 8)).flags(BioFlags::FUA),
+        );
+        assert_eq!(d2.status, Status::Ok);
+    }
+    let md = wc(&d, "0");
+    let dev = as_dev(&md);
+    assert_sectors_eq(&t.read(&dev, 0, 512), &pattern(1, 0, 512), "flushed");
+    assert_sectors_eq(&t.read(&dev, 800, 8), &pattern(2, 800, 8), "flushed");
+    assert_sectors_eq(&t.read(&dev, 2400, 8), &pattern(4, 2400, 8), "fua");
+    let s = status(&md);
+    assert!(
+        s[BLOCKS] - s[FREE] >= 66,
+        "entries rebuilt from metadata: {s:?}"
+    );
+}
+
+#[test]
+fn suspend_commits_and_flush_on_suspend_writes_back() {
+    let d = setup();
+    let md = wc(&d, "0");
+    let dev = as_dev(&md);
+    let rt = ReactorThread::spawn("wc-suspend");
+    rt.write(&dev, 0, pattern(1, 0, 64));
+    md.message(0, &["flush_on_suspend"]).expect("message");
+    md.suspend(false).expect("suspend");
+    let s = status(&md);
+    assert_eq!(s[FREE], s[BLOCKS], "written back on suspend");
+    md.resume().expect("resume");
+    let origin = d.get("origin");
+    assert_sectors_eq(&rt.read(&origin, 0, 64), &pattern(1, 0, 64), "origin");
+}
+
+#[test]
+fn clear_stats_zeroes_the_counters_and_unknown_messages_are_named() {
+    let d = setup();
+    let md = wc(&d, "0");
+    let dev = as_dev(&md);
+    let t = Tester::new();
+    t.write(&dev, 0, pattern(1, 0, 8));
+    assert!(status(&md)[6] > 0);
+    md.message(0, &["clear_stats"]).expect("clear_stats");
+    assert!(status(&md)[4..].iter().all(|&x| x == 0));
+    let e = md.message(0, &["frobnicate"]).unwrap_err().to_string();
+    assert!(e.contains("unknown message 'frobnicate'"), "{e}");
+}
+
+#[test]
+fn status_and_table_lines_follow_dm() {
+    let d = setup();
+    let md = wc(&d, "5 high_watermark 60 low_watermark 40 nocoalesce");
+    let sl = md.table().status_lines().remove(0);
+    let f: Vec<&str> = sl.split_whitespace().collect();
+    assert_eq!(&f[..3], &["0", "16384", "writecache"]);
+    assert_eq!(f.len(), 3 + 14, "{sl}");
+    assert_eq!(f[3], "0", "no error");
+    assert_eq!(f[4], f[5], "all blocks free");
+    assert_eq!(
+        md.table().table_lines().remove(0),
+        "0 16384 writecache s origin cache 4096 5 high_watermark 60 low_watermark 40 nocoalesce"
+    );
+}
+
+#[test]
+fn bad_arguments_are_rejected_with_one_line_naming_them() {
+    let d = setup();
+    let e = |args: &str| d.table_err(&format!("0 16384 writecache {args}"));
+    let cases = [
+        ("s origin cache 4096", "not enough arguments"),
+        ("p origin cache 4096 0", "mode 'p'"),
+        ("x origin cache 4096 0", "invalid mode 'x'"),
+        ("s nope cache 4096 0", "no device 'nope'"),
+        ("s origin cache 3000 0", "invalid block size '3000'"),
+        ("s origin cache 131072 0", "invalid block size '131072'"),
+        (
+            "s origin cache 4096 z",
+            "invalid number of feature arguments 'z'",
+        ),
+        (
+            "s origin cache 4096 2 cleaner",
+            "number of feature arguments is 2 but 1 follow",
+        ),
+        (
+            "s origin cache 4096 2 high_watermark 101",
+            "invalid high_watermark '101'",
+        ),
+        (
+            "s origin cache 4096 2 low_watermark x",
+            "invalid low_watermark 'x'",
+        ),
+        (
+            "s origin cache 4096 4 high_watermark 10 low_watermark 20",
+            "low_watermark 20 is above",
+        ),
+        (
+            "s origin cache 4096 1 autocommit_time",
+            "feature 'autocommit_time' needs a value",
+        ),
+        (
+            "s origin cache 4096 2 autocommit_blocks 0",
+            "invalid autocommit_blocks '0'",
+        ),
+        (
+            "s origin cache 4096 2 start_sector 99999",
+            "invalid start_sector '99999'",
+        ),
+        ("s origin cache 4096 1 turbo", "unknown feature 'turbo'"),
+        ("s origin cache 4096 2 max_age 0", "invalid max_age '0'"),
+    ];
+    for (args, want) in cases {
+        let msg = e(args);
+        assert!(msg.contains(want), "{args}: {msg}");
+        assert!(!msg.contains('\n'), "one line: {msg}");
+        assert!(msg.contains("writecache"), "names the target: {msg}");
+    }
+    assert!(d
+        .table_err("0 20000 writecache s origin cache 4096 0")
+        .contains("origin 'origin' is too small"));
+    assert!(d
+        .table_err("0 16380 writecache s origin cache 4096 0")
+        .contains("not a multiple of the block size"));
+}
+
+#[test]
+fn a_cache_formatted_with_another_block_size_is_refused() {
+    let d = setup();
+    drop(wc(&d, "0"));
+    let e = d.table_err("0 16384 writecache s origin cache 8192 0");
+    assert!(
+        e.contains("block size 8192 does not match the cache's (4096)"),
+        "{e}"
+    );
+}
+
+#[test]
+fn the_cache_device_is_not_a_free_for_all_after_a_restart() {
+    // Rewrite the same blocks many times across commits and restarts: the
+    // newest version always wins.
+    let d = setup();
+    let t = Tester::new();
+    for round in 0..5u64 {
+        let md = wc(&d, "2 autocommit_blocks 3");
+        let dev = as_dev(&md);
+        for k in 0..10u64 {
+            t.write(&dev, k * 8, pattern(round * 100 + k, k * 8, 8));
+        }
+        assert_eq!(t.run(&dev, Req::flush()).status, Status::Ok);
+        for k in 0..10u64 {
+            assert_sectors_eq(
+                &t.read(&dev, k * 8, 8),
+                &pattern(round * 100 + k, k * 8, 8),
+                "before restart",
+            );
+        }
+        drop(md);
+        let md = wc(&d, "0");
+        let dev: Arc<dyn BlockDevice> = as_dev(&md);
+        for k in 0..10u64 {
+            assert_sectors_eq(
+                &t.read(&dev, k * 8, 8),
+                &pattern(round * 100 + k, k * 8, 8),
+                "after restart",
+            );
+        }
+    }
+}
