@@ -120,19 +120,29 @@ pub struct Ring {
 impl Ring {
     /// Sets up a ring with `entries` SQ slots (the CQ gets twice that).
     pub fn new(entries: u32, kind: RingKind) -> io::Result<Ring> {
-        let mut b = IoUring::builder();
-        b.setup_cqsize(entries * 2).setup_clamp();
-        if kind.sqpoll {
-            b.setup_sqpoll(2000);
-        } else {
-            // Completions are only reaped on this thread: let the kernel defer
-            // task work to our next enter instead of interrupting us.
-            b.setup_single_issuer().setup_coop_taskrun();
-        }
-        if kind.iopoll {
-            b.setup_iopoll();
-        }
-        let ring = b.build(entries)?;
+        let build = |deferred_taskrun: bool| {
+            let mut b = IoUring::builder();
+            b.setup_cqsize(entries * 2).setup_clamp();
+            if kind.sqpoll {
+                b.setup_sqpoll(2000);
+            } else if deferred_taskrun {
+                // Completions are only reaped on this thread: let the kernel
+                // defer task work to our next enter instead of interrupting
+                // us. TASKRUN_FLAG makes the kernel say (IORING_SQ_TASKRUN)
+                // when such work waits, so a reactor that spins (or skips the
+                // wait because it has work) still enters the kernel to have
+                // it run: socket completions are posted only then.
+                b.setup_single_issuer()
+                    .setup_coop_taskrun()
+                    .setup_taskrun_flag();
+            }
+            if kind.iopoll {
+                b.setup_iopoll();
+            }
+            b.build(entries)
+        };
+        // Kernels before 6.0 lack these flags: plain task work then.
+        let ring = build(true).or_else(|_| build(false))?;
         // Sparse tables, filled on demand; an old kernel without them just
         // means plain fds and buffers.
         let sub = ring.submitter();
@@ -407,15 +417,16 @@ impl Ring {
     /// submitted.
     pub fn submit(&self) -> usize {
         self.drain_backlog();
-        let (pending, cq_overflow) = {
+        let (pending, cq_overflow, taskrun) = {
             // SAFETY: see `ring()`; the borrow ends here.
             let sq = unsafe { (*self.ring.get()).submission_shared() };
-            (sq.len(), sq.cq_overflow())
+            (sq.len(), sq.cq_overflow(), sq.taskrun())
         };
-        // Completions that overflowed the CQ only come back through an enter
-        // (which the submitter makes with GETEVENTS): without one, a reactor
-        // that never sleeps (Poll mode) would wait for them forever.
-        if pending == 0 && !cq_overflow && !self.kind.iopoll {
+        // Completions that overflowed the CQ, and those waiting for deferred
+        // task work, only come back through an enter (which the submitter
+        // makes with GETEVENTS): without one, a reactor that never sleeps
+        // (Poll mode, or busy with a poller) would wait for them forever.
+        if pending == 0 && !cq_overflow && !taskrun && !self.kind.iopoll {
             return 0;
         }
         self.ring().submitter().submit().unwrap_or(0)

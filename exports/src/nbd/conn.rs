@@ -553,15 +553,7 @@ impl Conn {
             } else {
                 format!("recv: {}", errno_str(res))
             };
-            if !self.payload.is_null() {
-                let r = std::mem::replace(&mut self.payload, std::ptr::null_mut());
-                self.recycle(r);
-                why.push_str(" mid-payload");
-            } else if !self.skip_req.is_null() {
-                // A refused write whose payload was being dropped.
-                let r = std::mem::replace(&mut self.skip_req, std::ptr::null_mut());
-                self.skip = 0;
-                self.recycle(r);
+            if self.drop_partial() {
                 why.push_str(" mid-payload");
             } else if self.rend > self.rstart && self.closing.is_none() {
                 why.push_str(" mid-request");
@@ -570,6 +562,9 @@ impl Conn {
             return;
         }
         if self.closing.is_some() {
+            // Data that raced with the close: a half-received WRITE is never
+            // run, so release its request (else the connection stays busy).
+            self.drop_partial();
             return;
         }
         let n = res as usize;
@@ -589,6 +584,23 @@ impl Conn {
         }
         self.process();
         self.arm_recv();
+    }
+
+    /// Releases a WRITE whose payload was still arriving (or a refused one
+    /// whose payload was being skipped). Returns whether there was one.
+    fn drop_partial(&mut self) -> bool {
+        if !self.payload.is_null() {
+            let r = std::mem::replace(&mut self.payload, std::ptr::null_mut());
+            self.recycle(r);
+            true
+        } else if !self.skip_req.is_null() {
+            let r = std::mem::replace(&mut self.skip_req, std::ptr::null_mut());
+            self.skip = 0;
+            self.recycle(r);
+            true
+        } else {
+            false
+        }
     }
 
     /// Parses whatever complete messages the receive buffer holds.
