@@ -415,8 +415,12 @@ impl Ring {
 
     /// Passes queued SQEs to the kernel without waiting. Returns how many were
     /// submitted.
+    #[inline]
     pub fn submit(&self) -> usize {
-        self.drain_backlog();
+        // SAFETY: single-threaded, not re-entered; the borrow ends at once.
+        if unsafe { !(*self.backlog.get()).is_empty() } {
+            self.drain_backlog();
+        }
         let (pending, cq_overflow, taskrun) = {
             // SAFETY: see `ring()`; the borrow ends here.
             let sq = unsafe { (*self.ring.get()).submission_shared() };
@@ -460,6 +464,7 @@ impl Ring {
         unsafe { (*self.ring.get()).submission_shared().len() }
     }
 
+    #[cold]
     fn drain_backlog(&self) {
         // SAFETY: single-threaded and not re-entered: nothing below calls out.
         let backlog = unsafe { &mut *self.backlog.get() };
