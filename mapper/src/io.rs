@@ -59,9 +59,9 @@ pub(crate) struct TableIo {
     pub flush_chans: Vec<Rc<dyn Channel>>,
     /// Logical block size in sectors, minus one: alignment mask.
     lbs_mask: u64,
-    /// Whether any target has an end_io (most tables: none, and completion
-    /// skips the lookup).
-    any_end_io: bool,
+    /// The most any target wants its end_io (most tables: never, and
+    /// completion skips the lookup; striped: only on error).
+    end_io: EndIoWhen,
     /// Bios (parents, not clones) mapped through this table and not completed.
     pub inflight: Cell<u64>,
     /// The owning channel's state (for retries from completion context).
@@ -96,7 +96,11 @@ impl TableIo {
             })
             .collect();
         Ok(TableIo {
-            any_end_io: table.targets.iter().any(|t| t.end_io != EndIoWhen::Never),
+            end_io: table
+                .targets
+                .iter()
+                .map(|t| t.end_io)
+                .fold(EndIoWhen::Never, EndIoWhen::max),
             lbs_mask: (table.limits.logical_block_size as u64 >> SECTOR_SHIFT) - 1,
             table,
             targets,
@@ -376,7 +380,7 @@ fn noclone_endio(mut bio: BioPtr) {
     // which stays alive (as current or retired) while its inflight count,
     // which includes this bio, is non-zero.
     let tio = unsafe { &*(bio.private() as *const TableIo) };
-    if tio.any_end_io {
+    if tio.end_io.applies(bio.status().is_ok()) {
         target_end_io(tio, &mut bio);
     }
     bio.pop_end_io();

@@ -45,6 +45,15 @@ pub enum EndIoWhen {
 }
 
 impl EndIoWhen {
+    /// The wider of two: what a table of both targets must watch for.
+    pub fn max(self, other: EndIoWhen) -> EndIoWhen {
+        match (self, other) {
+            (EndIoWhen::Always, _) | (_, EndIoWhen::Always) => EndIoWhen::Always,
+            (EndIoWhen::OnError, _) | (_, EndIoWhen::OnError) => EndIoWhen::OnError,
+            _ => EndIoWhen::Never,
+        }
+    }
+
     /// Whether a bio completing with `ok` needs the end_io.
     #[inline]
     pub fn applies(self, ok: bool) -> bool {
