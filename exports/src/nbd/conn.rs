@@ -570,6 +570,18 @@ impl Conn {
             return;
         }
         if self.closing.is_some() {
+            // begin_close's shutdown wakes a MSG_WAITALL recv with the part
+            // of a payload received so far: that request can never be
+            // submitted, so it goes now (else `active` never drops to 0 and
+            // the connection is never freed, hanging a stop).
+            if !self.payload.is_null() {
+                let r = std::mem::replace(&mut self.payload, std::ptr::null_mut());
+                self.recycle(r);
+            } else if !self.skip_req.is_null() {
+                let r = std::mem::replace(&mut self.skip_req, std::ptr::null_mut());
+                self.skip = 0;
+                self.recycle(r);
+            }
             return;
         }
         let n = res as usize;
