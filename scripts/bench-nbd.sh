@@ -10,6 +10,8 @@
 # report gives the median over rounds.
 #
 # usage: scripts/bench-nbd.sh [ROUNDS=3] [RUNTIME_S=4]
+#   SERVERS="udm udm-null nbdkit-null" JOBS="randwrite-4k-qd32" picks a subset
+#   (udm-null: udm over the null backend, the server's cost without storing data)
 set -euo pipefail
 ROUNDS=${1:-3}
 RUNTIME=${2:-4}
@@ -29,8 +31,8 @@ cleanup() {
 trap cleanup EXIT
 truncate -s 1G "$IMG"
 TCK=$(getconf CLK_TCK)
-SERVERS="udm nbdkit-memory qemu-nbd qsd nbdkit-null"
-JOBS="randread-4k-qd1 randread-4k-qd32 randwrite-4k-qd32 read-128k-qd8"
+SERVERS=${SERVERS:-"udm nbdkit-memory qemu-nbd qsd nbdkit-null"}
+JOBS=${JOBS:-"randread-4k-qd1 randread-4k-qd32 randwrite-4k-qd32 read-128k-qd8"}
 
 start() { # server -> sets PID and URI
     local s=$1 sock=$W/$1.sock
@@ -38,6 +40,10 @@ start() { # server -> sets PID and URI
     case $s in
     udm)
         "$UDM" serve --dev ram0=ram:1G --dev 'lin=0 2097152 linear ram0 0' \
+            --listen "unix:$sock" >"$W/$s.log" 2>&1 &
+        URI="nbd+unix:///lin?socket=$sock" ;;
+    udm-null) # the server's own cost: no data stored
+        "$UDM" serve --dev null0=null:1G --dev 'lin=0 2097152 linear null0 0' \
             --listen "unix:$sock" >"$W/$s.log" 2>&1 &
         URI="nbd+unix:///lin?socket=$sock" ;;
     nbdkit-memory)
