@@ -11,7 +11,8 @@
 #
 # usage: scripts/bench-nbd.sh [ROUNDS=3] [RUNTIME_S=4]
 #   SERVERS="udm udm-null nbdkit-null" JOBS="randwrite-4k-qd32" picks a subset
-#   (udm-null: udm over the null backend, the server's cost without storing data)
+#   (udm-null: udm over the null backend, the server's cost without storing data;
+#   udm-b: the udm binary at $UDM_B, to compare two builds side by side)
 set -euo pipefail
 ROUNDS=${1:-3}
 RUNTIME=${2:-4}
@@ -41,6 +42,10 @@ start() { # server -> sets PID and URI
     udm)
         "$UDM" serve --dev ram0=ram:1G --dev 'lin=0 2097152 linear ram0 0' \
             --listen "unix:$sock" >"$W/$s.log" 2>&1 &
+        URI="nbd+unix:///lin?socket=$sock" ;;
+    udm-b) # another build of udm, for A/B runs: UDM_B=/path/to/udm
+        "${UDM_B:?udm-b needs UDM_B=/path/to/udm}" serve --dev ram0=ram:1G \
+            --dev 'lin=0 2097152 linear ram0 0' --listen "unix:$sock" >"$W/$s.log" 2>&1 &
         URI="nbd+unix:///lin?socket=$sock" ;;
     udm-null) # the server's own cost: no data stored
         "$UDM" serve --dev null0=null:1G --dev 'lin=0 2097152 linear null0 0' \
