@@ -10,6 +10,9 @@
 # report gives the median over rounds.
 #
 # usage: scripts/bench-nbd.sh [ROUNDS=3] [RUNTIME_S=4]
+#   SERVERS="udm udm-null nbdkit-null" JOBS="randwrite-4k-qd32" picks a subset
+#   (udm-null: udm over the null backend, the server's cost without storing data;
+#   udm-b: the udm binary at $UDM_B, to compare two builds side by side)
 set -euo pipefail
 ROUNDS=${1:-3}
 RUNTIME=${2:-4}
@@ -29,8 +32,8 @@ cleanup() {
 trap cleanup EXIT
 truncate -s 1G "$IMG"
 TCK=$(getconf CLK_TCK)
-SERVERS="udm nbdkit-memory qemu-nbd qsd nbdkit-null"
-JOBS="randread-4k-qd1 randread-4k-qd32 randwrite-4k-qd32 read-128k-qd8"
+SERVERS=${SERVERS:-"udm nbdkit-memory qemu-nbd qsd nbdkit-null"}
+JOBS=${JOBS:-"randread-4k-qd1 randread-4k-qd32 randwrite-4k-qd32 read-128k-qd8"}
 
 start() { # server -> sets PID and URI
     local s=$1 sock=$W/$1.sock
@@ -38,6 +41,14 @@ start() { # server -> sets PID and URI
     case $s in
     udm)
         "$UDM" serve --dev ram0=ram:1G --dev 'lin=0 2097152 linear ram0 0' \
+            --listen "unix:$sock" >"$W/$s.log" 2>&1 &
+        URI="nbd+unix:///lin?socket=$sock" ;;
+    udm-b) # another build of udm, for A/B runs: UDM_B=/path/to/udm
+        "${UDM_B:?udm-b needs UDM_B=/path/to/udm}" serve --dev ram0=ram:1G \
+            --dev 'lin=0 2097152 linear ram0 0' --listen "unix:$sock" >"$W/$s.log" 2>&1 &
+        URI="nbd+unix:///lin?socket=$sock" ;;
+    udm-null) # the server's own cost: no data stored
+        "$UDM" serve --dev null0=null:1G --dev 'lin=0 2097152 linear null0 0' \
             --listen "unix:$sock" >"$W/$s.log" 2>&1 &
         URI="nbd+unix:///lin?socket=$sock" ;;
     nbdkit-memory)

@@ -2,16 +2,19 @@
 //!
 //! ```text
 //! udm bench [--dev NAME=SPEC]... [--target NAME] [options]   drive a device in process
-//! udm table [--dev NAME=SPEC]...                             print tables and status
-//! udm serve [--dev NAME=SPEC]... [--export NAME] [--listen ADDR]  serve devices over NBD
-//! udm status [--dev NAME=SPEC]... [DEVICE]                   dmsetup-style status lines
-//! udm message [--dev NAME=SPEC]... DEVICE [SECTOR] MSG...    send a target a message
+//! udm serve [--dev NAME=SPEC]... [--export NAME] [--listen ADDR] [--control PATH]
+//!                                                            serve devices over NBD
+//! udm table   [--control PATH | --dev NAME=SPEC...] [DEVICE]...   tables and status
+//! udm status  [--control PATH | --dev NAME=SPEC...] [DEVICE]...   dmsetup-style status
+//! udm message [--control PATH | --dev NAME=SPEC...] DEVICE [SECTOR] MSG...
+//! udm reload  --control PATH DEVICE 'TABLE'                  load + suspend + resume
 //! ```
 
 mod alloc;
 mod args;
 mod bench;
 mod clock;
+mod control;
 mod message;
 mod serve;
 mod spec;
@@ -20,7 +23,6 @@ use std::process::ExitCode;
 
 use args::Args;
 use udm_core::Error;
-use udm_mapper::MappedDevice;
 
 #[global_allocator]
 static ALLOC: alloc::Counting = alloc::Counting;
@@ -30,11 +32,17 @@ udm — a userspace device-mapper
 
 usage:
   udm bench [--dev NAME=SPEC]... [--target NAME] [options]
-  udm table [--dev NAME=SPEC]...
   udm serve [--dev NAME=SPEC]... [--config FILE] [--export NAME[:ro]]... [--listen ADDR]...
-  udm status [--dev NAME=SPEC]... [DEVICE]
-  udm message [--dev NAME=SPEC]... DEVICE [SECTOR] MESSAGE...
+            [--control PATH]
+  udm table   [--control PATH | --dev NAME=SPEC...] [DEVICE]...
+  udm status  [--control PATH | --dev NAME=SPEC...] [DEVICE]...
+  udm message [--control PATH | --dev NAME=SPEC...] [--no-progress] DEVICE [SECTOR] MESSAGE...
+  udm reload  --control PATH DEVICE 'TABLE'
   udm help
+
+--control PATH acts on the devices of a running 'udm serve' through its
+control socket (printed at its start); without it, table, status and
+message act on a stack built in this process from --dev specs.
 
 Devices (--dev NAME=SPEC, repeatable, later ones may use earlier ones):
   ram:<size>                          memory, allocated lazily (like brd)
@@ -65,7 +73,7 @@ fn main() -> ExitCode {
                 bench::main(a)
             }
         }
-        "table" => table(Args::new("table", argv)),
+        "table" => message::table(Args::new("table", argv)),
         "serve" => {
             let a = Args::new("serve", argv);
             if a.wants_help() {
@@ -77,6 +85,7 @@ fn main() -> ExitCode {
         }
         "status" => message::status(Args::new("status", argv)),
         "message" => message::message(Args::new("message", argv)),
+        "reload" => message::reload_cmd(Args::new("reload", argv)),
         "help" | "--help" | "-h" => {
             println!("{USAGE}");
             Ok(0)
@@ -96,35 +105,4 @@ fn main() -> ExitCode {
             ExitCode::from(2)
         }
     }
-}
-
-/// `udm table`: builds the stack and prints, for each device, its size and
-/// capabilities, and for mapped devices `dmsetup table` and `status` lines.
-fn table(mut a: Args) -> Result<i32, Error> {
-    let devs = a.many("--dev");
-    a.finish()?;
-    let stack = if devs.is_empty() {
-        spec::Stack::build(spec::DEFAULT_DEVS)?
-    } else {
-        spec::Stack::build(&devs)?
-    };
-    for d in stack.devices() {
-        let l = d.limits();
-        println!(
-            "{}: {} sectors, lbs {}, max io {}, caps {:?}",
-            d.name(),
-            l.sectors,
-            l.logical_block_size,
-            l.max_io_bytes,
-            d.caps()
-        );
-        if let Some(m) = d.as_any().downcast_ref::<MappedDevice>() {
-            let t = m.table();
-            for (tl, sl) in t.table_lines().iter().zip(t.status_lines()) {
-                println!("  table:  {tl}");
-                println!("  status: {sl}");
-            }
-        }
-    }
-    Ok(0)
 }

@@ -5,12 +5,14 @@
 //! every device and exits 0.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use udm_core::{BlockDevice, Error, ReactorConfig};
 use udm_exports::nbd::{server, Export, Listen, Server, ServerConfig};
 
 use crate::args::Args;
+use crate::control::{self, ControlServer};
 use crate::spec::Stack;
 
 /// Help text.
@@ -20,6 +22,7 @@ udm serve — export devices over NBD
 usage:
   udm serve [--dev NAME=SPEC]... [--config FILE] [--export NAME[:ro]]...
             [--listen unix:PATH | --listen [HOST:]PORT]... [--reactors N]
+            [--control PATH]
 
   --dev NAME=SPEC     a device, as for 'udm bench' (repeatable)
   --config FILE       more --dev specs, one NAME=SPEC per line ('#' comments)
@@ -30,6 +33,11 @@ usage:
                       port listens on 127.0.0.1); repeatable; default: a unix
                       socket in the temporary directory, printed at start
   --reactors N        reactor threads serving connections (default 1)
+  --control PATH      the control socket (mode 0600) for 'udm status/table/
+                      message/reload --control PATH'; default: beside the
+                      first unix listen socket as <sock>.ctl, else
+                      $XDG_RUNTIME_DIR (or the temporary directory)/udm-<pid>.ctl;
+                      printed at start, removed at exit
 
 Without --dev or --config: a 1 GiB RAM disk (ram0) with a linear device
 over it (lin), exported as 'lin'.
@@ -80,12 +88,18 @@ pub fn main(mut a: Args) -> Result<i32, Error> {
     let exports = a.many("--export");
     let listens = a.many("--listen");
     let reactors = a.num("--reactors", 1)?;
+    let control = a.opt("--control");
     a.finish()?;
     if reactors == 0 || reactors > 64 {
         return Err(Error::invalid(format!(
             "--reactors {reactors}: expected 1 to 64"
         )));
     }
+    // Signals become readable on a signalfd that the accept loop polls;
+    // blocked before any thread starts (reactors, and the workers some
+    // targets start when built), so every thread inherits the mask and
+    // none takes SIGTERM's default action.
+    let stop = signal_fd()?;
     for c in &configs {
         devs.extend(read_config(c)?);
     }
@@ -93,7 +107,7 @@ pub fn main(mut a: Args) -> Result<i32, Error> {
     if builtin {
         devs = DEFAULT_DEVS.iter().map(|s| s.to_string()).collect();
     }
-    let stack = Stack::build(&devs)?;
+    let stack = Arc::new(Stack::build(&devs)?);
     let mut table = Vec::new();
     let wanted: Vec<(String, bool)> = if exports.is_empty() {
         match stack.devices().last() {
@@ -127,9 +141,16 @@ pub fn main(mut a: Args) -> Result<i32, Error> {
             .collect::<Result<_, _>>()?
     };
 
-    // Signals become readable on a signalfd that the accept loop polls;
-    // blocked before the reactor threads start, so they inherit the mask.
-    let stop = signal_fd()?;
+    let ctl_path = match control {
+        Some(p) => PathBuf::from(p),
+        None => control::default_path(listen.iter().find_map(|l| match l {
+            Listen::Unix(p) => Some(p.as_path()),
+            Listen::Tcp(_) => None,
+        })),
+    };
+    // Bound before any thread of ours starts: it sets the umask around bind.
+    let ctl_listener = control::bind(&ctl_path)?;
+    let unlink = Unlink(ctl_path.clone());
     let srv = Server::bind(
         table,
         ServerConfig {
@@ -151,9 +172,15 @@ pub fn main(mut a: Args) -> Result<i32, Error> {
             );
         }
     }
+    let ctl = ControlServer::start(ctl_listener, ctl_path.clone(), stack.clone())?;
+    std::mem::forget(unlink); // the control server removes it now
+    println!("udm: control socket at {}", ctl_path.display());
     use std::io::Write;
     let _ = std::io::stdout().flush();
-    srv.run(stop.as_raw_fd())?;
+    let r = srv.run(stop.as_raw_fd());
+    // No reload may leave a device suspended, nor start, past this point.
+    ctl.shutdown();
+    r?;
     let all: Vec<Arc<dyn BlockDevice>> = stack.devices().to_vec();
     let failed = server::flush_all(&all)?;
     for (n, s) in &failed {
@@ -164,6 +191,15 @@ pub fn main(mut a: Args) -> Result<i32, Error> {
         all.len() - failed.len()
     );
     Ok(if failed.is_empty() { 0 } else { 1 })
+}
+
+/// Removes the control socket if start-up fails after binding it.
+struct Unlink(PathBuf);
+
+impl Drop for Unlink {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 /// Blocks SIGINT and SIGTERM and returns a signalfd that reads them.

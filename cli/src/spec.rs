@@ -182,6 +182,36 @@ impl Stack {
         ))
     }
 
+    /// Builds a new table for the existing device `name` (for a reload):
+    /// it may name only devices defined before `name` (or paths), as when
+    /// the stack was built, so a reload cannot make a device map onto
+    /// itself or onto a device stacked over it.
+    pub fn build_table(&self, name: &str, text: &str) -> Result<Table, Error> {
+        let Some(idx) = self.devs.iter().position(|d| d.name() == name) else {
+            return Err(Error::new(
+                ErrorKind::NotFound,
+                format!("unknown device '{name}'"),
+            ));
+        };
+        let registry = match &self.registry {
+            Some(r) => r,
+            None => return Err(Error::invalid("no target registry")),
+        };
+        let below = &self.devs[..idx];
+        let resolve = |n: &str| -> Result<Arc<dyn BlockDevice>, Error> {
+            if let Some(d) = below.iter().find(|d| d.name() == n) {
+                return Ok(d.clone());
+            }
+            if self.get(n).is_some() {
+                return Err(Error::invalid(format!(
+                    "device '{n}' is '{name}' itself or defined after it: a table may use only devices defined before it"
+                )));
+            }
+            self.resolve(n)
+        };
+        Table::from_text(text, registry, &resolve)
+    }
+
     /// The device called `name`.
     pub fn get(&self, name: &str) -> Option<Arc<dyn BlockDevice>> {
         self.devs.iter().find(|d| d.name() == name).cloned()

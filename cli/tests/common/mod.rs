@@ -6,7 +6,7 @@
 use std::io::Read;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, Command, ExitStatus};
 use std::time::{Duration, Instant};
 
 /// A temporary directory removed on drop.
@@ -38,21 +38,36 @@ pub struct Serve {
     pub sock: PathBuf,
     pub dir: TempDir,
     stderr: PathBuf,
+    stdout: PathBuf,
 }
 
 impl Serve {
     /// Starts `udm serve ARGS --listen unix:<tmp>/nbd.sock` and waits until
-    /// the socket accepts.
+    /// the socket accepts and the control socket is announced.
     pub fn start(args: &[&str]) -> Serve {
         let dir = TempDir::new("serve");
         let sock = dir.path("nbd.sock");
+        let mut a: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        a.push("--listen".into());
+        a.push(format!("unix:{}", sock.display()));
+        Serve::spawn(dir, sock, &a)
+    }
+
+    /// Starts `udm serve ARGS` as given (their own --listen) and waits until
+    /// it announced its control socket (it listens by then).
+    pub fn start_as_given(args: &[&str]) -> Serve {
+        let dir = TempDir::new("serve");
+        let a: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        Serve::spawn(dir, PathBuf::new(), &a)
+    }
+
+    fn spawn(dir: TempDir, sock: PathBuf, args: &[String]) -> Serve {
         let stderr = dir.path("stderr");
+        let stdout = dir.path("stdout");
         let child = Command::new(env!("CARGO_BIN_EXE_udm"))
             .arg("serve")
             .args(args)
-            .arg("--listen")
-            .arg(format!("unix:{}", sock.display()))
-            .stdout(Stdio::null())
+            .stdout(std::fs::File::create(&stdout).unwrap())
             .stderr(std::fs::File::create(&stderr).unwrap())
             .spawn()
             .expect("spawn udm serve");
@@ -61,17 +76,36 @@ impl Serve {
             sock,
             dir,
             stderr,
+            stdout,
         };
         let t0 = Instant::now();
-        while UnixStream::connect(&s.sock).is_err() {
+        while !s.out().contains("udm: control socket at ")
+            || (!s.sock.as_os_str().is_empty() && UnixStream::connect(&s.sock).is_err())
+        {
             assert!(
                 t0.elapsed() < Duration::from_secs(10),
-                "udm serve did not listen: {}",
+                "udm serve did not listen: {}{}",
+                s.out(),
                 s.log()
             );
             std::thread::sleep(Duration::from_millis(10));
         }
         s
+    }
+
+    /// What the server printed on stdout so far (URIs, control socket).
+    pub fn out(&self) -> String {
+        std::fs::read_to_string(&self.stdout).unwrap_or_default()
+    }
+
+    /// The control socket the server announced.
+    pub fn ctl(&self) -> PathBuf {
+        let out = self.out();
+        let p = out
+            .lines()
+            .find_map(|l| l.strip_prefix("udm: control socket at "))
+            .unwrap_or_else(|| panic!("no control socket announced: {out}"));
+        PathBuf::from(p)
     }
 
     /// The NBD URI of `export`.
@@ -172,4 +206,42 @@ pub fn random_file(path: &Path, len: usize, seed: u64) {
     }
     v.truncate(len);
     std::fs::write(path, v).unwrap();
+}
+
+/// Runs `udm ARGS`; returns its exit code, stdout and stderr.
+pub fn udm(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_udm"))
+        .args(args)
+        .output()
+        .expect("run udm");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A child process killed when dropped (unless waited for).
+pub struct KillOnDrop(pub Option<Child>);
+
+impl KillOnDrop {
+    /// Waits for the child; returns its stdout and stderr together.
+    pub fn wait_with_output(mut self) -> String {
+        let c = self.0.take().expect("running");
+        let out = c.wait_with_output().expect("wait");
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    }
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
 }

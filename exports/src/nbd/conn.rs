@@ -562,8 +562,10 @@ impl Conn {
             return;
         }
         if self.closing.is_some() {
-            // Data that raced with the close: a half-received WRITE is never
-            // run, so release its request (else the connection stays busy).
+            // begin_close's shutdown wakes a MSG_WAITALL recv with the part
+            // of a payload received so far: that request can never be
+            // submitted, so it goes now (else `active` never drops to 0 and
+            // the connection is never freed, hanging a stop).
             self.drop_partial();
             return;
         }
