@@ -249,6 +249,26 @@ mod tests {
     }
 
     #[test]
+    fn a_reloaded_table_may_use_only_devices_defined_before_its_device() {
+        let st =
+            Stack::build(&["a=ram:1M", "l=0 2048 linear a 0", "top=0 2048 linear l 0"]).unwrap();
+        let t = st
+            .build_table("l", "0 1024 linear a 0; 1024 1024 zero")
+            .unwrap();
+        assert_eq!(t.sectors(), 2048);
+        for bad in ["0 2048 linear l 0", "0 2048 linear top 0"] {
+            let e = st.build_table("l", bad).err().unwrap().to_string();
+            assert!(e.contains("defined after it"), "{bad}: {e}");
+        }
+        let e = st
+            .build_table("nope", "0 8 zero")
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("unknown device 'nope'"), "{e}");
+    }
+
+    #[test]
     fn bad_specs_name_the_offending_token() {
         let err = |defs: &[&str]| Stack::build(defs).err().unwrap().to_string();
         assert!(err(&["ram0"]).contains("expected NAME=SPEC"));
