@@ -38,6 +38,18 @@ const STACKS: &[(&str, &[&str])] = &[
             "t=0 16384 linear a 0; 16384 16384 linear b 0",
         ],
     ),
+    (
+        // A cache a quarter of the origin: writeback runs during the job.
+        "writecache",
+        &[
+            "--dev",
+            "o=ram:16M",
+            "--dev",
+            "c=ram:4M",
+            "--dev",
+            "t=0 32768 writecache s o c 4096 4 high_watermark 30 low_watermark 20",
+        ],
+    ),
 ];
 
 fn fio(uri: &str, rw: &str, bs: &str, extra: &[&str]) -> String {
