@@ -827,7 +827,15 @@ pub(crate) fn start(shared: Arc<Shared>) -> Result<std::thread::JoinHandle<()>, 
 }
 
 fn run(sh: Arc<Shared>, tx: mpsc::Sender<Result<(), Error>>) {
-    let reactor = match Reactor::new(ReactorConfig::default()) {
+    // UDM_WC_WORKER_POLL=1 makes the worker spin instead of sleeping in
+    // io_uring_enter: valgrind (3.19) holds its big lock across that call,
+    // so a sleeping worker would stop every other thread under callgrind
+    // (scripts/instr-per-io.sh sets it and counts the other threads only).
+    let mut rc = ReactorConfig::default();
+    if std::env::var_os("UDM_WC_WORKER_POLL").is_some_and(|v| v == "1") {
+        rc.mode = udm_core::CompletionMode::Poll;
+    }
+    let reactor = match Reactor::new(rc) {
         Ok(r) => r,
         Err(e) => {
             let _ = tx.send(Err(Error::os(
