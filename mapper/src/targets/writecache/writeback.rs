@@ -197,38 +197,68 @@ impl Worker {
     fn read_entries(self: &Rc<Self>, sb_seq: u64, result: Rc<Cell<Option<Result<(), Error>>>>) {
         let g = self.shared.geo;
         let total = g.mblocks as usize * MBLOCK_BYTES;
-        let sector = self.shared.cfg.start_sector + (SB_BYTES >> SECTOR_SHIFT);
-        let me = self.clone();
-        self.io(
-            true,
-            Op::Read,
-            BioFlags::NONE,
-            sector,
-            vec![0; total],
-            move |s, buf| {
-                if !s.is_ok() {
-                    return result.set(Some(Err(Error::new(
-                        ErrorKind::Io,
-                        "writecache: reading the metadata failed",
-                    ))));
-                }
-                me.rebuild(sb_seq, &buf);
-                // Commit the cleaned-up image before serving I/O: stale and
-                // torn leftovers become free markers on disk.
-                me.shared.lock().commit_wanted = sb_seq + 1;
-                let r2 = result.clone();
-                me.start_commit(Some(Box::new(move |ok| {
-                    r2.set(Some(if ok {
-                        Ok(())
-                    } else {
-                        Err(Error::new(
+        // In pieces no larger than the cache takes in one I/O (a file caps
+        // I/Os at 8 MiB; the array of a 1 GiB cache of 512-byte blocks is
+        // 32 MiB), gathered into one buffer.
+        let chunk = (self.shared.cfg.cache.limits().max_io_bytes as usize)
+            .min(MAX_RUN_BYTES as usize)
+            .max(MBLOCK_BYTES)
+            / MBLOCK_BYTES
+            * MBLOCK_BYTES;
+        let pieces = total.div_ceil(chunk);
+        let left = Rc::new(Cell::new(pieces));
+        let ok = Rc::new(Cell::new(true));
+        let all = Rc::new(std::cell::RefCell::new(vec![0u8; total]));
+        let mut off = 0;
+        while off < total {
+            let n = chunk.min(total - off);
+            let sector = self.shared.cfg.start_sector + ((SB_BYTES + off as u64) >> SECTOR_SHIFT);
+            let (me, left, ok, all, result) = (
+                self.clone(),
+                left.clone(),
+                ok.clone(),
+                all.clone(),
+                result.clone(),
+            );
+            let at = off;
+            self.io(
+                true,
+                Op::Read,
+                BioFlags::NONE,
+                sector,
+                vec![0; n],
+                move |s, buf| {
+                    ok.set(ok.get() && s.is_ok());
+                    all.borrow_mut()[at..at + buf.len()].copy_from_slice(&buf);
+                    left.set(left.get() - 1);
+                    if left.get() > 0 {
+                        return;
+                    }
+                    if !ok.get() {
+                        return result.set(Some(Err(Error::new(
                             ErrorKind::Io,
-                            "writecache: committing the recovered metadata failed",
-                        ))
-                    }))
-                })));
-            },
-        );
+                            "writecache: reading the metadata failed",
+                        ))));
+                    }
+                    me.rebuild(sb_seq, &all.borrow());
+                    // Commit the cleaned-up image before serving I/O: stale
+                    // and torn leftovers become free markers on disk.
+                    me.shared.lock().commit_wanted = sb_seq + 1;
+                    let r2 = result.clone();
+                    me.start_commit(Some(Box::new(move |ok| {
+                        r2.set(Some(if ok {
+                            Ok(())
+                        } else {
+                            Err(Error::new(
+                                ErrorKind::Io,
+                                "writecache: committing the recovered metadata failed",
+                            ))
+                        }))
+                    })));
+                },
+            );
+            off += n;
+        }
     }
 
     /// Rebuilds the in-memory state from the entry array: for each origin
