@@ -655,6 +655,34 @@ impl WcChannel {
                 }
             }
         }
+        if subs.len() == 1
+            && !read_held
+            && !blocked
+            && bio.pending == 1
+            && !bio.flags.contains(udm_core::BioFlags::FUA)
+            && !bio.flags.contains(udm_core::BioFlags::PREFLUSH)
+            && bio.status().is_ok()
+            && subs[0].off == 0
+            && subs[0].n == nblk
+        {
+            // One piece covering the whole bio (a hit in one cache run, a
+            // miss, a write to one extent): remap the caller's bio itself,
+            // as a linear target would, instead of cloning it. Its frame
+            // (pushed in submit) brings it back to `parent_done`, which
+            // reads what to account from the context word.
+            let sub = subs[0];
+            subs.clear();
+            drop(subs);
+            bio.set_ctx(sub.kind << 56 | sub.block);
+            if sub.kind == K_ORIGIN {
+                bio.sector = sub.block * bs;
+                self.origin.submit(bio);
+            } else {
+                bio.sector = sh.cache_sector(sub.block as u32);
+                self.cache.submit(bio);
+            }
+            return;
+        }
         bio.pending += subs.len() as u32;
         bio.set_ctx(from);
         let p = bio.into_raw();
@@ -939,8 +967,21 @@ fn sub_done(c: BioPtr) {
     let kind = c.ctx() >> 56;
     let block = (c.ctx() & ((1 << 56) - 1)) as u32;
     let n = c.len() / sh.cfg.block_size;
-    let origin_write = kind == K_ORIGIN && parent.op == Op::Write;
     drop(c);
+    account(sh, kind, block, n, status, parent.op);
+    if !status.is_ok() && parent.status().is_ok() {
+        parent.set_status(status);
+    }
+    // SAFETY: we hold one of the parent's pending counts; it is ours again.
+    let bio = unsafe { BioPtr::from_raw(p) };
+    ch.put(bio, true);
+}
+
+/// Accounts a completed piece of `n` blocks from `block` (a cache block, or
+/// an origin block for K_ORIGIN) of a caller's `op`: unpins, publishes
+/// first writes, wakes whoever waits on that.
+fn account(sh: &Shared, kind: u64, block: u32, n: u32, status: Status, op: Op) {
+    let origin_write = kind == K_ORIGIN && op == Op::Write;
     if kind == K_CACHE_WRITE || kind == K_CACHE_READ {
         let mut st = sh.lock();
         let mut freed = false;
@@ -1001,17 +1042,20 @@ fn sub_done(c: BioPtr) {
     } else if origin_write {
         sh.lock().last_origin_write = Some(Instant::now());
     }
-    if !status.is_ok() && parent.status().is_ok() {
-        parent.set_status(status);
-    }
-    // SAFETY: we hold one of the parent's pending counts; it is ours again.
-    let bio = unsafe { BioPtr::from_raw(p) };
-    ch.put(bio, true);
 }
 
-/// End_io pushed on callers' bios: only reached if a bio completes without
-/// the engine (it never does: the engine pops its frame before completing).
+/// End_io pushed on callers' bios: reached when the engine remapped the
+/// caller's bio itself (one piece, see `map`); the context word says what
+/// the piece was. (Bios the engine split complete through `put`, which pops
+/// the frame first.)
 fn parent_done(mut bio: BioPtr) {
+    // SAFETY: the private of the engine's frame is the WcChannel that pushed
+    // it, kept alive by its table while I/O is in flight.
+    let ch = unsafe { &*(bio.private() as *const WcChannel) };
+    let kind = bio.ctx() >> 56;
+    let block = (bio.ctx() & ((1 << 56) - 1)) as u32;
+    let n = bio.len() / ch.shared.cfg.block_size;
+    account(&ch.shared, kind, block, n, bio.status(), bio.op);
     bio.pop_end_io();
     bio.endio();
 }
