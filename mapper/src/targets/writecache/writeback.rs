@@ -468,15 +468,19 @@ impl Worker {
                 // Free markers now durable: the blocks are reusable.
                 let fp = std::mem::take(&mut st.free_pending);
                 let mut keep = Vec::new();
+                let mut run = (0, 0);
                 for b in fp {
                     let e = st.entries[b as usize];
                     if e.aux <= gen {
                         st.shadow_sub(e.ob);
-                        st.release(b);
+                        if st.release(b) {
+                            st.free_run(&mut run, b);
+                        }
                     } else {
                         keep.push(b);
                     }
                 }
+                st.free.free(run.0, run.1);
                 st.free_pending = keep;
                 // Superseded blocks whose successor is now durable get a
                 // free marker in the next commit.
