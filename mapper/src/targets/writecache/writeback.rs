@@ -18,7 +18,7 @@ use udm_core::{
 };
 
 use super::cache::{Shared, St, State, NONE};
-use super::meta::{encode_mblock, DiskEntry, Super, MBLOCK_BYTES, SB_BYTES};
+use super::meta::{encode_mblock, DiskEntry, Super, ENTRIES_PER_MBLOCK, MBLOCK_BYTES, SB_BYTES};
 
 /// Most blocks one writeback batch takes.
 const BATCH_BYTES: u64 = 16 << 20;
@@ -374,10 +374,13 @@ impl Worker {
             st.pending_gen += 1;
             st.uncommitted = 0;
             st.dirty_since = None;
-            // Copy the dirty metadata blocks, merged into runs.
-            let mut runs: Vec<(u32, Vec<u8>)> = Vec::new();
+            // Copy the dirty metadata blocks' entries, merged into runs;
+            // they are encoded after the lock is dropped (a memcpy under
+            // the lock instead of encoding up to 65536 entries there).
+            let mut copies: Vec<(u32, u32, Vec<DiskEntry>)> = Vec::new();
             if st.ndirty > 0 {
                 let nm = st.dirty.len() as u32;
+                let max = (MAX_RUN_BYTES as usize / MBLOCK_BYTES) as u32;
                 let mut m = 0;
                 while m < nm {
                     if !st.dirty[m as usize] {
@@ -385,20 +388,28 @@ impl Worker {
                         continue;
                     }
                     let start = m;
-                    let mut buf = Vec::new();
-                    while m < nm && st.dirty[m as usize] && buf.len() < MAX_RUN_BYTES as usize {
+                    while m < nm && st.dirty[m as usize] && m - start < max {
                         st.dirty[m as usize] = false;
-                        let o = buf.len();
-                        buf.resize(o + MBLOCK_BYTES, 0);
-                        encode_mblock(&st.disk, m, &mut buf[o..]);
                         m += 1;
                     }
-                    runs.push((start, buf));
+                    let first = start as usize * ENTRIES_PER_MBLOCK;
+                    let last = (m as usize * ENTRIES_PER_MBLOCK).min(st.disk.len());
+                    copies.push((start, m - start, st.disk[first..last].to_vec()));
                 }
                 st.ndirty = 0;
             }
-            (gen, runs)
+            (gen, copies)
         };
+        let runs: Vec<(u32, Vec<u8>)> = runs
+            .into_iter()
+            .map(|(start, count, entries)| {
+                let mut buf = vec![0u8; count as usize * MBLOCK_BYTES];
+                for (i, out) in buf.chunks_mut(MBLOCK_BYTES).enumerate() {
+                    encode_mblock(&entries, i as u32, out);
+                }
+                (start, buf)
+            })
+            .collect();
         let left = Rc::new(Cell::new(runs.len() as u64 + 1));
         let ok = Rc::new(Cell::new(true));
         let then = Rc::new(Cell::new(then));
