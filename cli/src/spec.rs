@@ -237,6 +237,7 @@ mod tests {
         assert!(err(&["r@m=ram:1G"]).contains("invalid device name 'r@m'"));
         assert!(err(&["a=ram:1Q"]).contains("invalid size '1Q'"));
         assert!(err(&["a=ram:1G", "a=ram:1G"]).contains("defined twice"));
+        assert!(err(&["a=ram:1M,bogus"]).contains("ram: unknown option 'bogus'"));
         assert!(err(&["a=disk:1G"]).contains("unknown backend 'disk:'"));
         assert!(err(&["a=null:1G,slow"]).contains("unknown option 'slow'"));
         assert!(err(&["l=0 8 linear nope 0"]).contains("unknown device 'nope'"));
