@@ -1,7 +1,7 @@
 //! Device specs: `--dev NAME=SPEC`, built into a stack of devices.
 //!
 //! SPEC is a backend or a table:
-//! - `ram:<size>` — memory, allocated lazily;
+//! - `ram:<size>[,prealloc]` — memory, allocated lazily (or all at once);
 //! - `null:<size>[,delay=<µs>]` — completes without touching data;
 //! - `file:<path>[,size=<size>][,buffered][,sqpoll][,iopoll][,ro]` — io_uring;
 //! - anything else is a dm table: `<start> <length> <type> <args…>` lines
@@ -102,7 +102,19 @@ impl Stack {
 
     fn make(&self, name: &str, spec: &str) -> Result<Arc<dyn BlockDevice>, Error> {
         if let Some(rest) = spec.strip_prefix("ram:") {
-            return Ok(Arc::new(RamDevice::new(name, parse_size(rest)?)?));
+            let mut parts = rest.split(',');
+            let dev = RamDevice::new(name, parse_size(parts.next().unwrap_or(""))?)?;
+            for p in parts {
+                match p {
+                    "prealloc" => dev.prealloc()?,
+                    _ => {
+                        return Err(Error::invalid(format!(
+                            "ram: unknown option '{p}' (known: prealloc)"
+                        )))
+                    }
+                }
+            }
+            return Ok(Arc::new(dev));
         }
         if let Some(rest) = spec.strip_prefix("null:") {
             let mut parts = rest.split(',');
@@ -275,6 +287,7 @@ mod tests {
         assert!(err(&["r@m=ram:1G"]).contains("invalid device name 'r@m'"));
         assert!(err(&["a=ram:1Q"]).contains("invalid size '1Q'"));
         assert!(err(&["a=ram:1G", "a=ram:1G"]).contains("defined twice"));
+        assert!(err(&["a=ram:1M,bogus"]).contains("ram: unknown option 'bogus'"));
         assert!(err(&["a=disk:1G"]).contains("unknown backend 'disk:'"));
         assert!(err(&["a=null:1G,slow"]).contains("unknown option 'slow'"));
         assert!(err(&["l=0 8 linear nope 0"]).contains("unknown device 'nope'"));

@@ -16,6 +16,7 @@
 use std::any::Any;
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
@@ -152,7 +153,7 @@ pub(crate) struct State {
     /// Origin blocks with superseded or freed entries whose free marker is
     /// not durable yet: their newest entry must not be written back and
     /// freed before those markers are on disk.
-    pub shadows: HashMap<u64, u32>,
+    pub shadows: HashMap<u64, u32, BuildHasherDefault<BlockHasher>>,
     pub wb_active: bool,
     pub wb_inflight: u64,
     pub writeback_all: u32,
@@ -160,6 +161,9 @@ pub(crate) struct State {
     pub flush_on_suspend: bool,
     pub last_origin_write: Option<Instant>,
     pub space_waiters: u64,
+    /// Reads held back because they overlap a block whose first write is
+    /// still in flight (see `map_read`).
+    pub read_waiters: u64,
     pub stats: Stats,
     pub error: i32,
     pub ready: bool,
@@ -172,7 +176,7 @@ impl State {
             entries: vec![Entry::FREE; n],
             map: vec![NONE; origin_blocks as usize],
             free: FreeExtents::new(),
-            disk: vec![DiskEntry::FREE; n],
+            disk: touched(n, DiskEntry::FREE),
             dirty: vec![false; g.mblocks as usize],
             ndirty: 0,
             lru_head: NONE,
@@ -185,7 +189,7 @@ impl State {
             dirty_since: None,
             superseded: Vec::new(),
             free_pending: Vec::new(),
-            shadows: HashMap::new(),
+            shadows: HashMap::default(),
             wb_active: false,
             wb_inflight: 0,
             writeback_all: 0,
@@ -193,6 +197,7 @@ impl State {
             flush_on_suspend: false,
             last_origin_write: None,
             space_waiters: 0,
+            read_waiters: 0,
             stats: Stats::default(),
             error: 0,
             ready: false,
@@ -201,12 +206,23 @@ impl State {
 
     pub fn set_disk(&mut self, b: u32, e: DiskEntry) {
         self.disk[b as usize] = e;
-        let m = b as usize / ENTRIES_PER_MBLOCK;
-        if !self.dirty[m] {
-            self.dirty[m] = true;
-            self.ndirty += 1;
+        self.image_changed(b, 1, 1);
+    }
+
+    /// Records that `changed` entries among the `n` blocks from `first`
+    /// changed in the image: their metadata blocks go in the next commit.
+    /// Per run, not per block: a 512 KiB write of 512-byte blocks touches
+    /// 1024 entries but at most 5 metadata blocks.
+    pub fn image_changed(&mut self, first: u32, n: u32, changed: u64) {
+        let m0 = first as usize / ENTRIES_PER_MBLOCK;
+        let m1 = (first + n - 1) as usize / ENTRIES_PER_MBLOCK;
+        for m in m0..=m1 {
+            if !self.dirty[m] {
+                self.dirty[m] = true;
+                self.ndirty += 1;
+            }
         }
-        self.uncommitted += 1;
+        self.uncommitted += changed;
         if self.dirty_since.is_none() {
             self.dirty_since = Some(Instant::now());
         }
@@ -249,15 +265,32 @@ impl State {
         e.st == St::Live && !e.wb && (e.seq == 0 || e.seq == self.pending_gen)
     }
 
-    /// The block is free on disk for good; hand it back when unpinned.
-    pub fn release(&mut self, b: u32) {
+    /// The block is free on disk for good: true if it may go back to the
+    /// free space now (the caller frees it, batched into runs with
+    /// `free_run`), false if I/O still pins it (it is freed when unpinned).
+    pub fn release(&mut self, b: u32) -> bool {
         let e = &mut self.entries[b as usize];
         if e.reads > 0 || e.writes > 0 {
             e.st = St::Zombie;
+            false
         } else {
             *e = Entry::FREE;
-            self.free.free(b, 1);
+            true
         }
+    }
+
+    /// Adds block `b` to the run being freed, returning the run to the free
+    /// extents when `b` does not extend it. Blocks released together are
+    /// mostly consecutive (a run superseded or written back together), and
+    /// one extent insert per run instead of per block keeps a commit's time
+    /// under the lock short (65536 single-block inserts held it for ms).
+    pub fn free_run(&mut self, run: &mut (u32, u32), b: u32) {
+        if run.1 > 0 && run.0 + run.1 == b {
+            run.1 += 1;
+            return;
+        }
+        self.free.free(run.0, run.1);
+        *run = (b, 1);
     }
 
     /// A block whose pins dropped: free it if it was waiting for that.
@@ -288,6 +321,40 @@ impl State {
     pub fn used(&self, n: u64) -> u64 {
         n - self.free.free_blocks()
     }
+}
+
+/// Hashes origin block numbers for `State::shadows` (a multiplicative
+/// hash: the keys are integers chosen by the caller's offsets, not an
+/// attacker's strings, and SipHash cost a hundred instructions per block).
+#[derive(Default)]
+pub(crate) struct BlockHasher(u64);
+
+impl Hasher for BlockHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        // Fibonacci hashing; hashbrown takes its tag from the top bits.
+        self.0 = (v ^ self.0).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+/// A vector of `n` copies of `v`, every page written now. `vec![0; n]`
+/// comes from calloc as untouched zero pages, which the data path would
+/// then fault in one by one (a 1 GiB cache of 512-byte blocks has a 32 MiB
+/// image: 8192 page faults during the first writes).
+fn touched<T: Copy>(n: usize, v: T) -> Vec<T> {
+    let mut out = Vec::with_capacity(n);
+    out.resize(n, v);
+    // resize of an all-zero Copy value may still become a calloc-like
+    // memset; black_box keeps the writes.
+    std::hint::black_box(&mut out);
+    out
 }
 
 /// What every reactor and the worker share.
@@ -430,6 +497,7 @@ impl BlockDevice for WcDev {
             cache: c.cache.clone().open(reactor)?,
             parked: RefCell::new(Vec::new()),
             space_wait: RefCell::new(Vec::new()),
+            read_wait: RefCell::new(Vec::new()),
             subs: RefCell::new(Vec::new()),
         });
         reactor.set_local(self.key, ch.clone());
@@ -478,6 +546,8 @@ pub(crate) struct WcChannel {
     /// Writes waiting for free blocks (their context word says where to
     /// resume).
     space_wait: RefCell<Vec<BioPtr>>,
+    /// Reads waiting for the first write of a block they overlap.
+    read_wait: RefCell<Vec<BioPtr>>,
     /// Scratch list of sub-I/Os (reused: no allocation per bio).
     subs: RefCell<Vec<Sub>>,
 }
@@ -563,6 +633,13 @@ impl WcChannel {
             }
             bio.complete(s);
         }
+        let reads: Vec<BioPtr> = std::mem::take(&mut *self.read_wait.borrow_mut());
+        if !reads.is_empty() {
+            self.shared.lock().read_waiters -= reads.len() as u64;
+            for bio in reads {
+                self.map(bio);
+            }
+        }
         let waiting: Vec<BioPtr> = std::mem::take(&mut *self.space_wait.borrow_mut());
         if !waiting.is_empty() {
             self.shared.lock().space_waiters -= waiting.len() as u64;
@@ -584,6 +661,7 @@ impl WcChannel {
         let mut subs = self.subs.borrow_mut();
         subs.clear();
         let mut blocked = false;
+        let mut read_held = false;
         {
             let mut st = sh.lock();
             if st.error != 0 {
@@ -591,8 +669,12 @@ impl WcChannel {
                 bio.set_status(Status::IoErr);
                 from = nblk;
             } else if bio.op == Op::Read {
-                map_read(&mut st, ob0, nblk, &mut subs);
-                from = nblk;
+                if map_read(&mut st, ob0, nblk, &mut subs) {
+                    from = nblk;
+                } else {
+                    read_held = true;
+                    st.read_waiters += 1;
+                }
             } else {
                 let now = sh.now_ms();
                 from = map_write(sh, &mut st, ob0, nblk, from, now, &mut subs);
@@ -602,6 +684,34 @@ impl WcChannel {
                     st.space_waiters += 1;
                 }
             }
+        }
+        if subs.len() == 1
+            && !read_held
+            && !blocked
+            && bio.pending == 1
+            && !bio.flags.contains(udm_core::BioFlags::FUA)
+            && !bio.flags.contains(udm_core::BioFlags::PREFLUSH)
+            && bio.status().is_ok()
+            && subs[0].off == 0
+            && subs[0].n == nblk
+        {
+            // One piece covering the whole bio (a hit in one cache run, a
+            // miss, a write to one extent): remap the caller's bio itself,
+            // as a linear target would, instead of cloning it. Its frame
+            // (pushed in submit) brings it back to `parent_done`, which
+            // reads what to account from the context word.
+            let sub = subs[0];
+            subs.clear();
+            drop(subs);
+            bio.set_ctx(sub.kind << 56 | sub.block);
+            if sub.kind == K_ORIGIN {
+                bio.sector = sub.block * bs;
+                self.origin.submit(bio);
+            } else {
+                bio.sector = sh.cache_sector(sub.block as u32);
+                self.cache.submit(bio);
+            }
+            return;
         }
         bio.pending += subs.len() as u32;
         bio.set_ctx(from);
@@ -632,7 +742,11 @@ impl WcChannel {
         drop(subs);
         // SAFETY: as above; we still hold one pending count.
         let bio = unsafe { BioPtr::from_raw(p) };
-        if blocked {
+        if read_held {
+            // Retried by `kick` once a first write completes (sub_done
+            // sees read_waiters, counted under the lock above).
+            self.read_wait.borrow_mut().push(bio);
+        } else if blocked {
             self.space_wait.borrow_mut().push(bio);
             sh.poke();
         } else {
@@ -675,16 +789,37 @@ impl WcChannel {
 
 /// Read runs: cached blocks contiguous on the cache in one read, misses
 /// contiguous on the origin in another.
-fn map_read(st: &mut State, ob0: u64, n: u64, subs: &mut Vec<Sub>) {
+///
+/// Returns false, having issued and pinned nothing, when the read overlaps
+/// a block whose first write has not completed: the block is mapped (so
+/// later writes find it) but holds whatever it held before it was
+/// allocated — another sector's data. The read waits for the write rather
+/// than returning that (a read concurrent with a write may return the old
+/// data or the new, never a third thing).
+fn map_read(st: &mut State, ob0: u64, n: u64, subs: &mut Vec<Sub>) -> bool {
     let mut i = 0;
     while i < n {
         let b = st.map[(ob0 + i) as usize];
         let mut k = 1;
         if b != NONE {
-            st.entries[b as usize].reads += 1;
+            let mut unpublished = st.entries[b as usize].seq == 0;
             while i + k < n && st.map[(ob0 + i + k) as usize] == b + k as u32 {
-                st.entries[(b + k as u32) as usize].reads += 1;
+                unpublished |= st.entries[(b + k as u32) as usize].seq == 0;
                 k += 1;
+            }
+            if unpublished {
+                // Unpin what this read pinned so far.
+                for s in subs.drain(..) {
+                    if s.kind == K_CACHE_READ {
+                        for e in &mut st.entries[s.block as usize..(s.block + s.n) as usize] {
+                            e.reads -= 1;
+                        }
+                    }
+                }
+                return false;
+            }
+            for e in &mut st.entries[b as usize..(b as u64 + k) as usize] {
+                e.reads += 1;
             }
             st.stats.read_hits += k;
             subs.push(Sub {
@@ -704,9 +839,10 @@ fn map_read(st: &mut State, ob0: u64, n: u64, subs: &mut Vec<Sub>) {
                 n: k,
             });
         }
-        st.stats.reads += k;
         i += k;
     }
+    st.stats.reads += n;
+    true
 }
 
 /// Write runs from block `from`; returns where it stopped (`n` when done,
@@ -767,6 +903,7 @@ fn map_write(
         // New blocks: as many as follow that need one, in as few extents
         // as the free space allows.
         let mut m = 1;
+        let mut any_old = b != NONE;
         while i + m < n {
             let nb = st.map[(ob + m) as usize];
             let needs = if nb == NONE {
@@ -777,44 +914,62 @@ fn map_write(
             if !needs {
                 break;
             }
+            any_old |= nb != NONE;
             m += 1;
         }
         let want = if sh.cfg.nocoalesce { 1 } else { m as u32 };
         let Some((start, got)) = st.free.alloc(want) else {
             return i;
         };
+        // The run is handled as one: superseded copies first (unlinking
+        // them may move the LRU tail), then the new entries, written whole
+        // and already linked to each other, then the run joins the tail.
+        let mut superseded = 0u64;
+        if any_old {
+            for k in 0..got {
+                let obk = ob + k as u64;
+                let old = st.map[obk as usize];
+                if old != NONE {
+                    // The old copy stays on disk until this one is committed.
+                    st.entries[old as usize].st = St::Superseded;
+                    st.entries[old as usize].aux = (start + k) as u64;
+                    st.lru_remove(old);
+                    st.superseded.push(old);
+                    st.shadow_add(obk);
+                    superseded += 1;
+                }
+            }
+        }
+        let last = start + got - 1;
         for k in 0..got {
             let nb = start + k;
-            let obk = ob + k as u64;
-            let old = st.map[obk as usize];
-            if old != NONE {
-                // The old copy stays on disk until this one is committed.
-                st.entries[old as usize].st = St::Superseded;
-                st.entries[old as usize].aux = nb as u64;
-                st.lru_remove(old);
-                st.superseded.push(old);
-                st.shadow_add(obk);
-                st.live -= 1;
-                st.stats.write_hits_committed += 1;
-            } else {
-                st.stats.writes_allocate += 1;
-            }
             st.entries[nb as usize] = Entry {
-                ob: obk,
+                ob: ob + k as u64,
                 seq: 0,
                 aux: 0,
                 born_ms: now,
-                prev: NONE,
-                next: NONE,
+                prev: if k == 0 { st.lru_tail } else { nb - 1 },
+                next: if nb == last { NONE } else { nb + 1 },
                 writes: 1,
                 reads: 0,
                 wb: false,
                 st: St::Live,
             };
-            st.lru_push(nb);
-            st.map[obk as usize] = nb;
-            st.live += 1;
         }
+        st.map[ob as usize..(ob + got as u64) as usize]
+            .iter_mut()
+            .zip(start..)
+            .for_each(|(m, nb)| *m = nb);
+        let t = st.lru_tail;
+        if t == NONE {
+            st.lru_head = start;
+        } else {
+            st.entries[t as usize].next = start;
+        }
+        st.lru_tail = last;
+        st.live += got as u64 - superseded;
+        st.stats.write_hits_committed += superseded;
+        st.stats.writes_allocate += got as u64 - superseded;
         st.stats.writes += got as u64;
         subs.push(Sub {
             kind: K_CACHE_WRITE,
@@ -842,41 +997,71 @@ fn sub_done(c: BioPtr) {
     let kind = c.ctx() >> 56;
     let block = (c.ctx() & ((1 << 56) - 1)) as u32;
     let n = c.len() / sh.cfg.block_size;
-    let origin_write = kind == K_ORIGIN && parent.op == Op::Write;
     drop(c);
+    account(sh, kind, block, n, status, parent.op);
+    if !status.is_ok() && parent.status().is_ok() {
+        parent.set_status(status);
+    }
+    // SAFETY: we hold one of the parent's pending counts; it is ours again.
+    let bio = unsafe { BioPtr::from_raw(p) };
+    ch.put(bio, true);
+}
+
+/// Accounts a completed piece of `n` blocks from `block` (a cache block, or
+/// an origin block for K_ORIGIN) of a caller's `op`: unpins, publishes
+/// first writes, wakes whoever waits on that.
+fn account(sh: &Shared, kind: u64, block: u32, n: u32, status: Status, op: Op) {
+    let origin_write = kind == K_ORIGIN && op == Op::Write;
     if kind == K_CACHE_WRITE || kind == K_CACHE_READ {
         let mut st = sh.lock();
         let mut freed = false;
         let bsz = sh.cfg.bs_sectors();
-        for b in block..block + n {
-            let e = &mut st.entries[b as usize];
+        let g = st.pending_gen;
+        let (first, end) = (block as usize, (block + n) as usize);
+        // One pass over the run's entries; image and dirty bookkeeping once
+        // per run (State::image_changed).
+        let mut published = 0u64;
+        let mut zombies = false;
+        {
+            let State { entries, disk, .. } = &mut *st;
+            let run = entries[first..end].iter_mut().zip(&mut disk[first..end]);
             if kind == K_CACHE_WRITE {
-                e.writes -= 1;
-                if status.is_ok() && e.seq == 0 && e.st == St::Live {
-                    // First completed write: the entry joins the image, in
-                    // the generation no commit has started on.
-                    let g = st.pending_gen;
-                    let e = &mut st.entries[b as usize];
-                    e.seq = g;
-                    let ob = e.ob;
-                    st.set_disk(
-                        b,
-                        DiskEntry {
-                            sector: ob * bsz,
+                for (e, d) in run {
+                    e.writes -= 1;
+                    if e.seq == 0 && e.st == St::Live && status.is_ok() {
+                        // First completed write: the entry joins the image,
+                        // in the generation no commit has started on, and
+                        // readers may now be sent to the block.
+                        e.seq = g;
+                        *d = DiskEntry {
+                            sector: e.ob * bsz,
                             seq: g,
-                        },
-                    );
+                        };
+                        published += 1;
+                    }
+                    zombies |= e.st == St::Zombie;
                 }
             } else {
-                e.reads -= 1;
+                for (e, _) in run {
+                    e.reads -= 1;
+                    zombies |= e.st == St::Zombie;
+                }
             }
-            freed |= st.unpinned(b);
         }
+        if published > 0 {
+            st.image_changed(block, n, published);
+        }
+        if zombies {
+            for b in block..block + n {
+                freed |= st.unpinned(b);
+            }
+        }
+        let wake_readers = published > 0 && st.read_waiters > 0;
         if !status.is_ok() {
             st.error = Status::IoErr.errno();
         }
         let poke = kind == K_CACHE_WRITE && st.uncommitted >= sh.cfg.autocommit_blocks;
-        let kick = (freed && st.space_waiters > 0) || !status.is_ok();
+        let kick = (freed && st.space_waiters > 0) || !status.is_ok() || wake_readers;
         drop(st);
         if poke {
             sh.poke();
@@ -887,17 +1072,20 @@ fn sub_done(c: BioPtr) {
     } else if origin_write {
         sh.lock().last_origin_write = Some(Instant::now());
     }
-    if !status.is_ok() && parent.status().is_ok() {
-        parent.set_status(status);
-    }
-    // SAFETY: we hold one of the parent's pending counts; it is ours again.
-    let bio = unsafe { BioPtr::from_raw(p) };
-    ch.put(bio, true);
 }
 
-/// End_io pushed on callers' bios: only reached if a bio completes without
-/// the engine (it never does: the engine pops its frame before completing).
+/// End_io pushed on callers' bios: reached when the engine remapped the
+/// caller's bio itself (one piece, see `map`); the context word says what
+/// the piece was. (Bios the engine split complete through `put`, which pops
+/// the frame first.)
 fn parent_done(mut bio: BioPtr) {
+    // SAFETY: the private of the engine's frame is the WcChannel that pushed
+    // it, kept alive by its table while I/O is in flight.
+    let ch = unsafe { &*(bio.private() as *const WcChannel) };
+    let kind = bio.ctx() >> 56;
+    let block = (bio.ctx() & ((1 << 56) - 1)) as u32;
+    let n = bio.len() / ch.shared.cfg.block_size;
+    account(&ch.shared, kind, block, n, bio.status(), bio.op);
     bio.pop_end_io();
     bio.endio();
 }

@@ -18,7 +18,7 @@ use udm_core::{
 };
 
 use super::cache::{Shared, St, State, NONE};
-use super::meta::{encode_mblock, DiskEntry, Super, MBLOCK_BYTES, SB_BYTES};
+use super::meta::{encode_mblock, DiskEntry, Super, ENTRIES_PER_MBLOCK, MBLOCK_BYTES, SB_BYTES};
 
 /// Most blocks one writeback batch takes.
 const BATCH_BYTES: u64 = 16 << 20;
@@ -197,38 +197,68 @@ impl Worker {
     fn read_entries(self: &Rc<Self>, sb_seq: u64, result: Rc<Cell<Option<Result<(), Error>>>>) {
         let g = self.shared.geo;
         let total = g.mblocks as usize * MBLOCK_BYTES;
-        let sector = self.shared.cfg.start_sector + (SB_BYTES >> SECTOR_SHIFT);
-        let me = self.clone();
-        self.io(
-            true,
-            Op::Read,
-            BioFlags::NONE,
-            sector,
-            vec![0; total],
-            move |s, buf| {
-                if !s.is_ok() {
-                    return result.set(Some(Err(Error::new(
-                        ErrorKind::Io,
-                        "writecache: reading the metadata failed",
-                    ))));
-                }
-                me.rebuild(sb_seq, &buf);
-                // Commit the cleaned-up image before serving I/O: stale and
-                // torn leftovers become free markers on disk.
-                me.shared.lock().commit_wanted = sb_seq + 1;
-                let r2 = result.clone();
-                me.start_commit(Some(Box::new(move |ok| {
-                    r2.set(Some(if ok {
-                        Ok(())
-                    } else {
-                        Err(Error::new(
+        // In pieces no larger than the cache takes in one I/O (a file caps
+        // I/Os at 8 MiB; the array of a 1 GiB cache of 512-byte blocks is
+        // 32 MiB), gathered into one buffer.
+        let chunk = (self.shared.cfg.cache.limits().max_io_bytes as usize)
+            .min(MAX_RUN_BYTES as usize)
+            .max(MBLOCK_BYTES)
+            / MBLOCK_BYTES
+            * MBLOCK_BYTES;
+        let pieces = total.div_ceil(chunk);
+        let left = Rc::new(Cell::new(pieces));
+        let ok = Rc::new(Cell::new(true));
+        let all = Rc::new(std::cell::RefCell::new(vec![0u8; total]));
+        let mut off = 0;
+        while off < total {
+            let n = chunk.min(total - off);
+            let sector = self.shared.cfg.start_sector + ((SB_BYTES + off as u64) >> SECTOR_SHIFT);
+            let (me, left, ok, all, result) = (
+                self.clone(),
+                left.clone(),
+                ok.clone(),
+                all.clone(),
+                result.clone(),
+            );
+            let at = off;
+            self.io(
+                true,
+                Op::Read,
+                BioFlags::NONE,
+                sector,
+                vec![0; n],
+                move |s, buf| {
+                    ok.set(ok.get() && s.is_ok());
+                    all.borrow_mut()[at..at + buf.len()].copy_from_slice(&buf);
+                    left.set(left.get() - 1);
+                    if left.get() > 0 {
+                        return;
+                    }
+                    if !ok.get() {
+                        return result.set(Some(Err(Error::new(
                             ErrorKind::Io,
-                            "writecache: committing the recovered metadata failed",
-                        ))
-                    }))
-                })));
-            },
-        );
+                            "writecache: reading the metadata failed",
+                        ))));
+                    }
+                    me.rebuild(sb_seq, &all.borrow());
+                    // Commit the cleaned-up image before serving I/O: stale
+                    // and torn leftovers become free markers on disk.
+                    me.shared.lock().commit_wanted = sb_seq + 1;
+                    let r2 = result.clone();
+                    me.start_commit(Some(Box::new(move |ok| {
+                        r2.set(Some(if ok {
+                            Ok(())
+                        } else {
+                            Err(Error::new(
+                                ErrorKind::Io,
+                                "writecache: committing the recovered metadata failed",
+                            ))
+                        }))
+                    })));
+                },
+            );
+            off += n;
+        }
     }
 
     /// Rebuilds the in-memory state from the entry array: for each origin
@@ -344,10 +374,13 @@ impl Worker {
             st.pending_gen += 1;
             st.uncommitted = 0;
             st.dirty_since = None;
-            // Copy the dirty metadata blocks, merged into runs.
-            let mut runs: Vec<(u32, Vec<u8>)> = Vec::new();
+            // Copy the dirty metadata blocks' entries, merged into runs;
+            // they are encoded after the lock is dropped (a memcpy under
+            // the lock instead of encoding up to 65536 entries there).
+            let mut copies: Vec<(u32, u32, Vec<DiskEntry>)> = Vec::new();
             if st.ndirty > 0 {
                 let nm = st.dirty.len() as u32;
+                let max = (MAX_RUN_BYTES as usize / MBLOCK_BYTES) as u32;
                 let mut m = 0;
                 while m < nm {
                     if !st.dirty[m as usize] {
@@ -355,20 +388,28 @@ impl Worker {
                         continue;
                     }
                     let start = m;
-                    let mut buf = Vec::new();
-                    while m < nm && st.dirty[m as usize] && buf.len() < MAX_RUN_BYTES as usize {
+                    while m < nm && st.dirty[m as usize] && m - start < max {
                         st.dirty[m as usize] = false;
-                        let o = buf.len();
-                        buf.resize(o + MBLOCK_BYTES, 0);
-                        encode_mblock(&st.disk, m, &mut buf[o..]);
                         m += 1;
                     }
-                    runs.push((start, buf));
+                    let first = start as usize * ENTRIES_PER_MBLOCK;
+                    let last = (m as usize * ENTRIES_PER_MBLOCK).min(st.disk.len());
+                    copies.push((start, m - start, st.disk[first..last].to_vec()));
                 }
                 st.ndirty = 0;
             }
-            (gen, runs)
+            (gen, copies)
         };
+        let runs: Vec<(u32, Vec<u8>)> = runs
+            .into_iter()
+            .map(|(start, count, entries)| {
+                let mut buf = vec![0u8; count as usize * MBLOCK_BYTES];
+                for (i, out) in buf.chunks_mut(MBLOCK_BYTES).enumerate() {
+                    encode_mblock(&entries, i as u32, out);
+                }
+                (start, buf)
+            })
+            .collect();
         let left = Rc::new(Cell::new(runs.len() as u64 + 1));
         let ok = Rc::new(Cell::new(true));
         let then = Rc::new(Cell::new(then));
@@ -438,15 +479,19 @@ impl Worker {
                 // Free markers now durable: the blocks are reusable.
                 let fp = std::mem::take(&mut st.free_pending);
                 let mut keep = Vec::new();
+                let mut run = (0, 0);
                 for b in fp {
                     let e = st.entries[b as usize];
                     if e.aux <= gen {
                         st.shadow_sub(e.ob);
-                        st.release(b);
+                        if st.release(b) {
+                            st.free_run(&mut run, b);
+                        }
                     } else {
                         keep.push(b);
                     }
                 }
+                st.free.free(run.0, run.1);
                 st.free_pending = keep;
                 // Superseded blocks whose successor is now durable get a
                 // free marker in the next commit.
@@ -827,7 +872,15 @@ pub(crate) fn start(shared: Arc<Shared>) -> Result<std::thread::JoinHandle<()>, 
 }
 
 fn run(sh: Arc<Shared>, tx: mpsc::Sender<Result<(), Error>>) {
-    let reactor = match Reactor::new(ReactorConfig::default()) {
+    // UDM_WC_WORKER_POLL=1 makes the worker spin instead of sleeping in
+    // io_uring_enter: valgrind (3.19) holds its big lock across that call,
+    // so a sleeping worker would stop every other thread under callgrind
+    // (scripts/instr-per-io.sh sets it and counts the other threads only).
+    let mut rc = ReactorConfig::default();
+    if std::env::var_os("UDM_WC_WORKER_POLL").is_some_and(|v| v == "1") {
+        rc.mode = udm_core::CompletionMode::Poll;
+    }
+    let reactor = match Reactor::new(rc) {
         Ok(r) => r,
         Err(e) => {
             let _ = tx.send(Err(Error::os(
