@@ -371,6 +371,7 @@ fn reload_swaps_tables_under_live_nbd_io_and_loses_nothing() {
     let fio = Command::new("fio")
         .args([
             "--name=v",
+            "--verify_state_save=0",
             "--ioengine=nbd",
             &format!("--uri={}", s.uri("lin")),
             "--rw=randwrite",

@@ -64,6 +64,8 @@ fn fio(uri: &str, rw: &str, bs: &str, extra: &[&str]) -> String {
         "--verify=crc32c".into(),
         "--do_verify=1".into(),
         "--verify_fatal=1".into(),
+        // No verify state file dropped in the working directory.
+        "--verify_state_save=0".into(),
     ];
     args.extend(extra.iter().map(|s| s.to_string()));
     let a: Vec<&str> = args.iter().map(String::as_str).collect();

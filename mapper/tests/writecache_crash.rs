@@ -302,3 +302,46 @@ fn the_powercut_wrapper_drops_what_no_flush_covered() {
     );
     assert_sectors_eq(&t.read(&dev, 16, 4), &pattern(4, 16, 4), "FUA survives");
 }
+
+/// `autocommit_time` alone makes writes durable: with no flush, no FUA and
+/// fewer changed blocks than `autocommit_blocks`, the worker (asleep, with
+/// nothing to do) must still wake for the first change and commit it once
+/// the time is up. Before the fix the worker never heard of the change.
+#[test]
+fn autocommit_time_commits_unflushed_writes_by_itself() {
+    let power = Power::new();
+    let origin = pc("origin", ORIGIN_SECTORS, &power);
+    let cache = pc("cache", CACHE_SECTORS, &power);
+    let mut devs = Devices::new();
+    devs.add(origin.clone());
+    devs.add(cache.clone());
+    let table = format!(
+        "0 {ORIGIN_SECTORS} writecache s origin cache {} 2 autocommit_time 50",
+        BS_SECTORS * 512
+    );
+    {
+        let t = Tester::new();
+        let md = udm_mapper::MappedDevice::new("wc", devs.table(&table));
+        let dev = as_dev(&md);
+        t.write(&dev, 8, pattern(7, 8, 2 * BS_SECTORS));
+        // Well past autocommit_time, with nothing else happening.
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        power.cut();
+    }
+    let t = Tester::new();
+    let mut never = || 0u64;
+    origin
+        .restore(&t.reactor, false, &mut never)
+        .expect("restore");
+    cache
+        .restore(&t.reactor, false, &mut never)
+        .expect("restore");
+    power.on();
+    let md = udm_mapper::MappedDevice::new("wc", devs.table(&table));
+    let dev = as_dev(&md);
+    assert_sectors_eq(
+        &t.read(&dev, 8, 2 * BS_SECTORS),
+        &pattern(7, 8, 2 * BS_SECTORS),
+        "autocommitted write",
+    );
+}

@@ -1048,6 +1048,9 @@ fn account(sh: &Shared, kind: u64, block: u32, n: u32, status: Status, op: Op) {
                 }
             }
         }
+        // The first change since a commit starts the autocommit clock: the
+        // worker may be asleep with no deadline, so it must hear of it.
+        let newly_dirty = published > 0 && st.dirty_since.is_none();
         if published > 0 {
             st.image_changed(block, n, published);
         }
@@ -1060,7 +1063,8 @@ fn account(sh: &Shared, kind: u64, block: u32, n: u32, status: Status, op: Op) {
         if !status.is_ok() {
             st.error = Status::IoErr.errno();
         }
-        let poke = kind == K_CACHE_WRITE && st.uncommitted >= sh.cfg.autocommit_blocks;
+        let poke =
+            kind == K_CACHE_WRITE && (newly_dirty || st.uncommitted >= sh.cfg.autocommit_blocks);
         let kick = (freed && st.space_waiters > 0) || !status.is_ok() || wake_readers;
         drop(st);
         if poke {
