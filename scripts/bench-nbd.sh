@@ -32,7 +32,7 @@ cleanup() {
 trap cleanup EXIT
 truncate -s 1G "$IMG"
 TCK=$(getconf CLK_TCK)
-SERVERS=${SERVERS:-"udm nbdkit-memory qemu-nbd qsd nbdkit-null"}
+SERVERS=${SERVERS:-"udm udm-hybrid nbdkit-memory qemu-nbd qsd nbdkit-null"}
 JOBS=${JOBS:-"randread-4k-qd1 randread-4k-qd32 randwrite-4k-qd32 read-128k-qd8"}
 
 start() { # server -> sets PID and URI
@@ -46,6 +46,10 @@ start() { # server -> sets PID and URI
     udm-b) # another build of udm, for A/B runs: UDM_B=/path/to/udm
         "${UDM_B:?udm-b needs UDM_B=/path/to/udm}" serve --dev ram0=ram:1G \
             --dev 'lin=0 2097152 linear ram0 0' --listen "unix:$sock" >"$W/$s.log" 2>&1 &
+        URI="nbd+unix:///lin?socket=$sock" ;;
+    udm-hybrid) # reactors spin 50 us after their last work, then sleep
+        "$UDM" serve --hybrid 50 --dev ram0=ram:1G --dev 'lin=0 2097152 linear ram0 0' \
+            --listen "unix:$sock" >"$W/$s.log" 2>&1 &
         URI="nbd+unix:///lin?socket=$sock" ;;
     udm-null) # the server's own cost: no data stored
         "$UDM" serve --dev null0=null:1G --dev 'lin=0 2097152 linear null0 0' \

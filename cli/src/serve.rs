@@ -8,7 +8,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use udm_core::{BlockDevice, Error, ReactorConfig};
+use udm_core::{BlockDevice, CompletionMode, Error, ReactorConfig};
 use udm_exports::nbd::{server, Export, Listen, Server, ServerConfig};
 
 use crate::args::Args;
@@ -22,7 +22,7 @@ udm serve — export devices over NBD
 usage:
   udm serve [--dev NAME=SPEC]... [--config FILE] [--export NAME[:ro]]...
             [--listen unix:PATH | --listen [HOST:]PORT]... [--reactors N]
-            [--control PATH]
+            [--control PATH] [--poll | --hybrid [USEC]]
 
   --dev NAME=SPEC     a device, as for 'udm bench' (repeatable)
   --config FILE       more --dev specs, one NAME=SPEC per line ('#' comments)
@@ -38,6 +38,11 @@ usage:
                       first unix listen socket as <sock>.ctl, else
                       $XDG_RUNTIME_DIR (or the temporary directory)/udm-<pid>.ctl;
                       printed at start, removed at exit
+  --poll              reactors busy-poll (a spinning core each, lowest latency)
+  --hybrid USEC       reactors spin USEC microseconds after their last work,
+                      then sleep (e.g. 50: QD1 latency near --poll's, a core
+                      spun only while requests keep coming)
+  (default: reactors sleep in io_uring_enter until a completion arrives)
 
 Without --dev or --config: a 1 GiB RAM disk (ram0) with a linear device
 over it (lin), exported as 'lin'.
@@ -89,7 +94,10 @@ pub fn main(mut a: Args) -> Result<i32, Error> {
     let listens = a.many("--listen");
     let reactors = a.num("--reactors", 1)?;
     let control = a.opt("--control");
+    let poll = a.flag("--poll");
+    let hybrid = a.opt("--hybrid");
     a.finish()?;
+    let reactor = completion_mode(poll, hybrid.as_deref())?;
     if reactors == 0 || reactors > 64 {
         return Err(Error::invalid(format!(
             "--reactors {reactors}: expected 1 to 64"
@@ -156,7 +164,7 @@ pub fn main(mut a: Args) -> Result<i32, Error> {
         ServerConfig {
             listen,
             reactors: reactors as usize,
-            reactor: ReactorConfig::default(),
+            reactor,
         },
     )?;
     for e in srv.exports() {
@@ -265,4 +273,30 @@ mod tests {
         );
         assert!(Listen::parse("nonsense:::").is_err());
     }
+}
+
+/// The reactors' completion mode from `--poll` / `--hybrid USEC`.
+fn completion_mode(poll: bool, hybrid: Option<&str>) -> Result<ReactorConfig, Error> {
+    let mut cfg = ReactorConfig::default();
+    match (poll, hybrid) {
+        (true, Some(_)) => {
+            return Err(Error::invalid("--poll and --hybrid: choose one"));
+        }
+        (true, None) => cfg.mode = CompletionMode::Poll,
+        (false, Some(us)) => {
+            let n = us
+                .parse::<u64>()
+                .ok()
+                .filter(|&n| (1..=1_000_000).contains(&n))
+                .ok_or_else(|| {
+                    Error::invalid(format!(
+                        "--hybrid '{us}': expected microseconds, 1 to 1000000"
+                    ))
+                })?;
+            cfg.mode = CompletionMode::Hybrid;
+            cfg.hybrid_spin = std::time::Duration::from_micros(n);
+        }
+        (false, None) => {}
+    }
+    Ok(cfg)
 }

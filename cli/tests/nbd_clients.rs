@@ -93,6 +93,19 @@ fn fio_verifies_random_and_sequential_writes_over_every_target_type() {
     }
 }
 
+/// Reactors that spin (`--poll`) or spin then sleep (`--hybrid USEC`)
+/// serve the same data as sleeping ones.
+#[test]
+fn poll_and_hybrid_reactors_serve_verified_io() {
+    for mode in [&["--hybrid", "50"][..], &["--poll"][..]] {
+        let mut args = vec!["--dev", "t=ram:16M"];
+        args.extend_from_slice(mode);
+        let s = Serve::start(&args);
+        fio(&s.uri("t"), "randwrite", "4k", &["--iodepth=1"]);
+        fio(&s.uri("t"), "write", "64k", &[]);
+    }
+}
+
 #[test]
 fn fio_verifies_over_a_file_backend() {
     let dir = common::TempDir::new("file");
