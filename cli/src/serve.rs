@@ -230,6 +230,32 @@ fn signal_fd() -> Result<OwnedFd, Error> {
     }
 }
 
+/// The reactors' completion mode from `--poll` / `--hybrid USEC`.
+fn completion_mode(poll: bool, hybrid: Option<&str>) -> Result<ReactorConfig, Error> {
+    let mut cfg = ReactorConfig::default();
+    match (poll, hybrid) {
+        (true, Some(_)) => {
+            return Err(Error::invalid("--poll and --hybrid: choose one"));
+        }
+        (true, None) => cfg.mode = CompletionMode::Poll,
+        (false, Some(us)) => {
+            let n = us
+                .parse::<u64>()
+                .ok()
+                .filter(|&n| (1..=1_000_000).contains(&n))
+                .ok_or_else(|| {
+                    Error::invalid(format!(
+                        "--hybrid '{us}': expected microseconds, 1 to 1000000"
+                    ))
+                })?;
+            cfg.mode = CompletionMode::Hybrid;
+            cfg.hybrid_spin = std::time::Duration::from_micros(n);
+        }
+        (false, None) => {}
+    }
+    Ok(cfg)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -273,30 +299,22 @@ mod tests {
         );
         assert!(Listen::parse("nonsense:::").is_err());
     }
-}
 
-/// The reactors' completion mode from `--poll` / `--hybrid USEC`.
-fn completion_mode(poll: bool, hybrid: Option<&str>) -> Result<ReactorConfig, Error> {
-    let mut cfg = ReactorConfig::default();
-    match (poll, hybrid) {
-        (true, Some(_)) => {
-            return Err(Error::invalid("--poll and --hybrid: choose one"));
-        }
-        (true, None) => cfg.mode = CompletionMode::Poll,
-        (false, Some(us)) => {
-            let n = us
-                .parse::<u64>()
-                .ok()
-                .filter(|&n| (1..=1_000_000).contains(&n))
-                .ok_or_else(|| {
-                    Error::invalid(format!(
-                        "--hybrid '{us}': expected microseconds, 1 to 1000000"
-                    ))
-                })?;
-            cfg.mode = CompletionMode::Hybrid;
-            cfg.hybrid_spin = std::time::Duration::from_micros(n);
-        }
-        (false, None) => {}
+    #[test]
+    fn completion_modes_follow_poll_and_hybrid() {
+        use udm_core::CompletionMode;
+        assert_eq!(
+            super::completion_mode(false, None).unwrap().mode,
+            CompletionMode::Interrupt
+        );
+        assert_eq!(
+            super::completion_mode(true, None).unwrap().mode,
+            CompletionMode::Poll
+        );
+        let h = super::completion_mode(false, Some("50")).unwrap();
+        assert_eq!(h.mode, CompletionMode::Hybrid);
+        assert_eq!(h.hybrid_spin, std::time::Duration::from_micros(50));
+        assert!(super::completion_mode(false, Some("0")).is_err());
+        assert!(super::completion_mode(true, Some("5")).is_err());
     }
-    Ok(cfg)
 }
