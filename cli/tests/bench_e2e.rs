@@ -2,19 +2,9 @@
 //! writes a pattern through each target over each backend, reads it back and
 //! compares; bad command lines fail with one line naming the bad token.
 
-use std::process::Command;
+mod common;
 
-fn udm(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_udm"))
-        .args(args)
-        .output()
-        .expect("run udm");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+use common::udm;
 
 /// A temp file path under /dev/shm (O_DIRECT works there on this kernel),
 /// removed on drop.

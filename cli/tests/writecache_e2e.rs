@@ -2,19 +2,9 @@
 //! without coalescing, and with a cache small enough that writeback runs
 //! during the run), and `udm status` / `udm message` on it.
 
-use std::process::Command;
+mod common;
 
-fn udm(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_udm"))
-        .args(args)
-        .output()
-        .expect("run udm");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+use common::udm;
 
 #[test]
 fn bench_verify_through_writecache_finds_no_mismatches() {

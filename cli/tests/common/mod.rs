@@ -1,7 +1,9 @@
-//! Shared by the NBD tests: a `udm serve` child on a temporary unix socket,
-//! killed (SIGTERM, then SIGKILL) when dropped.
+//! Shared by the command-line tests: running `udm`, and a `udm serve` child
+//! on a temporary unix socket, killed (SIGTERM, then SIGKILL) when dropped.
 
 #![allow(dead_code)]
+// Test support: a failed setup step is a test failure, with its panic message.
+#![allow(clippy::unwrap_used)]
 
 use std::io::Read;
 use std::os::unix::net::UnixStream;
