@@ -555,21 +555,7 @@ pub(crate) struct WcChannel {
 impl Channel for WcChannel {
     fn submit(&self, mut bio: BioPtr) {
         match bio.op {
-            Op::Flush => {
-                let gen = {
-                    let mut st = self.shared.lock();
-                    st.stats.flushes += 1;
-                    let g = st.pending_gen;
-                    st.commit_wanted = st.commit_wanted.max(g);
-                    g
-                };
-                self.park(Parked {
-                    gen,
-                    bio,
-                    framed: false,
-                });
-                self.shared.poke();
-            }
+            Op::Flush => self.park_until_committed(bio, false, true),
             Op::Read | Op::Write => {
                 let bs = self.shared.cfg.bs_sectors();
                 if !bio.sector.is_multiple_of(bs)
@@ -593,6 +579,23 @@ impl Channel for WcChannel {
 }
 
 impl WcChannel {
+    /// Parks `bio` until a commit covering everything acknowledged so far
+    /// is durable (a FLUSH; a FUA write that completed) and asks the worker
+    /// for that commit.
+    fn park_until_committed(&self, bio: BioPtr, framed: bool, flush: bool) {
+        let gen = {
+            let mut st = self.shared.lock();
+            if flush {
+                st.stats.flushes += 1;
+            }
+            let g = st.pending_gen;
+            st.commit_wanted = st.commit_wanted.max(g);
+            g
+        };
+        self.park(Parked { gen, bio, framed });
+        self.shared.poke();
+    }
+
     fn park(&self, p: Parked) {
         self.parked.borrow_mut().push(p);
         // The commit may have completed between taking the generation and
@@ -764,19 +767,7 @@ impl WcChannel {
         let s = bio.status();
         if bio.op == Op::Write && bio.flags.contains(udm_core::BioFlags::FUA) && s.is_ok() {
             // FUA: durable before it is acknowledged.
-            let gen = {
-                let mut st = self.shared.lock();
-                let g = st.pending_gen;
-                st.commit_wanted = st.commit_wanted.max(g);
-                g
-            };
-            self.park(Parked {
-                gen,
-                bio,
-                framed: true,
-            });
-            self.shared.poke();
-            return;
+            return self.park_until_committed(bio, true, false);
         }
         bio.pop_end_io();
         if in_completion {
