@@ -207,6 +207,11 @@ impl Handshake {
             proto::put_option_error(out, option, proto::REP_ERR_INVALID, &e.to_string());
             Outcome::Continue
         };
+        let unknown = |out: &mut Vec<u8>, name: &str| {
+            let msg = format!("no export '{name}'");
+            proto::put_option_error(out, option, proto::REP_ERR_UNKNOWN, &msg);
+            Outcome::Continue
+        };
         if self.shutting_down && option != proto::OPT_ABORT {
             if option == proto::OPT_EXPORT_NAME {
                 return Outcome::Close("server shutting down".into());
@@ -246,13 +251,7 @@ impl Handshake {
                     Err(e) => return invalid(out, e),
                 };
                 let Some(i) = find(r.name) else {
-                    proto::put_option_error(
-                        out,
-                        option,
-                        proto::REP_ERR_UNKNOWN,
-                        &format!("no export '{}'", r.name),
-                    );
-                    return Outcome::Continue;
+                    return unknown(out, r.name);
                 };
                 proto::put_info(out, option, &exports[i], &r.infos);
                 proto::put_option_reply(out, option, proto::REP_ACK, &[]);
@@ -290,13 +289,7 @@ impl Handshake {
                     Err(e) => return invalid(out, e),
                 };
                 if find(r.name).is_none() {
-                    proto::put_option_error(
-                        out,
-                        option,
-                        proto::REP_ERR_UNKNOWN,
-                        &format!("no export '{}'", r.name),
-                    );
-                    return Outcome::Continue;
+                    return unknown(out, r.name);
                 }
                 // LIST with no query lists everything; `base:` is the
                 // namespace wildcard for LIST only; other namespaces and
