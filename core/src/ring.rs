@@ -562,11 +562,6 @@ mod tests {
         opcode::Nop::new().build().user_data(TAG_IGNORE)
     }
 
-    fn sq_len(r: &Ring) -> usize {
-        // SAFETY: test-only look at the SQ; no other borrow is live.
-        unsafe { (*r.ring.get()).submission_shared().len() }
-    }
-
     fn backlog_len(r: &Ring) -> usize {
         // SAFETY: as above.
         unsafe { (*r.backlog.get()).len() }
@@ -577,21 +572,21 @@ mod tests {
         let r = Ring::new(2, RingKind::default()).unwrap();
         // SAFETY: nops carry no pointers.
         unsafe { r.push(nop()) };
-        assert_eq!(sq_len(&r), 1);
+        assert_eq!(r.sq_len(), 1);
         // One slot left: the pair must wait whole in the backlog, not put
         // its first half (the one with IO_LINK) at the end of this batch.
         // SAFETY: as above.
         unsafe { r.push_linked(nop().flags(squeue::Flags::IO_LINK), nop()) };
-        assert_eq!((sq_len(&r), backlog_len(&r)), (1, 2));
+        assert_eq!((r.sq_len(), backlog_len(&r)), (1, 2));
         // Entries pushed later queue behind the backlog, keeping order.
         // SAFETY: as above.
         unsafe { r.push(nop()) };
-        assert_eq!((sq_len(&r), backlog_len(&r)), (1, 3));
+        assert_eq!((r.sq_len(), backlog_len(&r)), (1, 3));
         // Draining submits the lone nop to make room, then the pair as one
         // batch of its own, and leaves the last nop queued.
         r.drain_backlog();
-        assert_eq!((sq_len(&r), backlog_len(&r)), (1, 0));
+        assert_eq!((r.sq_len(), backlog_len(&r)), (1, 0));
         r.submit();
-        assert_eq!(sq_len(&r), 0);
+        assert_eq!(r.sq_len(), 0);
     }
 }
