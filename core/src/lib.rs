@@ -25,7 +25,8 @@ pub use bio::{Bio, BioFlags, BioPtr, EndIo, Op, Seg, Status, SECTOR_SHIFT, SECTO
 pub use device::{check_bio, BlockDevice, Caps, Channel, Dispatch, Limits};
 pub use error::{Error, ErrorKind, Result};
 pub use reactor::{
-    CacheStats, CompletionMode, Poller, Reactor, ReactorConfig, ReactorHandle, DEFAULT_CACHE_SIZE,
+    CacheStats, CompletionMode, Poller, Reactor, ReactorConfig, ReactorHandle, WorkQueue,
+    DEFAULT_CACHE_SIZE,
 };
 pub use ring::{cqe_more, Ring, RingFd, RingKind, RingOp};
 

@@ -77,6 +77,78 @@ pub trait Poller {
     fn deadline(&self) -> Option<Instant> {
         None
     }
+    /// For a poller queued on a [`WorkQueue`]: whether it still has work.
+    /// It leaves the queue after a turn on which this is false.
+    fn pending(&self) -> bool {
+        true
+    }
+}
+
+/// A reactor's queue of slow work (the kernel's `queue_work` on the local
+/// CPU). A poller added with [`Reactor::add_poller`] is called on every
+/// turn, which costs each I/O of a QD1 loop a call; one queued here is
+/// called only from the turn after it was queued until its
+/// [`Poller::pending`] turns false, so a device whose slow path (retries,
+/// draining for a suspend) is idle costs the loop nothing.
+#[derive(Clone)]
+pub struct WorkQueue(Rc<WorkInner>);
+
+struct WorkInner {
+    /// Whether `items` is non-empty: the one load an idle turn pays.
+    queued: Cell<bool>,
+    items: RefCell<Vec<Rc<dyn Poller>>>,
+}
+
+impl WorkQueue {
+    fn new() -> WorkQueue {
+        WorkQueue(Rc::new(WorkInner {
+            queued: Cell::new(false),
+            items: RefCell::new(Vec::new()),
+        }))
+    }
+
+    /// Polls `p` on the reactor's turns until it is no longer pending. The
+    /// caller queues a poller once (not again while it is queued).
+    pub fn queue(&self, p: Rc<dyn Poller>) {
+        self.0.items.borrow_mut().push(p);
+        self.0.queued.set(true);
+    }
+
+    /// Polls everything queued; keeps what is still pending.
+    #[inline]
+    fn run(&self) -> usize {
+        if !self.0.queued.get() {
+            return 0;
+        }
+        self.run_queued()
+    }
+
+    /// Pollers may queue work (themselves included) while they run.
+    #[cold]
+    fn run_queued(&self) -> usize {
+        let items = std::mem::take(&mut *self.0.items.borrow_mut());
+        let mut work = 0;
+        let mut keep = Vec::with_capacity(items.len());
+        for p in items {
+            work += p.poll();
+            if p.pending() {
+                keep.push(p);
+            }
+        }
+        let mut q = self.0.items.borrow_mut();
+        q.extend(keep);
+        self.0.queued.set(!q.is_empty());
+        work
+    }
+
+    fn any(&self, f: impl Fn(&dyn Poller) -> bool) -> bool {
+        self.0.queued.get() && self.0.items.borrow().iter().any(|p| f(&**p))
+    }
+
+    fn clear(&self) {
+        self.0.items.borrow_mut().clear();
+        self.0.queued.set(false);
+    }
 }
 
 /// Counters of the descriptor cache.
@@ -164,6 +236,10 @@ pub(crate) struct ReactorCore {
     ring: Rc<Ring>,
     extra_rings: RefCell<Vec<Rc<Ring>>>,
     pollers: RefCell<Vec<Rc<dyn Poller>>>,
+    /// Whether `pollers` is non-empty (a turn of a reactor without pollers
+    /// pays one load for them).
+    has_pollers: Cell<bool>,
+    work: WorkQueue,
     locals: RefCell<HashMap<u64, Rc<dyn Any>>>,
     buffers: RefCell<Vec<libc::iovec>>,
     mailbox: Arc<Mailbox>,
@@ -283,6 +359,8 @@ impl Reactor {
             ring: Rc::new(ring),
             extra_rings: RefCell::new(Vec::new()),
             pollers: RefCell::new(Vec::new()),
+            has_pollers: Cell::new(false),
+            work: WorkQueue::new(),
             locals: RefCell::new(HashMap::new()),
             buffers: RefCell::new(Vec::new()),
             mailbox: Arc::new(Mailbox {
@@ -406,6 +484,12 @@ impl Reactor {
     /// Adds a poller, polled every turn until the reactor is dropped.
     pub fn add_poller(&self, p: Rc<dyn Poller>) {
         self.core().pollers.borrow_mut().push(p);
+        self.core().has_pollers.set(true);
+    }
+
+    /// The reactor's queue of slow work.
+    pub fn work_queue(&self) -> WorkQueue {
+        self.core().work.clone()
     }
 
     /// Stores a reactor-local object under `key` (e.g. a device's channel, so
@@ -457,10 +541,9 @@ impl Reactor {
             }
         }
         work += core.run_deferred();
-        let mut poller_work = 0;
-        {
-            let pollers = core.pollers.borrow();
-            for p in pollers.iter() {
+        let mut poller_work = core.work.run();
+        if core.has_pollers.get() {
+            for p in core.pollers.borrow().iter() {
                 poller_work += p.poll();
             }
         }
@@ -522,12 +605,15 @@ impl Reactor {
             return false;
         }
         let mut deadline: Option<Instant> = None;
-        for p in core.pollers.borrow().iter() {
-            if p.must_spin() {
-                return false;
-            }
-            if let Some(d) = p.deadline() {
-                deadline = Some(deadline.map_or(d, |x| x.min(d)));
+        {
+            let queued = core.work.0.items.borrow();
+            for p in core.pollers.borrow().iter().chain(queued.iter()) {
+                if p.must_spin() {
+                    return false;
+                }
+                if let Some(d) = p.deadline() {
+                    deadline = Some(deadline.map_or(d, |x| x.min(d)));
+                }
             }
         }
         // An IOPOLL ring completes only when polled. Other extra rings (SQPOLL)
@@ -600,6 +686,7 @@ impl Reactor {
                 .borrow()
                 .iter()
                 .any(|p| p.deadline().is_some() || p.must_spin())
+            || core.work.any(|p| p.deadline().is_some() || p.must_spin())
     }
 }
 
@@ -647,6 +734,8 @@ impl Drop for Reactor {
         let still_busy = self.busy() || self.core().wake_armed.get();
         let core = self.core.take().expect("checked above");
         core.pollers.borrow_mut().clear();
+        core.has_pollers.set(false);
+        core.work.clear();
         core.locals.borrow_mut().clear();
         // SAFETY: the cache holds descriptors made by Box::new in alloc_bio.
         for p in unsafe { &mut *core.cache.get() }.drain(..) {

@@ -1169,3 +1169,76 @@ fn reactors_have_distinct_ids_and_their_own_rings() {
     assert_eq!(a.ring().inflight(), 0);
     assert!(Rc::ptr_eq(&a.ring_rc(), &a.ring_rc()));
 }
+
+// ---------------------------------------------------------------------------
+// The work queue.
+
+/// Slow work that takes `left` turns, or waits for `due`.
+struct Chore {
+    left: Cell<usize>,
+    polls: Cell<usize>,
+    due: Option<Instant>,
+}
+
+impl Chore {
+    fn new(left: usize, due: Option<Instant>) -> Rc<Chore> {
+        Rc::new(Chore {
+            left: Cell::new(left),
+            polls: Cell::new(0),
+            due,
+        })
+    }
+}
+
+impl Poller for Chore {
+    fn poll(&self) -> usize {
+        self.polls.set(self.polls.get() + 1);
+        if self.due.is_some_and(|d| Instant::now() < d) || self.left.get() == 0 {
+            return 0;
+        }
+        self.left.set(self.left.get() - 1);
+        1
+    }
+    fn pending(&self) -> bool {
+        self.left.get() > 0
+    }
+    fn deadline(&self) -> Option<Instant> {
+        self.due.filter(|_| self.left.get() > 0)
+    }
+}
+
+#[test]
+fn queued_work_runs_on_each_turn_until_it_is_no_longer_pending() {
+    let r = reactor(CompletionMode::Interrupt, DEFAULT_CACHE_SIZE);
+    let chore = Chore::new(3, None);
+    r.poll_once();
+    assert_eq!(chore.polls.get(), 0, "not polled before it is queued");
+    r.work_queue().queue(chore.clone());
+    for _ in 0..10 {
+        r.poll_once();
+    }
+    assert_eq!(chore.polls.get(), 3, "polled until done, then left alone");
+    // Queued again, it runs again.
+    chore.left.set(1);
+    r.work_queue().queue(chore.clone());
+    r.poll_once();
+    r.poll_once();
+    assert_eq!(chore.polls.get(), 4);
+    assert!(!r.busy());
+}
+
+#[test]
+fn a_sleeping_reactor_wakes_for_the_deadline_of_queued_work() {
+    let r = reactor(CompletionMode::Interrupt, DEFAULT_CACHE_SIZE);
+    let start = Instant::now();
+    let chore = Chore::new(1, Some(start + Duration::from_millis(30)));
+    r.work_queue().queue(chore.clone());
+    assert!(r.busy(), "work with a deadline keeps the reactor busy");
+    let dog = Watchdog::new(r.handle());
+    dog.run_until(&r, "queued work's deadline", || chore.left.get() == 0);
+    assert!(start.elapsed() >= Duration::from_millis(30));
+    assert!(
+        chore.polls.get() < 100,
+        "slept until the deadline, not spun"
+    );
+}

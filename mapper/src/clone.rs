@@ -129,7 +129,7 @@ fn map_clone(tio: &TableIo, ti: usize, c: BioPtr) {
     let m = t.target.map(c, &MapCtx { devs: &t.chans });
     if let Some(c) = tio.dispatch(ti, m) {
         tio.state.requeue_clones.borrow_mut().push_back(c);
-        tio.state.slow.set(true);
+        tio.state.kick();
     }
 }
 

@@ -103,9 +103,9 @@ impl MappedDevice {
         };
         self.for_each_channel(&handles, |_, ch, g| {
             ch.set_suspended(true);
-            // The channel's poller drops the guard once nothing is in flight.
+            // The channel's slow work drops the guard once nothing is in flight.
             *ch.state.drain.borrow_mut() = Some(g);
-            ch.state.slow.set(true);
+            ch.state.kick();
         })?;
         if flush {
             let waiter = Waiter::new();
@@ -247,12 +247,9 @@ impl BlockDevice for MappedDevice {
             return Ok(ch);
         }
         let mut c = lock(&self.ctl);
-        let ch = Rc::new(
-            MapperChannel::open(c.live.clone(), reactor, c.suspended, c.fast_path)
-                .map_err(|e| e.context(format!("device '{}'", self.name)))?,
-        );
+        let ch = MapperChannel::open(c.live.clone(), reactor, c.suspended, c.fast_path)
+            .map_err(|e| e.context(format!("device '{}'", self.name)))?;
         reactor.set_local(self.key, ch.clone());
-        reactor.add_poller(ch.clone());
         c.reactors.retain(|h| !h.is_closed());
         c.reactors.push(reactor.handle());
         Ok(ch)

@@ -9,12 +9,12 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
-use std::rc::Rc;
+use std::rc::{Rc, Weak};
 use std::sync::Arc;
 
 use udm_core::{
     check_bio, BioFlags, BioPtr, BlockDevice, Channel, Error, Op, Poller, Reactor, Status,
-    SECTOR_SHIFT,
+    WorkQueue, SECTOR_SHIFT,
 };
 
 use crate::clone;
@@ -148,9 +148,12 @@ pub(crate) fn ctx_target_dev(ctx: u64) -> (usize, usize) {
 
 /// State shared by a channel and its control messages.
 pub(crate) struct ChanState {
-    /// Whether the poller has slow work (retries, retired tables, a drain
-    /// waiter): one flag, so an idle channel costs a reactor turn one load.
-    pub slow: Cell<bool>,
+    /// Whether the channel has slow work (retries, retired tables, a drain
+    /// waiter), and so sits on the reactor's work queue; see [`ChanState::kick`].
+    slow: Cell<bool>,
+    /// The reactor's work queue, and the channel to queue on it.
+    work: WorkQueue,
+    me: RefCell<Weak<dyn Poller>>,
     suspended: Cell<bool>,
     fast_path: Cell<bool>,
     /// Bios that arrived while suspended; resubmitted on resume.
@@ -163,6 +166,18 @@ pub(crate) struct ChanState {
     pub retired: RefCell<Vec<Rc<TableIo>>>,
     /// Held while a suspend waits for in-flight I/O to drain.
     pub drain: RefCell<Option<Guard>>,
+}
+
+impl ChanState {
+    /// Notes slow work for the channel: it is polled on the reactor's next
+    /// turns until none is left. Nothing on the hot path polls it.
+    pub fn kick(&self) {
+        if !self.slow.replace(true) {
+            if let Some(me) = self.me.borrow().upgrade() {
+                self.work.queue(me);
+            }
+        }
+    }
 }
 
 /// A mapped device's channel on one reactor.
@@ -182,9 +197,12 @@ impl MapperChannel {
         reactor: &Reactor,
         suspended: bool,
         fast_path: bool,
-    ) -> Result<MapperChannel, Error> {
+    ) -> Result<Rc<MapperChannel>, Error> {
+        let me: Weak<MapperChannel> = Weak::new();
         let state = Rc::new(ChanState {
             slow: Cell::new(false),
+            work: reactor.work_queue(),
+            me: RefCell::new(me),
             suspended: Cell::new(suspended),
             fast_path: Cell::new(fast_path),
             deferred: RefCell::new(VecDeque::new()),
@@ -201,6 +219,9 @@ impl MapperChannel {
             state,
         };
         ch.refresh();
+        let ch = Rc::new(ch);
+        let me: Weak<dyn Poller> = Rc::downgrade(&ch) as Weak<dyn Poller>;
+        *ch.state.me.borrow_mut() = me;
         Ok(ch)
     }
 
@@ -252,7 +273,7 @@ impl MapperChannel {
         self.refresh();
         if old.inflight.get() > 0 {
             self.state.retired.borrow_mut().push(old);
-            self.state.slow.set(true);
+            self.state.kick();
         }
     }
 
@@ -361,7 +382,7 @@ impl MapperChannel {
         bio.pop_end_io();
         tio.put();
         self.state.requeue.borrow_mut().push_back(bio);
-        self.state.slow.set(true);
+        self.state.kick();
     }
 
     #[cold]
@@ -398,9 +419,9 @@ fn target_end_io(tio: &TableIo, bio: &mut BioPtr) {
 }
 
 impl Poller for MapperChannel {
-    /// Slow work, once per reactor turn: retries, freeing retired tables,
-    /// and telling a waiting suspend that I/O has drained.
-    #[inline]
+    /// Slow work, once per reactor turn while there is some (the channel is
+    /// on the reactor's work queue only then): retries, freeing retired
+    /// tables, and telling a waiting suspend that I/O has drained.
     fn poll(&self) -> usize {
         if !self.state.slow.get() {
             return 0;
@@ -408,8 +429,8 @@ impl Poller for MapperChannel {
         self.poll_slow()
     }
 
-    fn deadline(&self) -> Option<std::time::Instant> {
-        None
+    fn pending(&self) -> bool {
+        self.state.slow.get()
     }
 }
 
