@@ -126,7 +126,7 @@ fn fan_out_flush(tio: &TableIo, p: *mut Bio) {
 
 fn map_clone(tio: &TableIo, ti: usize, c: BioPtr) {
     let t = &tio.targets[ti];
-    let m = t.target.map(c, &MapCtx { devs: &t.chans });
+    let m = t.target().map(c, &MapCtx { devs: &t.chans });
     if let Some(c) = tio.dispatch(ti, m) {
         tio.state.requeue_clones.borrow_mut().push_back(c);
         tio.state.kick();
@@ -155,7 +155,7 @@ fn clone_endio(mut c: BioPtr) {
         let (ti, dev) = ctx_target_dev(c.ctx());
         let t = &tio.targets[ti];
         if t.end_io.applies(status.is_ok()) {
-            t.target.end_io(&mut c, dev);
+            t.target().end_io(&mut c, dev);
         }
     }
     drop(c);

@@ -28,12 +28,26 @@ pub(crate) struct TargetIo {
     pub len: u64,
     pub max_io_len: u64,
     pub end_io: EndIoWhen,
-    pub target: Arc<dyn Target>,
+    /// `target`'s address, resolved once: calling through it skips the
+    /// Arc's data-offset arithmetic on every map.
+    target_ptr: *const dyn Target,
+    /// Owns what `target_ptr` points at.
+    _target: Arc<dyn Target>,
     /// Channels to the target's devices, in [`Target::devices`] order.
     pub chans: Box<[Rc<dyn Channel>]>,
+    /// Their addresses, resolved once (as `target_ptr`).
+    chan_ptrs: Box<[*const dyn Channel]>,
 }
 
 impl TargetIo {
+    /// The target.
+    #[inline]
+    pub fn target(&self) -> &dyn Target {
+        // SAFETY: `target_ptr` is `Arc::as_ptr(&self._target)`, which this
+        // struct owns and never replaces.
+        unsafe { &*self.target_ptr }
+    }
+
     /// Sectors from `rel` (target-relative) to the next split boundary.
     #[inline]
     pub fn room(&self, rel: u64) -> u64 {
@@ -82,17 +96,22 @@ impl TableIo {
         let targets = table
             .targets
             .iter()
-            .map(|t| TargetIo {
-                begin: t.begin,
-                len: t.len,
-                max_io_len: t.max_io_len,
-                end_io: t.end_io,
-                target: t.target.clone(),
-                chans: t
+            .map(|t| {
+                let chans: Box<[Rc<dyn Channel>]> = t
                     .dev_index
                     .iter()
                     .map(|&i| flush_chans[i].clone())
-                    .collect(),
+                    .collect();
+                TargetIo {
+                    begin: t.begin,
+                    len: t.len,
+                    max_io_len: t.max_io_len,
+                    end_io: t.end_io,
+                    target_ptr: Arc::as_ptr(&t.target),
+                    _target: t.target.clone(),
+                    chan_ptrs: chans.iter().map(Rc::as_ptr).collect(),
+                    chans,
+                }
             })
             .collect();
         Ok(TableIo {
@@ -322,7 +341,7 @@ impl Channel for MapperChannel {
                 bio.set_ctx(ti as u64);
                 bio.sector = rel;
                 tio.get();
-                match t.target.map(bio, &MapCtx { devs: &t.chans }) {
+                match t.target().map(bio, &MapCtx { devs: &t.chans }) {
                     Map::Remapped(bio, d) => t.submit_to(ti, bio, d),
                     m => {
                         if let Some(b) = tio.dispatch(ti, m) {
@@ -341,12 +360,14 @@ impl TargetIo {
     /// Submits a bio this target remapped to its device `d`.
     #[inline]
     pub(crate) fn submit_to(&self, ti: usize, mut bio: BioPtr, d: usize) {
-        match self.chans.get(d) {
-            Some(ch) => {
+        match self.chan_ptrs.get(d) {
+            Some(&ch) => {
                 if d != 0 {
                     bio.set_ctx(ti as u64 | (d as u64) << 32);
                 }
-                ch.submit(bio)
+                // SAFETY: `chan_ptrs[d]` is `Rc::as_ptr(&self.chans[d])`, and
+                // `chans` is owned by this struct and never changed.
+                unsafe { (*ch).submit(bio) }
             }
             None => bad_device(bio),
         }
@@ -414,7 +435,7 @@ fn target_end_io(tio: &TableIo, bio: &mut BioPtr) {
     let (ti, dev) = ctx_target_dev(bio.ctx());
     let t = &tio.targets[ti];
     if t.end_io.applies(bio.status().is_ok()) {
-        t.target.end_io(bio, dev);
+        t.target().end_io(bio, dev);
     }
 }
 
