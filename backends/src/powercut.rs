@@ -229,8 +229,11 @@ impl BlockDevice for PowerCut {
 }
 
 impl Channel for PcChannel {
-    fn submit(&self, mut bio: BioPtr) {
+    fn submit(&self, bio: BioPtr) {
         let dev = &*self.dev;
+        // Writes and flushes push a frame; past the frame limit a stand-in
+        // carries the bio.
+        let mut bio = bio.make_room();
         // Held while the bio goes down, so that a cut is atomic for every
         // device on this supply.
         let off = lock(&dev.power.off);
@@ -256,6 +259,7 @@ impl Channel for PcChannel {
                     id
                 };
                 if !bio.push_end_io(write_done, me) {
+                    // make_room left a free frame.
                     return bio.complete(Status::NoMem);
                 }
                 bio.set_ctx(id);
@@ -276,6 +280,7 @@ impl Channel for PcChannel {
                     id
                 };
                 if !bio.push_end_io(flush_done, me) {
+                    // make_room left a free frame.
                     return bio.complete(Status::NoMem);
                 }
                 bio.set_ctx(id);

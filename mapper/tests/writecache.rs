@@ -494,3 +494,54 @@ fn a_read_during_a_blocks_first_write_returns_old_or_new_data_never_the_blocks_p
         );
     }
 }
+
+/// A writecache stacked under and over more layers than a bio has
+/// completion frames ([`udm_core::bio::MAX_STACK`]): at every depth, in
+/// particular the one where the bio reaches the engine with its frames all
+/// used, I/O goes through (a stand-in descriptor carries it, as on the
+/// mapper's clone path), data reads back, and writeback puts it on the
+/// origin at the offsets every linear layer adds.
+#[test]
+fn a_writecache_stacked_deeper_than_the_frame_limit_still_verifies() {
+    let max = udm_core::bio::MAX_STACK;
+    for above in 0..=max + 2 {
+        let mut devs = Devices::new();
+        let r0 = devs.ram("r0", 16384 + 8);
+        devs.ram("cache", 4096);
+        // Under the cache: a linear that shifts by one block.
+        let under = devs.mapped("under", "0 16384 linear r0 8");
+        devs.add(as_dev(&under));
+        let wcd = devs.mapped("wc", "0 16384 writecache s under cache 4096 0");
+        devs.add(as_dev(&wcd));
+        // Over it: `above` linears, each a block shorter and shifted by one.
+        let mut below = "wc".to_string();
+        let mut top = wcd.clone();
+        for k in 0..above {
+            let name = format!("over{k}");
+            let md = devs.mapped(&name, &format!("0 {} linear {below} 8", 16376 - 8 * k));
+            devs.add(as_dev(&md));
+            below = name;
+            top = md;
+        }
+        let dev = as_dev(&top);
+        let t = Tester::new();
+        let data = pattern(above as u64, 0, 64);
+        let w = t.run(&dev, Req::write(0, data.clone()).segs(3));
+        assert_eq!(
+            w.status,
+            Status::Ok,
+            "write through {above} layers over the cache"
+        );
+        w.assert_returned_intact();
+        assert_sectors_eq(&t.read(&dev, 0, 64), &data, "read back through the stack");
+        assert_eq!(t.run(&dev, Req::flush()).status, Status::Ok, "flush");
+        assert_eq!(wcd.message(0, &["flush"]).expect("flush message"), "");
+        let at = (8 + 8 * above) * SECTOR;
+        assert_sectors_eq(
+            &t.read_all(&r0)[at..at + 64 * SECTOR],
+            &data,
+            &format!("origin after writeback ({above} layers above)"),
+        );
+        assert_eq!(t.reactor.outstanding(), 0);
+    }
+}

@@ -553,7 +553,7 @@ pub(crate) struct WcChannel {
 }
 
 impl Channel for WcChannel {
-    fn submit(&self, mut bio: BioPtr) {
+    fn submit(&self, bio: BioPtr) {
         match bio.op {
             Op::Flush => self.park_until_committed(bio, false, true),
             Op::Read | Op::Write => {
@@ -565,7 +565,10 @@ impl Channel for WcChannel {
                     return bio.complete(Status::Inval);
                 }
                 let me = self as *const WcChannel as *mut ();
+                // Stacked deeper than a bio has frames: a stand-in carries it.
+                let mut bio = bio.make_room();
                 if !bio.push_end_io(parent_done, me) {
+                    // make_room left a free frame.
                     return bio.complete(Status::NoMem);
                 }
                 bio.set_status(Status::Ok);

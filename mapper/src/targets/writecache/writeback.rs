@@ -625,6 +625,9 @@ impl Worker {
         }
         self.wb_busy.set(true);
         let v = Rc::new(v);
+        // One list for the whole batch, shared by its pieces (the last one
+        // to finish hands it on).
+        let all_blocks = Rc::new(blocks);
         let nruns = runs.len();
         let left = Rc::new(Cell::new(nruns as u64));
         let ok = Rc::new(Cell::new(true));
@@ -665,7 +668,7 @@ impl Worker {
                     (pieces_left.clone(), read_ok.clone(), held.clone());
                 let (left, ok, v) = (left.clone(), ok.clone(), v.clone());
                 let origin_sector = v[r.start].0 * bss;
-                let all_blocks: Vec<u32> = v.iter().map(|x| x.1).collect();
+                let all_blocks = all_blocks.clone();
                 let fua = sh.cfg.fua;
                 let done: Done = Box::new(move |s, _| {
                     read_ok.set(read_ok.get() && s.is_ok());
@@ -709,10 +712,10 @@ impl Worker {
 
     /// After the origin writes: flush the origin, then free the blocks (their
     /// free markers go in the next commit).
-    fn writeback_flush(self: &Rc<Self>, blocks: Vec<u32>, ok: bool) {
+    fn writeback_flush(self: &Rc<Self>, blocks: Rc<Vec<u32>>, ok: bool) {
         let me = self.clone();
         let origin_fua = self.shared.cfg.fua && self.shared.cfg.origin.caps().contains(Caps::FUA);
-        let finish = move |s: Status| me.writeback_done(blocks, ok && s.is_ok());
+        let finish = move |s: Status| me.writeback_done(&blocks, ok && s.is_ok());
         if !ok || origin_fua {
             return finish(Status::Ok);
         }
@@ -726,31 +729,31 @@ impl Worker {
         );
     }
 
-    fn writeback_done(self: &Rc<Self>, blocks: Vec<u32>, ok: bool) {
+    fn writeback_done(self: &Rc<Self>, blocks: &[u32], ok: bool) {
         let sh = &*self.shared;
         {
             let mut st = sh.lock();
             let pg = st.pending_gen;
-            for &b in &blocks {
+            for &b in blocks {
                 let e = &mut st.entries[b as usize];
                 e.wb = false;
                 e.reads -= 1;
                 let ob = e.ob;
-                if !ok {
+                if !ok || e.st != St::Live || st.map[ob as usize] != b {
+                    // Superseded while under writeback, it may have been
+                    // released meanwhile: its last pin frees it.
                     st.unpinned(b);
                     continue;
                 }
-                if e.st == St::Live && st.map[ob as usize] == b {
-                    st.map[ob as usize] = NONE;
-                    st.lru_remove(b);
-                    st.live -= 1;
-                    let e = &mut st.entries[b as usize];
-                    e.st = St::FreePending;
-                    e.aux = pg;
-                    st.set_disk(b, DiskEntry::FREE);
-                    st.free_pending.push(b);
-                    st.shadow_add(ob);
-                }
+                st.map[ob as usize] = NONE;
+                st.lru_remove(b);
+                st.live -= 1;
+                let e = &mut st.entries[b as usize];
+                e.st = St::FreePending;
+                e.aux = pg;
+                st.set_disk(b, DiskEntry::FREE);
+                st.free_pending.push(b);
+                st.shadow_add(ob);
             }
             if !ok {
                 self.fail(&mut st);
