@@ -15,8 +15,6 @@
 
 use std::any::Any;
 use std::cell::RefCell;
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
@@ -96,7 +94,8 @@ pub(crate) struct Entry {
 }
 
 impl Entry {
-    const FREE: Entry = Entry {
+    /// A free block's entry; every block in the free extents has it.
+    pub const FREE: Entry = Entry {
         ob: 0,
         seq: 0,
         aux: 0,
@@ -131,8 +130,9 @@ pub(crate) struct State {
     /// Origin block → cache block holding its newest data.
     pub map: Vec<u32>,
     pub free: FreeExtents,
-    /// The metadata image: what the next commit writes.
-    pub disk: Vec<DiskEntry>,
+    /// Metadata blocks whose entries changed since the last commit started
+    /// (what the next commit writes; the entries themselves are encoded
+    /// from `entries` then, see `State::disk_entry`).
     pub dirty: Vec<bool>,
     pub ndirty: usize,
     pub lru_head: u32,
@@ -150,10 +150,12 @@ pub(crate) struct State {
     pub dirty_since: Option<Instant>,
     pub superseded: Vec<u32>,
     pub free_pending: Vec<u32>,
-    /// Origin blocks with superseded or freed entries whose free marker is
-    /// not durable yet: their newest entry must not be written back and
-    /// freed before those markers are on disk.
-    pub shadows: HashMap<u64, u32, BuildHasherDefault<BlockHasher>>,
+    /// Per origin block: how many of its superseded or freed entries have
+    /// a free marker that is not durable yet. Its newest entry must not be
+    /// written back (or discarded) and freed before those markers are on
+    /// disk, nor may a write to it go around the cache. (An array, not a
+    /// hash: an overwrite of a committed block bumps it once per block.)
+    pub shadows: Vec<u16>,
     pub wb_active: bool,
     pub wb_inflight: u64,
     pub writeback_all: u32,
@@ -176,7 +178,6 @@ impl State {
             entries: vec![Entry::FREE; n],
             map: vec![NONE; origin_blocks as usize],
             free: FreeExtents::new(),
-            disk: touched(n, DiskEntry::FREE),
             dirty: vec![false; g.mblocks as usize],
             ndirty: 0,
             lru_head: NONE,
@@ -189,7 +190,7 @@ impl State {
             dirty_since: None,
             superseded: Vec::new(),
             free_pending: Vec::new(),
-            shadows: HashMap::default(),
+            shadows: touched(origin_blocks as usize, 0),
             wb_active: false,
             wb_inflight: 0,
             writeback_all: 0,
@@ -204,9 +205,29 @@ impl State {
         }
     }
 
-    pub fn set_disk(&mut self, b: u32, e: DiskEntry) {
-        self.disk[b as usize] = e;
+    /// Block `b`'s entry changed to free (its state already says so): its
+    /// metadata block goes in the next commit.
+    pub fn mark_free(&mut self, b: u32) {
         self.image_changed(b, 1, 1);
+    }
+
+    /// What the on-disk entry of block `b` is to say, from its state: its
+    /// origin sector and generation while its data is the block's (live
+    /// once its first write completed, or superseded but not yet marked
+    /// free), free otherwise. The image is not kept beside the entries: a
+    /// commit encodes its dirty metadata blocks from them, so the data path
+    /// writes no second per-block record.
+    #[inline]
+    pub fn disk_entry(&self, b: usize, bs_sectors: u64) -> DiskEntry {
+        let e = &self.entries[b];
+        if e.seq != 0 && matches!(e.st, St::Live | St::Superseded) {
+            DiskEntry {
+                sector: e.ob * bs_sectors,
+                seq: e.seq,
+            }
+        } else {
+            DiskEntry::FREE
+        }
     }
 
     /// Records that `changed` entries among the `n` blocks from `first`
@@ -305,16 +326,22 @@ impl State {
     }
 
     pub fn shadow_add(&mut self, ob: u64) {
-        *self.shadows.entry(ob).or_insert(0) += 1;
+        // At most a few per block: one per generation that superseded or
+        // freed it, and each marker is durable two commits later.
+        self.shadows[ob as usize] += 1;
     }
 
     pub fn shadow_sub(&mut self, ob: u64) {
-        if let Some(c) = self.shadows.get_mut(&ob) {
-            *c -= 1;
-            if *c == 0 {
-                self.shadows.remove(&ob);
-            }
-        }
+        let c = &mut self.shadows[ob as usize];
+        debug_assert!(*c > 0, "shadow count of origin block {ob} underflows");
+        *c = c.saturating_sub(1);
+    }
+
+    /// Whether origin block `ob` has older entries whose free markers are
+    /// not durable yet.
+    #[inline]
+    pub fn shadowed(&self, ob: u64) -> bool {
+        self.shadows[ob as usize] != 0
     }
 
     /// Blocks in use (not in the free extents).
@@ -323,31 +350,10 @@ impl State {
     }
 }
 
-/// Hashes origin block numbers for `State::shadows` (a multiplicative
-/// hash: the keys are integers chosen by the caller's offsets, not an
-/// attacker's strings, and SipHash cost a hundred instructions per block).
-#[derive(Default)]
-pub(crate) struct BlockHasher(u64);
-
-impl Hasher for BlockHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        }
-    }
-    fn write_u64(&mut self, v: u64) {
-        // Fibonacci hashing; hashbrown takes its tag from the top bits.
-        self.0 = (v ^ self.0).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
-}
-
 /// A vector of `n` copies of `v`, every page written now. `vec![0; n]`
 /// comes from calloc as untouched zero pages, which the data path would
-/// then fault in one by one (a 1 GiB cache of 512-byte blocks has a 32 MiB
-/// image: 8192 page faults during the first writes).
+/// then fault in one by one (a 1 GiB origin of 512-byte blocks has a 4 MiB
+/// shadow array: 1024 page faults during the first overwrites).
 fn touched<T: Copy>(n: usize, v: T) -> Vec<T> {
     let mut out = Vec::with_capacity(n);
     out.resize(n, v);
@@ -876,10 +882,13 @@ fn map_write(
             i += k;
             continue;
         }
-        if b == NONE && st.cleaner {
-            // The cleaner caches nothing new: straight to the origin.
+        if b == NONE && st.cleaner && !st.shadowed(ob) {
+            // The cleaner caches nothing new: straight to the origin —
+            // unless an older entry for the block may still be on disk (its
+            // free marker not durable yet), which a crash would bring back
+            // over this write: that write goes to the cache, newer there.
             let mut k = 1;
-            while i + k < n && st.map[(ob + k) as usize] == NONE {
+            while i + k < n && st.map[(ob + k) as usize] == NONE && !st.shadowed(ob + k) {
                 k += 1;
             }
             st.stats.writes_around += k;
@@ -898,10 +907,14 @@ fn map_write(
         // as the free space allows.
         let mut m = 1;
         let mut any_old = b != NONE;
+        if !st.cleaner {
+            // Uncached blocks all need one: find their run in bulk.
+            m += unmapped_prefix(&st.map[(ob + 1) as usize..(ob0 + n) as usize]) as u64;
+        }
         while i + m < n {
             let nb = st.map[(ob + m) as usize];
             let needs = if nb == NONE {
-                !st.cleaner
+                !st.cleaner || st.shadowed(ob + m)
             } else {
                 !st.in_place_ok(nb)
             };
@@ -935,30 +948,37 @@ fn map_write(
             }
         }
         let last = start + got - 1;
-        for k in 0..got {
-            let nb = start + k;
-            st.entries[nb as usize] = Entry {
+        // Whole entries, already linked to each other, in one branch-free
+        // pass; the run's ends are linked to the LRU list after it.
+        let tail = st.lru_tail;
+        for (k, e) in st.entries[start as usize..=last as usize]
+            .iter_mut()
+            .enumerate()
+        {
+            let nb = start + k as u32;
+            *e = Entry {
                 ob: ob + k as u64,
                 seq: 0,
                 aux: 0,
                 born_ms: now,
-                prev: if k == 0 { st.lru_tail } else { nb - 1 },
-                next: if nb == last { NONE } else { nb + 1 },
+                prev: nb.wrapping_sub(1),
+                next: nb.wrapping_add(1),
                 writes: 1,
                 reads: 0,
                 wb: false,
                 st: St::Live,
             };
         }
+        st.entries[start as usize].prev = tail;
+        st.entries[last as usize].next = NONE;
         st.map[ob as usize..(ob + got as u64) as usize]
             .iter_mut()
             .zip(start..)
             .for_each(|(m, nb)| *m = nb);
-        let t = st.lru_tail;
-        if t == NONE {
+        if tail == NONE {
             st.lru_head = start;
         } else {
-            st.entries[t as usize].next = start;
+            st.entries[tail as usize].next = start;
         }
         st.lru_tail = last;
         st.live += got as u64 - superseded;
@@ -974,6 +994,20 @@ fn map_write(
         i += got as u64;
     }
     n
+}
+
+/// How many of the first entries of `map` are unmapped (NONE): 16 at a
+/// time with one AND each and no branch (vectorized), then one by one. A
+/// large write to uncached space costs a few instructions per 16 blocks.
+fn unmapped_prefix(map: &[u32]) -> usize {
+    let mut k = 0;
+    for c in map.chunks_exact(16) {
+        if c.iter().fold(NONE, |a, &x| a & x) != NONE {
+            break;
+        }
+        k += 16;
+    }
+    k + map[k..].iter().take_while(|&&x| x == NONE).count()
 }
 
 /// A sub-I/O completed: account it under the lock, then drop its parent's
@@ -1009,37 +1043,36 @@ fn account(sh: &Shared, kind: u64, block: u32, n: u32, status: Status, op: Op) {
     if kind == K_CACHE_WRITE || kind == K_CACHE_READ {
         let mut st = sh.lock();
         let mut freed = false;
-        let bsz = sh.cfg.bs_sectors();
         let g = st.pending_gen;
         let (first, end) = (block as usize, (block + n) as usize);
-        // One pass over the run's entries; image and dirty bookkeeping once
-        // per run (State::image_changed).
+        // One tight pass over the run's entries; dirty bookkeeping once per
+        // run (State::image_changed).
         let mut published = 0u64;
         let mut zombies = false;
-        {
-            let State { entries, disk, .. } = &mut *st;
-            let run = entries[first..end].iter_mut().zip(&mut disk[first..end]);
-            if kind == K_CACHE_WRITE {
-                for (e, d) in run {
-                    e.writes -= 1;
-                    if e.seq == 0 && e.st == St::Live && status.is_ok() {
-                        // First completed write: the entry joins the image,
-                        // in the generation no commit has started on, and
-                        // readers may now be sent to the block.
-                        e.seq = g;
-                        *d = DiskEntry {
-                            sector: e.ob * bsz,
-                            seq: g,
-                        };
-                        published += 1;
-                    }
-                    zombies |= e.st == St::Zombie;
+        let run = &mut st.entries[first..end];
+        if kind == K_CACHE_WRITE && status.is_ok() {
+            for e in run {
+                e.writes -= 1;
+                // First completed write: the entry joins the image (its
+                // seq is what a commit encodes), in the generation no
+                // commit has started on, and readers may now be sent to
+                // the block.
+                let first_write = e.seq == 0 && e.st == St::Live;
+                if first_write {
+                    e.seq = g;
                 }
-            } else {
-                for (e, _) in run {
-                    e.reads -= 1;
-                    zombies |= e.st == St::Zombie;
-                }
+                published += first_write as u64;
+                zombies |= e.st == St::Zombie;
+            }
+        } else if kind == K_CACHE_WRITE {
+            for e in run {
+                e.writes -= 1;
+                zombies |= e.st == St::Zombie;
+            }
+        } else {
+            for e in run {
+                e.reads -= 1;
+                zombies |= e.st == St::Zombie;
             }
         }
         // The first change since a commit starts the autocommit clock: the

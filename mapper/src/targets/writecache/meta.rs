@@ -196,16 +196,6 @@ impl DiskEntry {
     }
 }
 
-/// Encodes metadata block `m` of `entries` into `out` (MBLOCK_BYTES).
-pub fn encode_mblock(entries: &[DiskEntry], m: u32, out: &mut [u8]) {
-    out.fill(0);
-    let first = m as usize * ENTRIES_PER_MBLOCK;
-    let last = (first + ENTRIES_PER_MBLOCK).min(entries.len());
-    for (i, e) in entries[first..last].iter().enumerate() {
-        e.encode(&mut out[i * 16..i * 16 + 16]);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -17,8 +17,8 @@ use udm_core::{
     SECTOR_SHIFT,
 };
 
-use super::cache::{Shared, St, State, NONE};
-use super::meta::{encode_mblock, DiskEntry, Super, ENTRIES_PER_MBLOCK, MBLOCK_BYTES, SB_BYTES};
+use super::cache::{self, Shared, St, State, NONE};
+use super::meta::{DiskEntry, Super, ENTRIES_PER_MBLOCK, ENTRY_BYTES, MBLOCK_BYTES, SB_BYTES};
 
 /// Most blocks one writeback batch takes.
 const BATCH_BYTES: u64 = 16 << 20;
@@ -279,9 +279,11 @@ impl Worker {
                 && e.seq <= sb_seq
                 && e.sector.is_multiple_of(bs)
                 && e.sector / bs < sh.origin_blocks;
+            // Entries start free (State::new): a loser or a leftover only
+            // needs its free marker written.
             if !valid {
                 if e != DiskEntry::FREE {
-                    st.set_disk(b, DiskEntry::FREE);
+                    st.mark_free(b);
                 }
                 continue;
             }
@@ -289,14 +291,13 @@ impl Worker {
             let cur = st.map[ob as usize];
             if cur != NONE {
                 if st.entries[cur as usize].seq >= e.seq {
-                    st.set_disk(b, DiskEntry::FREE);
+                    st.mark_free(b);
                     continue;
                 }
-                st.set_disk(cur, DiskEntry::FREE);
-                st.entries[cur as usize].st = St::Free;
+                st.entries[cur as usize] = cache::Entry::FREE;
+                st.mark_free(cur);
             }
             st.map[ob as usize] = b;
-            st.disk[b as usize] = e;
             let en = &mut st.entries[b as usize];
             en.ob = ob;
             en.seq = e.seq;
@@ -374,10 +375,12 @@ impl Worker {
             st.pending_gen += 1;
             st.uncommitted = 0;
             st.dirty_since = None;
-            // Copy the dirty metadata blocks' entries, merged into runs;
-            // they are encoded after the lock is dropped (a memcpy under
-            // the lock instead of encoding up to 65536 entries there).
-            let mut copies: Vec<(u32, u32, Vec<DiskEntry>)> = Vec::new();
+            // Encode the dirty metadata blocks, merged into runs, from the
+            // entries' state (one tight pass per block; the data path keeps
+            // no image beside the entries).
+            let bss = sh.cfg.bs_sectors();
+            let n = sh.geo.n_blocks as usize;
+            let mut copies: Vec<(u32, Vec<u8>)> = Vec::new();
             if st.ndirty > 0 {
                 let nm = st.dirty.len() as u32;
                 let max = (MAX_RUN_BYTES as usize / MBLOCK_BYTES) as u32;
@@ -393,23 +396,17 @@ impl Worker {
                         m += 1;
                     }
                     let first = start as usize * ENTRIES_PER_MBLOCK;
-                    let last = (m as usize * ENTRIES_PER_MBLOCK).min(st.disk.len());
-                    copies.push((start, m - start, st.disk[first..last].to_vec()));
+                    let last = (m as usize * ENTRIES_PER_MBLOCK).min(n);
+                    let mut buf = vec![0u8; (m - start) as usize * MBLOCK_BYTES];
+                    for (b, out) in (first..last).zip(buf.chunks_exact_mut(ENTRY_BYTES as usize)) {
+                        st.disk_entry(b, bss).encode(out);
+                    }
+                    copies.push((start, buf));
                 }
                 st.ndirty = 0;
             }
             (gen, copies)
         };
-        let runs: Vec<(u32, Vec<u8>)> = runs
-            .into_iter()
-            .map(|(start, count, entries)| {
-                let mut buf = vec![0u8; count as usize * MBLOCK_BYTES];
-                for (i, out) in buf.chunks_mut(MBLOCK_BYTES).enumerate() {
-                    encode_mblock(&entries, i as u32, out);
-                }
-                (start, buf)
-            })
-            .collect();
         let left = Rc::new(Cell::new(runs.len() as u64 + 1));
         let ok = Rc::new(Cell::new(true));
         let then = Rc::new(Cell::new(then));
@@ -504,7 +501,7 @@ impl Worker {
                     if s != 0 && s <= gen {
                         st.entries[b as usize].st = St::FreePending;
                         st.entries[b as usize].aux = pg;
-                        st.set_disk(b, DiskEntry::FREE);
+                        st.mark_free(b);
                         st.free_pending.push(b);
                     } else {
                         keep.push(b);
@@ -577,7 +574,7 @@ impl Worker {
                 }
             }
             if e.st == St::Live && !e.wb && e.writes == 0 {
-                if e.seq != 0 && e.seq <= st.committed && !st.shadows.contains_key(&e.ob) {
+                if e.seq != 0 && e.seq <= st.committed && !st.shadowed(e.ob) {
                     out.push(b);
                 } else {
                     need_commit = true;
@@ -751,7 +748,7 @@ impl Worker {
                 let e = &mut st.entries[b as usize];
                 e.st = St::FreePending;
                 e.aux = pg;
-                st.set_disk(b, DiskEntry::FREE);
+                st.mark_free(b);
                 st.free_pending.push(b);
                 st.shadow_add(ob);
             }
