@@ -545,3 +545,51 @@ fn a_writecache_stacked_deeper_than_the_frame_limit_still_verifies() {
         assert_eq!(t.reactor.outstanding(), 0);
     }
 }
+
+/// A write over blocks whose first write is still in flight, completing
+/// after it: it lands on top, and both read back, before and after a
+/// flush and a restart.
+#[test]
+fn a_write_over_a_blocks_first_write_in_flight_lands_on_top() {
+    let mut d = Devices::new();
+    d.ram("origin", 16384);
+    let raw: Arc<dyn BlockDevice> =
+        Arc::new(udm_backends::RamDevice::new("raw", 4096 * 512).unwrap());
+    let gate = Arc::new(GateDevice {
+        inner: raw,
+        key: 0x6761_7465_0000_0002,
+    });
+    d.add(gate.clone());
+    let table = "0 16384 writecache s origin cache 4096 0";
+    let t = Tester::new();
+    let md = d.mapped("wc", table);
+    let dev = as_dev(&md);
+    let ch = t.open(&dev);
+    let g = GateChannel::of(&gate, &t.reactor);
+    g.hold.set(true);
+    let a = pattern(1, 8, 16);
+    let b = pattern(2, 16, 16);
+    let f = vec![
+        submit(&t.reactor, &*ch, Req::write(8, a.clone())),
+        submit(&t.reactor, &*ch, Req::write(16, b.clone())),
+    ];
+    for _ in 0..20 {
+        t.reactor.poll_once();
+    }
+    assert!(!f[0].is_done(), "the first write is held in flight");
+    g.release();
+    t.wait_all(&f);
+    for r in f.into_iter().map(InFlight::finish) {
+        assert_eq!(r.status, Status::Ok);
+    }
+    let mut want = a.clone();
+    want.truncate(8 * SECTOR);
+    want.extend_from_slice(&b);
+    assert_sectors_eq(&t.read(&dev, 8, 24), &want, "the later write on top");
+    assert_eq!(t.run(&dev, Req::flush()).status, Status::Ok);
+    drop(ch);
+    drop(dev);
+    drop(md);
+    let md = d.mapped("wc", table);
+    assert_sectors_eq(&t.read(&as_dev(&md), 8, 24), &want, "after a restart");
+}

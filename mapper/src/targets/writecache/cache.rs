@@ -1053,15 +1053,14 @@ fn account(sh: &Shared, kind: u64, block: u32, n: u32, status: Status, op: Op) {
         if kind == K_CACHE_WRITE && status.is_ok() {
             for e in run {
                 e.writes -= 1;
-                // First completed write: the entry joins the image (its
-                // seq is what a commit encodes), in the generation no
-                // commit has started on, and readers may now be sent to
-                // the block.
-                let first_write = e.seq == 0 && e.st == St::Live;
-                if first_write {
-                    e.seq = g;
-                }
-                published += first_write as u64;
+                // First completed write (of a new block, or an overwrite
+                // in place that finished before it): the entry joins the
+                // image (its seq is what a commit encodes), in the
+                // generation no commit has started on, and readers may now
+                // be sent to the block.
+                let first = e.seq == 0 && e.st == St::Live;
+                e.seq = if first { g } else { e.seq };
+                published += first as u64;
                 zombies |= e.st == St::Zombie;
             }
         } else if kind == K_CACHE_WRITE {
