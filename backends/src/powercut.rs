@@ -243,9 +243,14 @@ impl Channel for PcChannel {
         }
         let me = Arc::as_ptr(&self.dev) as *mut ();
         match bio.op {
-            Op::Write => {
+            Op::Write | Op::Discard | Op::WriteZeroes => {
+                // A discard is kept as a write of zeroes, which is what the
+                // RAM and file devices it wraps make of one: it can be lost
+                // (or torn) like a write until a flush covers it.
                 let mut data = vec![0u8; bio.len() as usize];
-                bio.copy_out(0, &mut data);
+                if bio.op == Op::Write {
+                    bio.copy_out(0, &mut data);
+                }
                 let id = {
                     let mut st = lock(&dev.st);
                     let id = st.next_id;

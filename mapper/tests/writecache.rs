@@ -593,3 +593,94 @@ fn a_write_over_a_blocks_first_write_in_flight_lands_on_top() {
     let md = d.mapped("wc", table);
     assert_sectors_eq(&t.read(&as_dev(&md), 8, 24), &want, "after a restart");
 }
+
+/// A device in front of another that does not take DISCARD.
+struct NoDiscard(Arc<dyn BlockDevice>);
+
+impl BlockDevice for NoDiscard {
+    fn name(&self) -> &str {
+        "origin"
+    }
+    fn limits(&self) -> udm_core::Limits {
+        self.0.limits()
+    }
+    fn caps(&self) -> udm_core::Caps {
+        let mut c = self.0.caps();
+        c.remove(udm_core::Caps::DISCARD);
+        c
+    }
+    fn open(
+        self: Arc<Self>,
+        r: &udm_core::Reactor,
+    ) -> Result<std::rc::Rc<dyn udm_core::Channel>, udm_core::Error> {
+        self.0.clone().open(r)
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// DISCARD drops the cached blocks of its range — committed, uncommitted
+/// and just overwritten ones (whose older copies must be freed on disk
+/// first) — and reaches the origin: the range then reads back as the
+/// origin's discarded space (zeroes on RAM), also after a flush and a
+/// restart (no dropped entry comes back), and the blocks are free again.
+#[test]
+fn discard_drops_cached_blocks_and_passes_on_to_the_origin() {
+    let d = setup();
+    let t = Tester::new();
+    let origin = d.get("origin");
+    t.write(&origin, 0, pattern(9, 0, 256));
+    let md = wc(&d, "0");
+    let dev = as_dev(&md);
+    assert!(dev.caps().contains(udm_core::Caps::DISCARD));
+    t.write(&dev, 0, pattern(1, 0, 64));
+    assert_eq!(t.run(&dev, Req::flush()).status, Status::Ok);
+    // Blocks 2..4 overwritten after the commit (their old copies are
+    // superseded, not yet free on disk), 16..24 never committed.
+    t.write(&dev, 16, pattern(2, 16, 16));
+    t.write(&dev, 128, pattern(3, 128, 64));
+    let r = t.run(&dev, Req::discard(0, 192));
+    assert_eq!(r.status, Status::Ok);
+    let mut want = vec![0u8; 192 * SECTOR];
+    want.extend_from_slice(&pattern(9, 192, 64));
+    assert_sectors_eq(&t.read(&dev, 0, 256), &want, "discarded range");
+    assert!(
+        t.read(&origin, 0, 192).iter().all(|&b| b == 0),
+        "the origin was discarded"
+    );
+    assert_eq!(t.run(&dev, Req::flush()).status, Status::Ok);
+    let s = status(&md);
+    assert_eq!(s[13], 24, "discards counted in blocks");
+    // Released by the commits the flushes ran.
+    assert_eq!(t.run(&dev, Req::flush()).status, Status::Ok);
+    let s = status(&md);
+    assert_eq!(s[FREE], s[BLOCKS], "every dropped block is free again");
+    drop(dev);
+    drop(md);
+    let md = wc(&d, "0");
+    assert_sectors_eq(&t.read(&as_dev(&md), 0, 256), &want, "after a restart");
+    // Writes after the discard are cached again and win.
+    let dev = as_dev(&md);
+    t.write(&dev, 8, pattern(4, 8, 8));
+    want[8 * SECTOR..16 * SECTOR].copy_from_slice(&pattern(4, 8, 8));
+    assert_sectors_eq(&t.read(&dev, 0, 256), &want, "written after");
+}
+
+/// Discard is advertised (and so exported as NBD TRIM) only when the
+/// origin takes it; otherwise it is refused, not half done.
+#[test]
+fn discard_is_offered_only_when_the_origin_takes_it() {
+    let mut d = Devices::new();
+    let ram: Arc<dyn BlockDevice> =
+        Arc::new(udm_backends::RamDevice::new("origin-ram", 16384 * 512).unwrap());
+    d.add(Arc::new(NoDiscard(ram)));
+    d.ram("cache", 4096);
+    let md = wc(&d, "0");
+    let dev = as_dev(&md);
+    assert!(!dev.caps().contains(udm_core::Caps::DISCARD));
+    let t = Tester::new();
+    t.write(&dev, 0, pattern(1, 0, 8));
+    assert_eq!(t.run(&dev, Req::discard(0, 8)).status, Status::NotSupp);
+    assert_sectors_eq(&t.read(&dev, 0, 8), &pattern(1, 0, 8), "still cached");
+}

@@ -590,6 +590,8 @@ impl Worker {
             let e = &mut st.entries[b as usize];
             e.wb = true;
             e.reads += 1;
+            let ob = e.ob as usize;
+            st.wb_ob[ob] += 1;
         }
         st.wb_inflight += out.len() as u64;
         sh.wb_blocks.store(st.wb_inflight, Ordering::Relaxed);
@@ -735,8 +737,9 @@ impl Worker {
                 let e = &mut st.entries[b as usize];
                 e.wb = false;
                 e.reads -= 1;
-                let ob = e.ob;
-                if !ok || e.st != St::Live || st.map[ob as usize] != b {
+                let (ob, live) = (e.ob, e.st == St::Live);
+                st.wb_ob[ob as usize] -= 1;
+                if !ok || !live || st.map[ob as usize] != b {
                     // Superseded while under writeback, it may have been
                     // released meanwhile: its last pin frees it.
                     st.unpinned(b);
