@@ -759,11 +759,10 @@ fn drop_range(st: &mut State, ob0: u64, n: u64) -> (bool, bool) {
 }
 
 /// End_io of a discard the engine sent on to the origin.
-fn discard_origin_done(bio: BioPtr) {
+fn discard_origin_done(mut bio: BioPtr) {
     // SAFETY: the private of the engine's frame is the WcChannel that pushed
     // it, kept alive by its table while I/O is in flight.
     let ch = unsafe { &*(bio.private() as *const WcChannel) };
-    let mut bio = bio;
     if !bio.status().is_ok() || bio.ctx() & DISCARD_PASS != 0 {
         bio.pop_end_io();
         return bio.endio();
