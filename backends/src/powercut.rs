@@ -229,8 +229,11 @@ impl BlockDevice for PowerCut {
 }
 
 impl Channel for PcChannel {
-    fn submit(&self, mut bio: BioPtr) {
+    fn submit(&self, bio: BioPtr) {
         let dev = &*self.dev;
+        // Writes and flushes push a frame; past the frame limit a stand-in
+        // carries the bio.
+        let mut bio = bio.make_room();
         // Held while the bio goes down, so that a cut is atomic for every
         // device on this supply.
         let off = lock(&dev.power.off);
@@ -240,9 +243,14 @@ impl Channel for PcChannel {
         }
         let me = Arc::as_ptr(&self.dev) as *mut ();
         match bio.op {
-            Op::Write => {
+            Op::Write | Op::Discard | Op::WriteZeroes => {
+                // A discard is kept as a write of zeroes, which is what the
+                // RAM and file devices it wraps make of one: it can be lost
+                // (or torn) like a write until a flush covers it.
                 let mut data = vec![0u8; bio.len() as usize];
-                bio.copy_out(0, &mut data);
+                if bio.op == Op::Write {
+                    bio.copy_out(0, &mut data);
+                }
                 let id = {
                     let mut st = lock(&dev.st);
                     let id = st.next_id;
@@ -256,6 +264,7 @@ impl Channel for PcChannel {
                     id
                 };
                 if !bio.push_end_io(write_done, me) {
+                    // make_room left a free frame.
                     return bio.complete(Status::NoMem);
                 }
                 bio.set_ctx(id);
@@ -276,6 +285,7 @@ impl Channel for PcChannel {
                     id
                 };
                 if !bio.push_end_io(flush_done, me) {
+                    // make_room left a free frame.
                     return bio.complete(Status::NoMem);
                 }
                 bio.set_ctx(id);

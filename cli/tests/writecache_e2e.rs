@@ -1,10 +1,10 @@
 //! End to end: `udm bench --verify` through a writecache device (with and
 //! without coalescing, and with a cache small enough that writeback runs
-//! during the run), and `udm status` / `udm message` on it.
+//! during the run), `udm status` / `udm message` on it, and NBD TRIM.
 
 mod common;
 
-use common::udm;
+use common::{run, udm, Serve};
 
 #[test]
 fn bench_verify_through_writecache_finds_no_mismatches() {
@@ -74,4 +74,39 @@ fn status_and_message_commands_work_on_a_writecache_device() {
     assert_eq!(code, 2);
     assert!(err.contains("unknown message 'frobnicate'"), "{err}");
     assert_eq!(err.lines().count(), 1, "{err}");
+}
+
+/// Exported over NBD, a writecache device over a RAM origin offers TRIM
+/// (its discard is passed on to the origin), and a trim of cached data
+/// reads back as the origin's discarded space.
+#[test]
+fn nbd_offers_trim_on_a_writecache_and_trimmed_data_is_gone() {
+    let s = Serve::start(&[
+        "--dev",
+        "o=ram:16M",
+        "--dev",
+        "c=ram:4M",
+        "--dev",
+        "wc=0 32768 writecache s o c 4096 0",
+        "--export",
+        "wc",
+    ]);
+    let script = r#"
+import nbd
+h = nbd.NBD()
+h.set_uri_allow_local_file(True)
+h.connect_uri(URI)
+assert h.can_trim()
+h.pwrite(b"\xaa" * 65536, 0)
+h.flush()
+h.trim(32768, 16384)
+assert h.pread(16384, 0) == b"\xaa" * 16384
+assert h.pread(32768, 16384) == b"\0" * 32768
+assert h.pread(16384, 49152) == b"\xaa" * 16384
+h.shutdown()
+print("trim ok")
+"#
+    .replace("URI", &format!("{:?}", s.uri("wc")));
+    let out = run("nbdsh", &["-c", &script]);
+    assert!(out.contains("trim ok"), "{out}");
 }

@@ -654,6 +654,26 @@ impl BioPtr {
         true
     }
 
+    /// This bio, if another frame fits; otherwise a fresh descriptor that
+    /// stands in for it (same op, flags, range and buffers) and completes it
+    /// with the stand-in's status. For layers that push a frame: a stack
+    /// deeper than [`MAX_STACK`] then costs one descriptor per extra layer
+    /// instead of failing (dm's clone fallback).
+    pub fn make_room(self) -> BioPtr {
+        if self.can_push() {
+            return self;
+        }
+        let mut s = self.alloc_clone();
+        if self.op.has_data() {
+            s.add_segs_from(&self, 0, self.len() as usize);
+        } else {
+            s.set_dataless(self.op, 0, self.len());
+        }
+        s.sector = self.sector;
+        s.set_end_io(stand_in_endio, self.into_raw().cast());
+        s
+    }
+
     /// Calls the bio's end_io now (the kernel's `bio_endio`). Only for code that
     /// runs from a completion (a reactor reaping, or another end_io): a device's
     /// `submit` must use [`BioPtr::complete`] so that completion never recurses
@@ -675,6 +695,16 @@ impl BioPtr {
         // BioPtr is !Send, so we are on that reactor's thread.
         unsafe { (*home).defer(self) };
     }
+}
+
+fn stand_in_endio(s: BioPtr) {
+    // SAFETY: a stand-in's private is the bio it stands for, given up with
+    // into_raw in `make_room` and taken back only here, once. It stayed
+    // untouched (so its buffers stayed valid) while the stand-in ran.
+    let mut bio = unsafe { BioPtr::from_raw(s.private().cast()) };
+    bio.set_status(s.status());
+    drop(s);
+    bio.endio();
 }
 
 impl Deref for BioPtr {

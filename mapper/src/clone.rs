@@ -23,14 +23,12 @@ const STAGE_FLUSH: u64 = 2;
 const FLUSH_CLONE: u64 = u32::MAX as u64;
 
 /// Takes `bio` down the clone path of `tio`'s table.
-pub(crate) fn submit(tio: &TableIo, mut bio: BioPtr) {
-    if !bio.can_push() {
-        // More stacked layers than a bio has frames for: a fresh descriptor
-        // stands in for it (dm's clone fallback).
-        bio = stand_in(bio);
-    }
+pub(crate) fn submit(tio: &TableIo, bio: BioPtr) {
+    // More stacked layers than a bio has frames for: a fresh descriptor
+    // stands in for it (dm's clone fallback).
+    let mut bio = bio.make_room();
     if !bio.push_end_io(parent_endio, tio as *const TableIo as *mut ()) {
-        // More stacked layers than a bio has frames for.
+        // make_room left a free frame.
         return bio.complete(Status::NoMem);
     }
     tio.get();
@@ -52,30 +50,6 @@ pub(crate) fn submit(tio: &TableIo, mut bio: BioPtr) {
         split(tio, p);
     }
     put_parent(p, false);
-}
-
-/// A fresh descriptor with `bio`'s op, flags, range and buffers, whose
-/// completion completes `bio` with the same status.
-fn stand_in(bio: BioPtr) -> BioPtr {
-    let mut s = bio.alloc_clone();
-    if bio.op.has_data() {
-        s.add_segs_from(&bio, 0, bio.len() as usize);
-    } else {
-        s.set_dataless(bio.op, 0, bio.len());
-    }
-    s.sector = bio.sector;
-    s.set_end_io(stand_in_endio, bio.into_raw().cast());
-    s
-}
-
-fn stand_in_endio(s: BioPtr) {
-    // SAFETY: a stand-in's private is the bio it stands for, given up with
-    // into_raw in `stand_in` and taken back only here, once. It stayed
-    // untouched (so its buffers stayed valid) while the stand-in ran.
-    let mut bio = unsafe { BioPtr::from_raw(s.private().cast()) };
-    bio.set_status(s.status());
-    drop(s);
-    bio.endio();
 }
 
 /// Issues one clone per target piece of the parent's range.

@@ -494,3 +494,193 @@ fn a_read_during_a_blocks_first_write_returns_old_or_new_data_never_the_blocks_p
         );
     }
 }
+
+/// A writecache stacked under and over more layers than a bio has
+/// completion frames ([`udm_core::bio::MAX_STACK`]): at every depth, in
+/// particular the one where the bio reaches the engine with its frames all
+/// used, I/O goes through (a stand-in descriptor carries it, as on the
+/// mapper's clone path), data reads back, and writeback puts it on the
+/// origin at the offsets every linear layer adds.
+#[test]
+fn a_writecache_stacked_deeper_than_the_frame_limit_still_verifies() {
+    let max = udm_core::bio::MAX_STACK;
+    for above in 0..=max + 2 {
+        let mut devs = Devices::new();
+        let r0 = devs.ram("r0", 16384 + 8);
+        devs.ram("cache", 4096);
+        // Under the cache: a linear that shifts by one block.
+        let under = devs.mapped("under", "0 16384 linear r0 8");
+        devs.add(as_dev(&under));
+        let wcd = devs.mapped("wc", "0 16384 writecache s under cache 4096 0");
+        devs.add(as_dev(&wcd));
+        // Over it: `above` linears, each a block shorter and shifted by one.
+        let mut below = "wc".to_string();
+        let mut top = wcd.clone();
+        for k in 0..above {
+            let name = format!("over{k}");
+            let md = devs.mapped(&name, &format!("0 {} linear {below} 8", 16376 - 8 * k));
+            devs.add(as_dev(&md));
+            below = name;
+            top = md;
+        }
+        let dev = as_dev(&top);
+        let t = Tester::new();
+        let data = pattern(above as u64, 0, 64);
+        let w = t.run(&dev, Req::write(0, data.clone()).segs(3));
+        assert_eq!(
+            w.status,
+            Status::Ok,
+            "write through {above} layers over the cache"
+        );
+        w.assert_returned_intact();
+        assert_sectors_eq(&t.read(&dev, 0, 64), &data, "read back through the stack");
+        assert_eq!(t.run(&dev, Req::flush()).status, Status::Ok, "flush");
+        assert_eq!(wcd.message(0, &["flush"]).expect("flush message"), "");
+        let at = (8 + 8 * above) * SECTOR;
+        assert_sectors_eq(
+            &t.read_all(&r0)[at..at + 64 * SECTOR],
+            &data,
+            &format!("origin after writeback ({above} layers above)"),
+        );
+        assert_eq!(t.reactor.outstanding(), 0);
+    }
+}
+
+/// A write over blocks whose first write is still in flight, completing
+/// after it: it lands on top, and both read back, before and after a
+/// flush and a restart.
+#[test]
+fn a_write_over_a_blocks_first_write_in_flight_lands_on_top() {
+    let mut d = Devices::new();
+    d.ram("origin", 16384);
+    let raw: Arc<dyn BlockDevice> =
+        Arc::new(udm_backends::RamDevice::new("raw", 4096 * 512).unwrap());
+    let gate = Arc::new(GateDevice {
+        inner: raw,
+        key: 0x6761_7465_0000_0002,
+    });
+    d.add(gate.clone());
+    let table = "0 16384 writecache s origin cache 4096 0";
+    let t = Tester::new();
+    let md = d.mapped("wc", table);
+    let dev = as_dev(&md);
+    let ch = t.open(&dev);
+    let g = GateChannel::of(&gate, &t.reactor);
+    g.hold.set(true);
+    let a = pattern(1, 8, 16);
+    let b = pattern(2, 16, 16);
+    let f = vec![
+        submit(&t.reactor, &*ch, Req::write(8, a.clone())),
+        submit(&t.reactor, &*ch, Req::write(16, b.clone())),
+    ];
+    for _ in 0..20 {
+        t.reactor.poll_once();
+    }
+    assert!(!f[0].is_done(), "the first write is held in flight");
+    g.release();
+    t.wait_all(&f);
+    for r in f.into_iter().map(InFlight::finish) {
+        assert_eq!(r.status, Status::Ok);
+    }
+    let mut want = a.clone();
+    want.truncate(8 * SECTOR);
+    want.extend_from_slice(&b);
+    assert_sectors_eq(&t.read(&dev, 8, 24), &want, "the later write on top");
+    assert_eq!(t.run(&dev, Req::flush()).status, Status::Ok);
+    drop(ch);
+    drop(dev);
+    drop(md);
+    let md = d.mapped("wc", table);
+    assert_sectors_eq(&t.read(&as_dev(&md), 8, 24), &want, "after a restart");
+}
+
+/// A device in front of another that does not take DISCARD.
+struct NoDiscard(Arc<dyn BlockDevice>);
+
+impl BlockDevice for NoDiscard {
+    fn name(&self) -> &str {
+        "origin"
+    }
+    fn limits(&self) -> udm_core::Limits {
+        self.0.limits()
+    }
+    fn caps(&self) -> udm_core::Caps {
+        let mut c = self.0.caps();
+        c.remove(udm_core::Caps::DISCARD);
+        c
+    }
+    fn open(
+        self: Arc<Self>,
+        r: &udm_core::Reactor,
+    ) -> Result<std::rc::Rc<dyn udm_core::Channel>, udm_core::Error> {
+        self.0.clone().open(r)
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// DISCARD drops the cached blocks of its range — committed, uncommitted
+/// and just overwritten ones (whose older copies must be freed on disk
+/// first) — and reaches the origin: the range then reads back as the
+/// origin's discarded space (zeroes on RAM), also after a flush and a
+/// restart (no dropped entry comes back), and the blocks are free again.
+#[test]
+fn discard_drops_cached_blocks_and_passes_on_to_the_origin() {
+    let d = setup();
+    let t = Tester::new();
+    let origin = d.get("origin");
+    t.write(&origin, 0, pattern(9, 0, 256));
+    let md = wc(&d, "0");
+    let dev = as_dev(&md);
+    assert!(dev.caps().contains(udm_core::Caps::DISCARD));
+    t.write(&dev, 0, pattern(1, 0, 64));
+    assert_eq!(t.run(&dev, Req::flush()).status, Status::Ok);
+    // Blocks 2..4 overwritten after the commit (their old copies are
+    // superseded, not yet free on disk), 16..24 never committed.
+    t.write(&dev, 16, pattern(2, 16, 16));
+    t.write(&dev, 128, pattern(3, 128, 64));
+    let r = t.run(&dev, Req::discard(0, 192));
+    assert_eq!(r.status, Status::Ok);
+    let mut want = vec![0u8; 192 * SECTOR];
+    want.extend_from_slice(&pattern(9, 192, 64));
+    assert_sectors_eq(&t.read(&dev, 0, 256), &want, "discarded range");
+    assert!(
+        t.read(&origin, 0, 192).iter().all(|&b| b == 0),
+        "the origin was discarded"
+    );
+    assert_eq!(t.run(&dev, Req::flush()).status, Status::Ok);
+    let s = status(&md);
+    assert_eq!(s[13], 24, "discards counted in blocks");
+    // Released by the commits the flushes ran.
+    assert_eq!(t.run(&dev, Req::flush()).status, Status::Ok);
+    let s = status(&md);
+    assert_eq!(s[FREE], s[BLOCKS], "every dropped block is free again");
+    drop(dev);
+    drop(md);
+    let md = wc(&d, "0");
+    assert_sectors_eq(&t.read(&as_dev(&md), 0, 256), &want, "after a restart");
+    // Writes after the discard are cached again and win.
+    let dev = as_dev(&md);
+    t.write(&dev, 8, pattern(4, 8, 8));
+    want[8 * SECTOR..16 * SECTOR].copy_from_slice(&pattern(4, 8, 8));
+    assert_sectors_eq(&t.read(&dev, 0, 256), &want, "written after");
+}
+
+/// Discard is advertised (and so exported as NBD TRIM) only when the
+/// origin takes it; otherwise it is refused, not half done.
+#[test]
+fn discard_is_offered_only_when_the_origin_takes_it() {
+    let mut d = Devices::new();
+    let ram: Arc<dyn BlockDevice> =
+        Arc::new(udm_backends::RamDevice::new("origin-ram", 16384 * 512).unwrap());
+    d.add(Arc::new(NoDiscard(ram)));
+    d.ram("cache", 4096);
+    let md = wc(&d, "0");
+    let dev = as_dev(&md);
+    assert!(!dev.caps().contains(udm_core::Caps::DISCARD));
+    let t = Tester::new();
+    t.write(&dev, 0, pattern(1, 0, 8));
+    assert_eq!(t.run(&dev, Req::discard(0, 8)).status, Status::NotSupp);
+    assert_sectors_eq(&t.read(&dev, 0, 8), &pattern(1, 0, 8), "still cached");
+}

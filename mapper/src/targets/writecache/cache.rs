@@ -15,8 +15,6 @@
 
 use std::any::Any;
 use std::cell::RefCell;
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
@@ -96,7 +94,8 @@ pub(crate) struct Entry {
 }
 
 impl Entry {
-    const FREE: Entry = Entry {
+    /// A free block's entry; every block in the free extents has it.
+    pub const FREE: Entry = Entry {
         ob: 0,
         seq: 0,
         aux: 0,
@@ -131,8 +130,9 @@ pub(crate) struct State {
     /// Origin block → cache block holding its newest data.
     pub map: Vec<u32>,
     pub free: FreeExtents,
-    /// The metadata image: what the next commit writes.
-    pub disk: Vec<DiskEntry>,
+    /// Metadata blocks whose entries changed since the last commit started
+    /// (what the next commit writes; the entries themselves are encoded
+    /// from `entries` then, see `State::disk_entry`).
     pub dirty: Vec<bool>,
     pub ndirty: usize,
     pub lru_head: u32,
@@ -150,10 +150,12 @@ pub(crate) struct State {
     pub dirty_since: Option<Instant>,
     pub superseded: Vec<u32>,
     pub free_pending: Vec<u32>,
-    /// Origin blocks with superseded or freed entries whose free marker is
-    /// not durable yet: their newest entry must not be written back and
-    /// freed before those markers are on disk.
-    pub shadows: HashMap<u64, u32, BuildHasherDefault<BlockHasher>>,
+    /// Per origin block: how many of its superseded or freed entries have
+    /// a free marker that is not durable yet. Its newest entry must not be
+    /// written back (or discarded) and freed before those markers are on
+    /// disk, nor may a write to it go around the cache. (An array, not a
+    /// hash: an overwrite of a committed block bumps it once per block.)
+    pub shadows: Vec<u16>,
     pub wb_active: bool,
     pub wb_inflight: u64,
     pub writeback_all: u32,
@@ -164,6 +166,11 @@ pub(crate) struct State {
     /// Reads held back because they overlap a block whose first write is
     /// still in flight (see `map_read`).
     pub read_waiters: u64,
+    /// Discards waiting for writeback of their range to finish, or for a
+    /// commit to drop the rest of their blocks.
+    pub discard_waiters: u64,
+    /// Per origin block: blocks of it under writeback (see start_discard).
+    pub wb_ob: Vec<u8>,
     pub stats: Stats,
     pub error: i32,
     pub ready: bool,
@@ -176,7 +183,6 @@ impl State {
             entries: vec![Entry::FREE; n],
             map: vec![NONE; origin_blocks as usize],
             free: FreeExtents::new(),
-            disk: touched(n, DiskEntry::FREE),
             dirty: vec![false; g.mblocks as usize],
             ndirty: 0,
             lru_head: NONE,
@@ -189,7 +195,7 @@ impl State {
             dirty_since: None,
             superseded: Vec::new(),
             free_pending: Vec::new(),
-            shadows: HashMap::default(),
+            shadows: touched(origin_blocks as usize, 0),
             wb_active: false,
             wb_inflight: 0,
             writeback_all: 0,
@@ -198,15 +204,37 @@ impl State {
             last_origin_write: None,
             space_waiters: 0,
             read_waiters: 0,
+            discard_waiters: 0,
+            wb_ob: touched(origin_blocks as usize, 0),
             stats: Stats::default(),
             error: 0,
             ready: false,
         }
     }
 
-    pub fn set_disk(&mut self, b: u32, e: DiskEntry) {
-        self.disk[b as usize] = e;
+    /// Block `b`'s entry changed to free (its state already says so): its
+    /// metadata block goes in the next commit.
+    pub fn mark_free(&mut self, b: u32) {
         self.image_changed(b, 1, 1);
+    }
+
+    /// What the on-disk entry of block `b` is to say, from its state: its
+    /// origin sector and generation while its data is the block's (live
+    /// once its first write completed, or superseded but not yet marked
+    /// free), free otherwise. The image is not kept beside the entries: a
+    /// commit encodes its dirty metadata blocks from them, so the data path
+    /// writes no second per-block record.
+    #[inline]
+    pub fn disk_entry(&self, b: usize, bs_sectors: u64) -> DiskEntry {
+        let e = &self.entries[b];
+        if e.seq != 0 && matches!(e.st, St::Live | St::Superseded) {
+            DiskEntry {
+                sector: e.ob * bs_sectors,
+                seq: e.seq,
+            }
+        } else {
+            DiskEntry::FREE
+        }
     }
 
     /// Records that `changed` entries among the `n` blocks from `first`
@@ -305,16 +333,22 @@ impl State {
     }
 
     pub fn shadow_add(&mut self, ob: u64) {
-        *self.shadows.entry(ob).or_insert(0) += 1;
+        // At most a few per block: one per generation that superseded or
+        // freed it, and each marker is durable two commits later.
+        self.shadows[ob as usize] += 1;
     }
 
     pub fn shadow_sub(&mut self, ob: u64) {
-        if let Some(c) = self.shadows.get_mut(&ob) {
-            *c -= 1;
-            if *c == 0 {
-                self.shadows.remove(&ob);
-            }
-        }
+        let c = &mut self.shadows[ob as usize];
+        debug_assert!(*c > 0, "shadow count of origin block {ob} underflows");
+        *c = c.saturating_sub(1);
+    }
+
+    /// Whether origin block `ob` has older entries whose free markers are
+    /// not durable yet.
+    #[inline]
+    pub fn shadowed(&self, ob: u64) -> bool {
+        self.shadows[ob as usize] != 0
     }
 
     /// Blocks in use (not in the free extents).
@@ -323,31 +357,10 @@ impl State {
     }
 }
 
-/// Hashes origin block numbers for `State::shadows` (a multiplicative
-/// hash: the keys are integers chosen by the caller's offsets, not an
-/// attacker's strings, and SipHash cost a hundred instructions per block).
-#[derive(Default)]
-pub(crate) struct BlockHasher(u64);
-
-impl Hasher for BlockHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        }
-    }
-    fn write_u64(&mut self, v: u64) {
-        // Fibonacci hashing; hashbrown takes its tag from the top bits.
-        self.0 = (v ^ self.0).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
-}
-
 /// A vector of `n` copies of `v`, every page written now. `vec![0; n]`
 /// comes from calloc as untouched zero pages, which the data path would
-/// then fault in one by one (a 1 GiB cache of 512-byte blocks has a 32 MiB
-/// image: 8192 page faults during the first writes).
+/// then fault in one by one (a 1 GiB origin of 512-byte blocks has a 4 MiB
+/// shadow array: 1024 page faults during the first overwrites).
 fn touched<T: Copy>(n: usize, v: T) -> Vec<T> {
     let mut out = Vec::with_capacity(n);
     out.resize(n, v);
@@ -474,6 +487,10 @@ impl BlockDevice for WcDev {
         let c = &self.shared.cfg;
         let mut caps = Caps::FLUSH | Caps::FUA;
         let (o, k) = (c.origin.caps(), c.cache.caps());
+        if o.contains(Caps::DISCARD) {
+            // Passed on to the origin, cached blocks of the range dropped.
+            caps.insert(Caps::DISCARD);
+        }
         if o.contains(Caps::PERSISTENT) && k.contains(Caps::PERSISTENT) {
             caps.insert(Caps::PERSISTENT);
         }
@@ -498,6 +515,7 @@ impl BlockDevice for WcDev {
             parked: RefCell::new(Vec::new()),
             space_wait: RefCell::new(Vec::new()),
             read_wait: RefCell::new(Vec::new()),
+            discard_wait: RefCell::new(Vec::new()),
             subs: RefCell::new(Vec::new()),
         });
         reactor.set_local(self.key, ch.clone());
@@ -548,12 +566,15 @@ pub(crate) struct WcChannel {
     space_wait: RefCell<Vec<BioPtr>>,
     /// Reads waiting for the first write of a block they overlap.
     read_wait: RefCell<Vec<BioPtr>>,
+    /// Discards whose origin part is done, waiting to drop cached blocks
+    /// that could not go yet (see `finish_discard`).
+    discard_wait: RefCell<Vec<BioPtr>>,
     /// Scratch list of sub-I/Os (reused: no allocation per bio).
     subs: RefCell<Vec<Sub>>,
 }
 
 impl Channel for WcChannel {
-    fn submit(&self, mut bio: BioPtr) {
+    fn submit(&self, bio: BioPtr) {
         match bio.op {
             Op::Flush => self.park_until_committed(bio, false, true),
             Op::Read | Op::Write => {
@@ -565,7 +586,10 @@ impl Channel for WcChannel {
                     return bio.complete(Status::Inval);
                 }
                 let me = self as *const WcChannel as *mut ();
+                // Stacked deeper than a bio has frames: a stand-in carries it.
+                let mut bio = bio.make_room();
                 if !bio.push_end_io(parent_done, me) {
+                    // make_room left a free frame.
                     return bio.complete(Status::NoMem);
                 }
                 bio.set_status(Status::Ok);
@@ -573,9 +597,202 @@ impl Channel for WcChannel {
                 bio.set_ctx(0);
                 self.map(bio);
             }
+            Op::Discard => self.discard(bio),
             _ => bio.complete(Status::NotSupp),
         }
     }
+}
+
+/// A discard's context word: how many times it tried to drop its cached
+/// blocks, and whether it has any to drop (else the origin's completion
+/// completes it).
+const DISCARD_PASS: u64 = 1 << 32;
+/// The discard waits for writeback of its range before going to the origin.
+const DISCARD_WAIT_WB: u64 = 1 << 33;
+/// Tries (one per commit) before a discard gives up on blocks that stay
+/// under writeback or shadowed; they then stay cached, which a discard
+/// allows (the range reads back as anything written there before).
+const DISCARD_TRIES: u64 = 8;
+
+impl WcChannel {
+    /// DISCARD, as dm-writecache does it: the cached blocks of the range are
+    /// dropped (so reads then go to the origin) and the discard goes on to
+    /// the origin. The order is writeback's, so that no crash brings back
+    /// data older than the newest durable write: the origin is discarded
+    /// and flushed first, then each dropped block is unmapped and marked
+    /// free in the next commit, and only once no older entry for its sector
+    /// is left on disk (meta.rs, rule 4). A block whose first write is in
+    /// flight belongs to a write racing the discard and stays.
+    fn discard(&self, bio: BioPtr) {
+        let sh = &*self.shared;
+        let bs = sh.cfg.bs_sectors();
+        if !bio.sector.is_multiple_of(bs) || !bio.sectors().is_multiple_of(bs) {
+            return bio.complete(Status::Inval);
+        }
+        if !sh.cfg.origin.caps().contains(Caps::DISCARD) {
+            return bio.complete(Status::NotSupp);
+        }
+        sh.lock().stats.discards += bio.sectors() / bs;
+        let mut bio = bio.make_room();
+        if !bio.push_end_io(discard_origin_done, self as *const WcChannel as *mut ()) {
+            // make_room left a free frame.
+            return bio.complete(Status::NoMem);
+        }
+        bio.set_ctx(0);
+        self.start_discard(bio);
+    }
+
+    /// Sends the discard on to the origin — once no writeback of the range
+    /// is in flight: a block superseded while under writeback still writes
+    /// its (older) data to the origin, which must not land on top of the
+    /// discard (the newer copy, dropped, would then uncover it).
+    fn start_discard(&self, mut bio: BioPtr) {
+        let sh = &*self.shared;
+        let bs = sh.cfg.bs_sectors();
+        let (ob0, n) = ((bio.sector / bs) as usize, (bio.sectors() / bs) as usize);
+        let cached = {
+            let mut st = sh.lock();
+            if st.error != 0 {
+                drop(st);
+                bio.pop_end_io();
+                return bio.complete(Status::IoErr);
+            }
+            if st.wb_ob[ob0..ob0 + n].iter().any(|&w| w != 0) {
+                st.discard_waiters += 1;
+                drop(st);
+                bio.set_ctx(DISCARD_WAIT_WB);
+                self.discard_wait.borrow_mut().push(bio);
+                return;
+            }
+            let map = &st.map[ob0..ob0 + n];
+            unmapped_prefix(map) < map.len()
+        };
+        bio.set_ctx(if cached { 0 } else { DISCARD_PASS });
+        // The target maps sector for sector onto the origin.
+        self.origin.submit(bio);
+    }
+
+    /// The origin is discarded and flushed: drop what is cached in the
+    /// range, then complete the discard (or wait for a commit and try
+    /// again, for blocks that cannot go yet).
+    fn finish_discard(&self, mut bio: BioPtr, in_completion: bool) {
+        let sh = &*self.shared;
+        let bs = sh.cfg.bs_sectors();
+        let (ob0, n) = (bio.sector / bs, bio.sectors() / bs);
+        let tries = bio.ctx() + 1;
+        let retry = {
+            let mut st = sh.lock();
+            if st.error != 0 && bio.status().is_ok() {
+                bio.set_status(Status::IoErr);
+            }
+            let (dropped, left) = drop_range(&mut st, ob0, n);
+            let retry = left && tries < DISCARD_TRIES && st.error == 0;
+            if dropped || retry {
+                // Free the blocks soon; what is left needs a commit first.
+                let pg = st.pending_gen;
+                st.commit_wanted = st.commit_wanted.max(pg);
+            }
+            if retry {
+                st.discard_waiters += 1;
+            }
+            retry
+        };
+        if retry {
+            bio.set_ctx(tries);
+            self.discard_wait.borrow_mut().push(bio);
+            sh.poke();
+            return;
+        }
+        sh.poke();
+        bio.pop_end_io();
+        if in_completion {
+            bio.endio();
+        } else {
+            let s = bio.status();
+            bio.complete(s);
+        }
+    }
+}
+
+/// Drops the cached blocks of origin blocks `ob0..ob0+n` that may go now:
+/// unmapped, out of the writeback order, marked free in the next commit
+/// and reusable once that is durable (as written-back blocks). Returns
+/// whether it dropped any, and whether some must wait: under writeback, or
+/// with older entries of their sector whose free markers are not durable
+/// yet (a torn commit could then keep those and lose this one's marker,
+/// bringing back data older than this block's).
+fn drop_range(st: &mut State, ob0: u64, n: u64) -> (bool, bool) {
+    let (mut dropped, mut left) = (false, false);
+    let pg = st.pending_gen;
+    let end = ob0 + n;
+    let mut ob = ob0;
+    while ob < end {
+        // Uncached stretches in bulk.
+        ob += unmapped_prefix(&st.map[ob as usize..end as usize]) as u64;
+        if ob >= end {
+            break;
+        }
+        let this = ob;
+        ob += 1;
+        let b = st.map[this as usize];
+        let e = st.entries[b as usize];
+        if e.seq == 0 {
+            // A first write racing the discard: ordered after it.
+            continue;
+        }
+        if e.wb || st.shadowed(this) {
+            left = true;
+            continue;
+        }
+        st.map[this as usize] = NONE;
+        st.lru_remove(b);
+        st.live -= 1;
+        let e = &mut st.entries[b as usize];
+        e.st = St::FreePending;
+        e.aux = pg;
+        st.mark_free(b);
+        st.free_pending.push(b);
+        st.shadow_add(this);
+        dropped = true;
+    }
+    (dropped, left)
+}
+
+/// End_io of a discard the engine sent on to the origin.
+fn discard_origin_done(mut bio: BioPtr) {
+    // SAFETY: the private of the engine's frame is the WcChannel that pushed
+    // it, kept alive by its table while I/O is in flight.
+    let ch = unsafe { &*(bio.private() as *const WcChannel) };
+    if !bio.status().is_ok() || bio.ctx() & DISCARD_PASS != 0 {
+        bio.pop_end_io();
+        return bio.endio();
+    }
+    if !ch.shared.cfg.origin.caps().contains(Caps::FLUSH) {
+        return ch.finish_discard(bio, true);
+    }
+    // Flush the origin before any block of the range is marked free, so
+    // that a crash cannot lose the discard but keep the markers.
+    let mut f = bio.alloc_clone();
+    f.flags = udm_core::BioFlags::NONE;
+    f.set_dataless(Op::Flush, 0, 0);
+    f.set_end_io(discard_flush_done, bio.into_raw().cast());
+    ch.origin.submit(f);
+}
+
+fn discard_flush_done(f: BioPtr) {
+    // SAFETY: the flush's private is the discard, given up with into_raw in
+    // discard_origin_done and taken back only here.
+    let mut bio = unsafe { BioPtr::from_raw(f.private().cast()) };
+    let s = f.status();
+    drop(f);
+    // SAFETY: as in discard_origin_done: the discard's frame is ours.
+    let ch = unsafe { &*(bio.private() as *const WcChannel) };
+    if !s.is_ok() {
+        bio.set_status(s);
+        bio.pop_end_io();
+        return bio.endio();
+    }
+    ch.finish_discard(bio, true);
 }
 
 impl WcChannel {
@@ -635,6 +852,17 @@ impl WcChannel {
                 bio.pop_end_io();
             }
             bio.complete(s);
+        }
+        let discards: Vec<BioPtr> = std::mem::take(&mut *self.discard_wait.borrow_mut());
+        if !discards.is_empty() {
+            self.shared.lock().discard_waiters -= discards.len() as u64;
+            for bio in discards {
+                if bio.ctx() & DISCARD_WAIT_WB != 0 {
+                    self.start_discard(bio);
+                } else {
+                    self.finish_discard(bio, false);
+                }
+            }
         }
         let reads: Vec<BioPtr> = std::mem::take(&mut *self.read_wait.borrow_mut());
         if !reads.is_empty() {
@@ -873,10 +1101,13 @@ fn map_write(
             i += k;
             continue;
         }
-        if b == NONE && st.cleaner {
-            // The cleaner caches nothing new: straight to the origin.
+        if b == NONE && st.cleaner && !st.shadowed(ob) {
+            // The cleaner caches nothing new: straight to the origin —
+            // unless an older entry for the block may still be on disk (its
+            // free marker not durable yet), which a crash would bring back
+            // over this write: that write goes to the cache, newer there.
             let mut k = 1;
-            while i + k < n && st.map[(ob + k) as usize] == NONE {
+            while i + k < n && st.map[(ob + k) as usize] == NONE && !st.shadowed(ob + k) {
                 k += 1;
             }
             st.stats.writes_around += k;
@@ -895,10 +1126,14 @@ fn map_write(
         // as the free space allows.
         let mut m = 1;
         let mut any_old = b != NONE;
+        if !st.cleaner {
+            // Uncached blocks all need one: find their run in bulk.
+            m += unmapped_prefix(&st.map[(ob + 1) as usize..(ob0 + n) as usize]) as u64;
+        }
         while i + m < n {
             let nb = st.map[(ob + m) as usize];
             let needs = if nb == NONE {
-                !st.cleaner
+                !st.cleaner || st.shadowed(ob + m)
             } else {
                 !st.in_place_ok(nb)
             };
@@ -932,30 +1167,37 @@ fn map_write(
             }
         }
         let last = start + got - 1;
-        for k in 0..got {
-            let nb = start + k;
-            st.entries[nb as usize] = Entry {
+        // Whole entries, already linked to each other, in one branch-free
+        // pass; the run's ends are linked to the LRU list after it.
+        let tail = st.lru_tail;
+        for (k, e) in st.entries[start as usize..=last as usize]
+            .iter_mut()
+            .enumerate()
+        {
+            let nb = start + k as u32;
+            *e = Entry {
                 ob: ob + k as u64,
                 seq: 0,
                 aux: 0,
                 born_ms: now,
-                prev: if k == 0 { st.lru_tail } else { nb - 1 },
-                next: if nb == last { NONE } else { nb + 1 },
+                prev: nb.wrapping_sub(1),
+                next: nb.wrapping_add(1),
                 writes: 1,
                 reads: 0,
                 wb: false,
                 st: St::Live,
             };
         }
+        st.entries[start as usize].prev = tail;
+        st.entries[last as usize].next = NONE;
         st.map[ob as usize..(ob + got as u64) as usize]
             .iter_mut()
             .zip(start..)
             .for_each(|(m, nb)| *m = nb);
-        let t = st.lru_tail;
-        if t == NONE {
+        if tail == NONE {
             st.lru_head = start;
         } else {
-            st.entries[t as usize].next = start;
+            st.entries[tail as usize].next = start;
         }
         st.lru_tail = last;
         st.live += got as u64 - superseded;
@@ -971,6 +1213,20 @@ fn map_write(
         i += got as u64;
     }
     n
+}
+
+/// How many of the first entries of `map` are unmapped (NONE): 16 at a
+/// time with one AND each and no branch (vectorized), then one by one. A
+/// large write to uncached space costs a few instructions per 16 blocks.
+fn unmapped_prefix(map: &[u32]) -> usize {
+    let mut k = 0;
+    for c in map.chunks_exact(16) {
+        if c.iter().fold(NONE, |a, &x| a & x) != NONE {
+            break;
+        }
+        k += 16;
+    }
+    k + map[k..].iter().take_while(|&&x| x == NONE).count()
 }
 
 /// A sub-I/O completed: account it under the lock, then drop its parent's
@@ -1006,37 +1262,35 @@ fn account(sh: &Shared, kind: u64, block: u32, n: u32, status: Status, op: Op) {
     if kind == K_CACHE_WRITE || kind == K_CACHE_READ {
         let mut st = sh.lock();
         let mut freed = false;
-        let bsz = sh.cfg.bs_sectors();
         let g = st.pending_gen;
         let (first, end) = (block as usize, (block + n) as usize);
-        // One pass over the run's entries; image and dirty bookkeeping once
-        // per run (State::image_changed).
+        // One tight pass over the run's entries; dirty bookkeeping once per
+        // run (State::image_changed).
         let mut published = 0u64;
         let mut zombies = false;
-        {
-            let State { entries, disk, .. } = &mut *st;
-            let run = entries[first..end].iter_mut().zip(&mut disk[first..end]);
-            if kind == K_CACHE_WRITE {
-                for (e, d) in run {
-                    e.writes -= 1;
-                    if e.seq == 0 && e.st == St::Live && status.is_ok() {
-                        // First completed write: the entry joins the image,
-                        // in the generation no commit has started on, and
-                        // readers may now be sent to the block.
-                        e.seq = g;
-                        *d = DiskEntry {
-                            sector: e.ob * bsz,
-                            seq: g,
-                        };
-                        published += 1;
-                    }
-                    zombies |= e.st == St::Zombie;
-                }
-            } else {
-                for (e, _) in run {
-                    e.reads -= 1;
-                    zombies |= e.st == St::Zombie;
-                }
+        let run = &mut st.entries[first..end];
+        if kind == K_CACHE_WRITE && status.is_ok() {
+            for e in run {
+                e.writes -= 1;
+                // First completed write (of a new block, or an overwrite
+                // in place that finished before it): the entry joins the
+                // image (its seq is what a commit encodes), in the
+                // generation no commit has started on, and readers may now
+                // be sent to the block.
+                let first = e.seq == 0 && e.st == St::Live;
+                e.seq = if first { g } else { e.seq };
+                published += first as u64;
+                zombies |= e.st == St::Zombie;
+            }
+        } else if kind == K_CACHE_WRITE {
+            for e in run {
+                e.writes -= 1;
+                zombies |= e.st == St::Zombie;
+            }
+        } else {
+            for e in run {
+                e.reads -= 1;
+                zombies |= e.st == St::Zombie;
             }
         }
         // The first change since a commit starts the autocommit clock: the

@@ -34,7 +34,17 @@
 //!    disk — so any subset of free markers leaves the newest durable data
 //!    reachable;
 //! 3. a freed block is reused only after the commit holding its free marker
-//!    completed, so an entry on disk never points at data that is not its own.
+//!    completed, so an entry on disk never points at data that is not its own;
+//! 4. a discarded block is dropped as a written-back one is: only after the
+//!    discard reached the origin (once no writeback of its range was in
+//!    flight, so no older data lands on top of it) and the origin was
+//!    flushed, and only once no older entry for its sector is left on disk.
+//!    A torn commit then shows either the pre-discard data or the discarded
+//!    origin, never anything older.
+//!
+//! And a write goes around the cache (the cleaner) only when no older entry
+//! for its sector may still be on disk; otherwise it is cached, so that its
+//! entry outranks the old one whichever markers a crash keeps.
 
 use udm_core::Error;
 
@@ -193,16 +203,6 @@ impl DiskEntry {
             sector: u64::from_le_bytes(b[0..8].try_into().unwrap_or([0; 8])),
             seq: u64::from_le_bytes(b[8..16].try_into().unwrap_or([0; 8])),
         }
-    }
-}
-
-/// Encodes metadata block `m` of `entries` into `out` (MBLOCK_BYTES).
-pub fn encode_mblock(entries: &[DiskEntry], m: u32, out: &mut [u8]) {
-    out.fill(0);
-    let first = m as usize * ENTRIES_PER_MBLOCK;
-    let last = (first + ENTRIES_PER_MBLOCK).min(entries.len());
-    for (i, e) in entries[first..last].iter().enumerate() {
-        e.encode(&mut out[i * 16..i * 16 + 16]);
     }
 }
 

@@ -33,6 +33,10 @@
 //! cache, writes allocating a block, writes blocked on the free list,
 //! flushes, discards (all in blocks except flushes).
 //!
+//! DISCARD (offered when the origin takes it) drops the cached blocks of
+//! its range and is passed on to the origin, as dm's; see
+//! `WcChannel::discard` and rule 4 in [`meta`] for the crash-safe order.
+//!
 //! Messages: `flush` (commit, write everything back, return when done),
 //! `flush_on_suspend` (do that at the next suspend), `cleaner` (switch the
 //! cleaner on), `clear_stats`.

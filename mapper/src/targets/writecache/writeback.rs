@@ -17,8 +17,8 @@ use udm_core::{
     SECTOR_SHIFT,
 };
 
-use super::cache::{Shared, St, State, NONE};
-use super::meta::{encode_mblock, DiskEntry, Super, ENTRIES_PER_MBLOCK, MBLOCK_BYTES, SB_BYTES};
+use super::cache::{self, Shared, St, State, NONE};
+use super::meta::{DiskEntry, Super, ENTRIES_PER_MBLOCK, ENTRY_BYTES, MBLOCK_BYTES, SB_BYTES};
 
 /// Most blocks one writeback batch takes.
 const BATCH_BYTES: u64 = 16 << 20;
@@ -279,9 +279,11 @@ impl Worker {
                 && e.seq <= sb_seq
                 && e.sector.is_multiple_of(bs)
                 && e.sector / bs < sh.origin_blocks;
+            // Entries start free (State::new): a loser or a leftover only
+            // needs its free marker written.
             if !valid {
                 if e != DiskEntry::FREE {
-                    st.set_disk(b, DiskEntry::FREE);
+                    st.mark_free(b);
                 }
                 continue;
             }
@@ -289,14 +291,13 @@ impl Worker {
             let cur = st.map[ob as usize];
             if cur != NONE {
                 if st.entries[cur as usize].seq >= e.seq {
-                    st.set_disk(b, DiskEntry::FREE);
+                    st.mark_free(b);
                     continue;
                 }
-                st.set_disk(cur, DiskEntry::FREE);
-                st.entries[cur as usize].st = St::Free;
+                st.entries[cur as usize] = cache::Entry::FREE;
+                st.mark_free(cur);
             }
             st.map[ob as usize] = b;
-            st.disk[b as usize] = e;
             let en = &mut st.entries[b as usize];
             en.ob = ob;
             en.seq = e.seq;
@@ -374,10 +375,12 @@ impl Worker {
             st.pending_gen += 1;
             st.uncommitted = 0;
             st.dirty_since = None;
-            // Copy the dirty metadata blocks' entries, merged into runs;
-            // they are encoded after the lock is dropped (a memcpy under
-            // the lock instead of encoding up to 65536 entries there).
-            let mut copies: Vec<(u32, u32, Vec<DiskEntry>)> = Vec::new();
+            // Encode the dirty metadata blocks, merged into runs, from the
+            // entries' state (one tight pass per block; the data path keeps
+            // no image beside the entries).
+            let bss = sh.cfg.bs_sectors();
+            let n = sh.geo.n_blocks as usize;
+            let mut copies: Vec<(u32, Vec<u8>)> = Vec::new();
             if st.ndirty > 0 {
                 let nm = st.dirty.len() as u32;
                 let max = (MAX_RUN_BYTES as usize / MBLOCK_BYTES) as u32;
@@ -393,23 +396,17 @@ impl Worker {
                         m += 1;
                     }
                     let first = start as usize * ENTRIES_PER_MBLOCK;
-                    let last = (m as usize * ENTRIES_PER_MBLOCK).min(st.disk.len());
-                    copies.push((start, m - start, st.disk[first..last].to_vec()));
+                    let last = (m as usize * ENTRIES_PER_MBLOCK).min(n);
+                    let mut buf = vec![0u8; (m - start) as usize * MBLOCK_BYTES];
+                    for (b, out) in (first..last).zip(buf.chunks_exact_mut(ENTRY_BYTES as usize)) {
+                        st.disk_entry(b, bss).encode(out);
+                    }
+                    copies.push((start, buf));
                 }
                 st.ndirty = 0;
             }
             (gen, copies)
         };
-        let runs: Vec<(u32, Vec<u8>)> = runs
-            .into_iter()
-            .map(|(start, count, entries)| {
-                let mut buf = vec![0u8; count as usize * MBLOCK_BYTES];
-                for (i, out) in buf.chunks_mut(MBLOCK_BYTES).enumerate() {
-                    encode_mblock(&entries, i as u32, out);
-                }
-                (start, buf)
-            })
-            .collect();
         let left = Rc::new(Cell::new(runs.len() as u64 + 1));
         let ok = Rc::new(Cell::new(true));
         let then = Rc::new(Cell::new(then));
@@ -504,7 +501,7 @@ impl Worker {
                     if s != 0 && s <= gen {
                         st.entries[b as usize].st = St::FreePending;
                         st.entries[b as usize].aux = pg;
-                        st.set_disk(b, DiskEntry::FREE);
+                        st.mark_free(b);
                         st.free_pending.push(b);
                     } else {
                         keep.push(b);
@@ -577,7 +574,7 @@ impl Worker {
                 }
             }
             if e.st == St::Live && !e.wb && e.writes == 0 {
-                if e.seq != 0 && e.seq <= st.committed && !st.shadows.contains_key(&e.ob) {
+                if e.seq != 0 && e.seq <= st.committed && !st.shadowed(e.ob) {
                     out.push(b);
                 } else {
                     need_commit = true;
@@ -593,6 +590,8 @@ impl Worker {
             let e = &mut st.entries[b as usize];
             e.wb = true;
             e.reads += 1;
+            let ob = e.ob as usize;
+            st.wb_ob[ob] += 1;
         }
         st.wb_inflight += out.len() as u64;
         sh.wb_blocks.store(st.wb_inflight, Ordering::Relaxed);
@@ -625,6 +624,9 @@ impl Worker {
         }
         self.wb_busy.set(true);
         let v = Rc::new(v);
+        // One list for the whole batch, shared by its pieces (the last one
+        // to finish hands it on).
+        let all_blocks = Rc::new(blocks);
         let nruns = runs.len();
         let left = Rc::new(Cell::new(nruns as u64));
         let ok = Rc::new(Cell::new(true));
@@ -665,7 +667,7 @@ impl Worker {
                     (pieces_left.clone(), read_ok.clone(), held.clone());
                 let (left, ok, v) = (left.clone(), ok.clone(), v.clone());
                 let origin_sector = v[r.start].0 * bss;
-                let all_blocks: Vec<u32> = v.iter().map(|x| x.1).collect();
+                let all_blocks = all_blocks.clone();
                 let fua = sh.cfg.fua;
                 let done: Done = Box::new(move |s, _| {
                     read_ok.set(read_ok.get() && s.is_ok());
@@ -709,10 +711,10 @@ impl Worker {
 
     /// After the origin writes: flush the origin, then free the blocks (their
     /// free markers go in the next commit).
-    fn writeback_flush(self: &Rc<Self>, blocks: Vec<u32>, ok: bool) {
+    fn writeback_flush(self: &Rc<Self>, blocks: Rc<Vec<u32>>, ok: bool) {
         let me = self.clone();
         let origin_fua = self.shared.cfg.fua && self.shared.cfg.origin.caps().contains(Caps::FUA);
-        let finish = move |s: Status| me.writeback_done(blocks, ok && s.is_ok());
+        let finish = move |s: Status| me.writeback_done(&blocks, ok && s.is_ok());
         if !ok || origin_fua {
             return finish(Status::Ok);
         }
@@ -726,31 +728,32 @@ impl Worker {
         );
     }
 
-    fn writeback_done(self: &Rc<Self>, blocks: Vec<u32>, ok: bool) {
+    fn writeback_done(self: &Rc<Self>, blocks: &[u32], ok: bool) {
         let sh = &*self.shared;
         {
             let mut st = sh.lock();
             let pg = st.pending_gen;
-            for &b in &blocks {
+            for &b in blocks {
                 let e = &mut st.entries[b as usize];
                 e.wb = false;
                 e.reads -= 1;
-                let ob = e.ob;
-                if !ok {
+                let (ob, live) = (e.ob, e.st == St::Live);
+                st.wb_ob[ob as usize] -= 1;
+                if !ok || !live || st.map[ob as usize] != b {
+                    // Superseded while under writeback, it may have been
+                    // released meanwhile: its last pin frees it.
                     st.unpinned(b);
                     continue;
                 }
-                if e.st == St::Live && st.map[ob as usize] == b {
-                    st.map[ob as usize] = NONE;
-                    st.lru_remove(b);
-                    st.live -= 1;
-                    let e = &mut st.entries[b as usize];
-                    e.st = St::FreePending;
-                    e.aux = pg;
-                    st.set_disk(b, DiskEntry::FREE);
-                    st.free_pending.push(b);
-                    st.shadow_add(ob);
-                }
+                st.map[ob as usize] = NONE;
+                st.lru_remove(b);
+                st.live -= 1;
+                let e = &mut st.entries[b as usize];
+                e.st = St::FreePending;
+                e.aux = pg;
+                st.mark_free(b);
+                st.free_pending.push(b);
+                st.shadow_add(ob);
             }
             if !ok {
                 self.fail(&mut st);
