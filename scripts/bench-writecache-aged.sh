@@ -29,8 +29,11 @@ PASSES=${2:-4}
 shift $(( $# > 2 ? 2 : $# ))
 SIZES=("$@")
 [ ${#SIZES[@]} -gt 0 ] || SIZES=(512 1024 2048 4096 8192 16384 32768 65536)
-cargo build --release -q -p udm
-UDM=./target/release/udm
+# UDM=path measures another build (e.g. a saved copy of a baseline).
+if [ -z "${UDM:-}" ]; then
+    cargo build --release -q -p udm
+    UDM=./target/release/udm
+fi
 D=${SHM:-/dev/shm}/udm-wc-aged.$$
 mkdir -p "$D"
 trap 'rm -rf "$D"' EXIT
