@@ -6,7 +6,7 @@
 //! `max_age`. Writeback takes the oldest committed blocks, sorts them by
 //! origin sector and merges neighbours into large origin writes.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
@@ -24,8 +24,26 @@ use super::meta::{DiskEntry, Super, ENTRIES_PER_MBLOCK, ENTRY_BYTES, MBLOCK_BYTE
 const BATCH_BYTES: u64 = 16 << 20;
 /// Largest origin write writeback issues.
 const MAX_RUN_BYTES: u64 = 1 << 20;
+/// Most writeback buffers (each up to MAX_RUN_BYTES) kept for reuse.
+const MAX_SPARE_BUFS: usize = 16;
 
 type Done = Box<dyn FnOnce(Status, Vec<u8>)>;
+
+/// Blocks contiguous both on the origin and on the cache.
+#[derive(Clone, Copy, Debug)]
+struct Run {
+    ob: u64,
+    b: u32,
+    len: u32,
+}
+
+/// What one writeback pass took: its blocks (pinned, in list order) and
+/// the same blocks as runs.
+#[derive(Default)]
+struct Batch {
+    blocks: Vec<u32>,
+    runs: Vec<Run>,
+}
 
 struct IoCtx {
     buf: Vec<u8>,
@@ -41,6 +59,11 @@ pub(crate) struct Worker {
     commit_busy: Cell<bool>,
     wb_busy: Cell<bool>,
     cache_fua: bool,
+    /// Writeback buffers handed back after their origin write, reused so
+    /// that a buffer is zeroed once, not per group (zeroing every group's
+    /// buffer before the cache reads overwrite it cost the worker a third
+    /// of its instructions at 512-byte blocks).
+    bufs: RefCell<Vec<Vec<u8>>>,
 }
 
 fn io_done(bio: BioPtr) {
@@ -532,7 +555,7 @@ impl Worker {
     // -------------------------------------------------------------------
 
     /// Picks the oldest committed blocks that may go back, up to a batch.
-    fn pick(&self, st: &mut State, now: Instant) -> Vec<u32> {
+    fn pick(&self, st: &mut State, now: Instant) -> Batch {
         let sh = &*self.shared;
         let n = sh.geo.n_blocks as u64;
         let used = st.used(n);
@@ -552,13 +575,14 @@ impl Worker {
                 .saturating_sub(a.as_millis().min(u32::MAX as u128) as u32)
         });
         if !all && !by_watermark && age_limit.is_none() {
-            return Vec::new();
+            return Batch::default();
         }
         let mut max = (BATCH_BYTES / sh.cfg.block_size as u64).max(1);
         if sh.cfg.writeback_jobs > 0 {
             max = max.min((sh.cfg.writeback_jobs as u64).saturating_sub(st.wb_inflight));
         }
         let mut out = Vec::new();
+        let mut runs: Vec<Run> = Vec::new();
         let mut b = st.lru_head;
         let mut scanned = 0u64;
         let mut need_commit = false;
@@ -576,6 +600,20 @@ impl Worker {
             if e.st == St::Live && !e.wb && e.writes == 0 {
                 if e.seq != 0 && e.seq <= st.committed && !st.shadowed(e.ob) {
                     out.push(b);
+                    // The origin block is read here anyway: runs are built
+                    // now, so writeback sorts and merges without the lock
+                    // and per run, not per block (blocks written together
+                    // sit together in the list, on the cache and on the
+                    // origin: a 512 KiB write of 512-byte blocks is one run,
+                    // not 1024 entries to sort).
+                    match runs.last_mut() {
+                        Some(r) if r.b + r.len == b && r.ob + r.len as u64 == e.ob => r.len += 1,
+                        _ => runs.push(Run {
+                            ob: e.ob,
+                            b,
+                            len: 1,
+                        }),
+                    }
                 } else {
                     need_commit = true;
                 }
@@ -595,78 +633,79 @@ impl Worker {
         }
         st.wb_inflight += out.len() as u64;
         sh.wb_blocks.store(st.wb_inflight, Ordering::Relaxed);
-        out
+        Batch { blocks: out, runs }
     }
 
-    fn writeback(self: &Rc<Self>, blocks: Vec<u32>) {
+    fn writeback(self: &Rc<Self>, batch: Batch) {
         let sh = self.shared.clone();
-        let bs = sh.cfg.block_size as u64;
+        let bs = sh.cfg.block_size as usize;
         let bss = sh.cfg.bs_sectors();
-        // Sort by origin block; group runs contiguous on the origin.
-        let mut v: Vec<(u64, u32)> = {
-            let st = sh.lock();
-            blocks
-                .iter()
-                .map(|&b| (st.entries[b as usize].ob, b))
-                .collect()
-        };
-        v.sort_unstable();
-        let max_run = (MAX_RUN_BYTES / bs).max(1) as usize;
-        let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
-        let mut i = 0;
-        while i < v.len() {
-            let mut j = i + 1;
-            while j < v.len() && v[j].0 == v[j - 1].0 + 1 && j - i < max_run {
-                j += 1;
+        let Batch { blocks, mut runs } = batch;
+        // Sort by origin block (runs never overlap on the origin: a block
+        // has one live copy) and group runs contiguous on the origin into
+        // origin writes of at most MAX_RUN_BYTES; a group reads each of its
+        // runs (contiguous on the cache) into its part of one buffer.
+        runs.sort_unstable_by_key(|r| r.ob);
+        let max_run = (MAX_RUN_BYTES / bs as u64).max(1) as u32;
+        let mut groups: Vec<(u64, u32, Vec<Run>)> = Vec::new();
+        for mut r in runs {
+            while r.len > 0 {
+                let open = groups
+                    .last()
+                    .is_some_and(|g| g.0 + g.1 as u64 == r.ob && g.1 < max_run);
+                if !open {
+                    groups.push((r.ob, 0, Vec::new()));
+                }
+                let g = groups.last_mut().expect("a group was just ensured");
+                let take = r.len.min(max_run - g.1);
+                match g.2.last_mut() {
+                    // Contiguous on the cache as well: one read.
+                    Some(p) if p.b + p.len == r.b => p.len += take,
+                    _ => g.2.push(Run {
+                        ob: r.ob,
+                        b: r.b,
+                        len: take,
+                    }),
+                }
+                g.1 += take;
+                r.ob += take as u64;
+                r.b += take;
+                r.len -= take;
             }
-            runs.push(i..j);
-            i = j;
         }
         self.wb_busy.set(true);
-        let v = Rc::new(v);
         // One list for the whole batch, shared by its pieces (the last one
         // to finish hands it on).
         let all_blocks = Rc::new(blocks);
-        let nruns = runs.len();
-        let left = Rc::new(Cell::new(nruns as u64));
+        let left = Rc::new(Cell::new(groups.len() as u64));
         let ok = Rc::new(Cell::new(true));
-        for r in runs {
-            // Read the run's cache pieces into one buffer (one read per
-            // piece contiguous on the cache), then write it in one go.
-            let len = r.len();
-            let buf = vec![0u8; len * bs as usize];
-            let base_ptr = buf.as_ptr() as *mut u8;
-            let pieces_left = Rc::new(Cell::new(0u64));
+        for (first_ob, len, pieces) in groups {
+            let n = len as usize * bs;
+            let mut buf = self.bufs.borrow_mut().pop().unwrap_or_default();
+            // Shrinking keeps the bytes; only growth is zeroed.
+            buf.resize(n, 0);
+            let base_ptr = buf.as_mut_ptr();
+            let pieces_left = Rc::new(Cell::new(pieces.len() as u64));
             let read_ok = Rc::new(Cell::new(true));
             let held = Rc::new(Cell::new(Some(buf)));
-            let mut k = r.start;
-            let mut pieces = Vec::new();
-            while k < r.end {
-                let mut m = k + 1;
-                while m < r.end && v[m].1 == v[m - 1].1 + 1 {
-                    m += 1;
-                }
-                pieces.push((k, m));
-                k = m;
-            }
-            pieces_left.set(pieces.len() as u64);
-            for (a, z) in pieces {
+            let origin_sector = first_ob * bss;
+            for p in pieces {
                 let mut bio = self.reactor().alloc_bio();
                 bio.op = Op::Read;
-                bio.sector = sh.cache_sector(v[a].1);
-                // SAFETY: the run's buffer is kept in `held` until the last
-                // piece completes (below), and pieces are disjoint ranges of it.
+                bio.sector = sh.cache_sector(p.b);
+                // SAFETY: the group's buffer is kept in `held` until the
+                // last piece completes (below), and pieces are disjoint
+                // ranges of it.
                 unsafe {
                     bio.add_seg(
-                        base_ptr.add((a - r.start) * bs as usize),
-                        (z - a) * bs as usize,
+                        base_ptr.add((p.ob - first_ob) as usize * bs),
+                        p.len as usize * bs,
                     )
                 };
                 let me = self.clone();
                 let (pieces_left, read_ok, held) =
                     (pieces_left.clone(), read_ok.clone(), held.clone());
-                let (left, ok, v) = (left.clone(), ok.clone(), v.clone());
-                let origin_sector = v[r.start].0 * bss;
+                let (left, ok) = (left.clone(), ok.clone());
                 let all_blocks = all_blocks.clone();
                 let fua = sh.cfg.fua;
                 let done: Done = Box::new(move |s, _| {
@@ -686,13 +725,25 @@ impl Worker {
                     }
                     let flags = if fua { BioFlags::FUA } else { BioFlags::NONE };
                     let me2 = me.clone();
-                    me.io(false, Op::Write, flags, origin_sector, buf, move |s, _| {
-                        ok.set(ok.get() && s.is_ok());
-                        left.set(left.get() - 1);
-                        if left.get() == 0 {
-                            me2.writeback_flush(all_blocks, ok.get());
-                        }
-                    });
+                    me.io(
+                        false,
+                        Op::Write,
+                        flags,
+                        origin_sector,
+                        buf,
+                        move |s, buf| {
+                            let mut spare = me2.bufs.borrow_mut();
+                            if spare.len() < MAX_SPARE_BUFS {
+                                spare.push(buf);
+                            }
+                            drop(spare);
+                            ok.set(ok.get() && s.is_ok());
+                            left.set(left.get() - 1);
+                            if left.get() == 0 {
+                                me2.writeback_flush(all_blocks, ok.get());
+                            }
+                        },
+                    );
                 });
                 self.inflight.set(self.inflight.get() + 1);
                 let me3 = self.clone();
@@ -785,11 +836,11 @@ impl Worker {
             let mut st = sh.lock();
             if !st.ready || st.error != 0 {
                 // Parked bios must still hear about the error.
-                (false, Vec::new())
+                (false, Batch::default())
             } else {
                 // Pick first: it may find that writeback needs a commit.
                 let batch = if self.wb_busy.get() {
-                    Vec::new()
+                    Batch::default()
                 } else {
                     self.pick(&mut st, now)
                 };
@@ -806,7 +857,7 @@ impl Worker {
         if commit {
             self.start_commit(None);
         }
-        if !batch.is_empty() {
+        if !batch.blocks.is_empty() {
             self.writeback(batch);
         }
     }
@@ -911,6 +962,7 @@ fn run(sh: Arc<Shared>, tx: mpsc::Sender<Result<(), Error>>) {
         commit_busy: Cell::new(false),
         wb_busy: Cell::new(false),
         cache_fua: sh.cfg.cache.caps().contains(Caps::FUA),
+        bufs: RefCell::new(Vec::new()),
     });
     let result: Rc<Cell<Option<Result<(), Error>>>> = Rc::new(Cell::new(None));
     w.load(result.clone());
