@@ -174,3 +174,39 @@ fn replies_larger_than_the_socket_buffer_finish_on_the_ring_intact() {
     let (direct, ring) = sends(&log);
     assert!(direct > 0 && ring > 0, "{log}");
 }
+
+#[test]
+fn a_unix_client_behind_by_eight_128k_replies_does_not_push_sends_onto_the_ring() {
+    // The server asks for a 1 MiB send buffer, which the kernel caps at
+    // net.core.wmem_max: only meaningful where that allows it.
+    let wmem_max: usize = std::fs::read_to_string("/proc/sys/net/core/wmem_max")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0);
+    if wmem_max < 1 << 20 {
+        eprintln!("skipped: net.core.wmem_max is {wmem_max}");
+        return;
+    }
+    let s = server();
+    let mut c = Client::connect(&s);
+    const N: u64 = 8;
+    const LEN: usize = 128 << 10;
+    for i in 0..N {
+        c.request(CMD_WRITE, i, i * LEN as u64, LEN as u32);
+        c.send(&pattern(i, LEN));
+        assert_eq!(c.reply(), i);
+    }
+    // fio's 128 KiB QD8 job, with the client slow to read: the default
+    // 208 KiB buffer would fill after one and a half replies.
+    for i in 0..N {
+        c.request(CMD_READ, 1000 + i, i * LEN as u64, LEN as u32);
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    for _ in 0..N {
+        let i = c.reply() - 1000;
+        assert!(c.read(LEN) == pattern(i, LEN), "read {i}: wrong data");
+    }
+    c.disconnect();
+    let log = s.wait_log("closed: client disconnected", 1);
+    assert_eq!(sends(&log).1, 0, "{log}");
+}
