@@ -13,6 +13,14 @@
 #   SERVERS="udm udm-null nbdkit-null" JOBS="randwrite-4k-qd32" picks a subset
 #   (udm-null: udm over the null backend, the server's cost without storing data;
 #   udm-b: the udm binary at $UDM_B, to compare two builds side by side)
+#   PIN=same runs server and fio on CPU 0, PIN=split the server on CPU 1 and fio
+#   on CPU 0. Unpinned (the default), QD1 figures follow where the scheduler puts
+#   the two: on one vCPU a request costs no cross-CPU wakeup, on two it costs two
+#   wakeups of an idle vCPU (tens of microseconds each in a VM), so a run's QD1
+#   IOPS swing with placement; PIN shows each case on its own.
+# The "other%" column is the CPU that neither the server nor fio used during the
+# job (other processes on the machine), in % of one CPU: rows with a high value
+# were measured on a busy machine.
 set -euo pipefail
 ROUNDS=${1:-3}
 RUNTIME=${2:-4}
@@ -33,6 +41,12 @@ trap cleanup EXIT
 truncate -s 1G "$IMG"
 TCK=$(getconf CLK_TCK)
 SERVERS=${SERVERS:-"udm udm-hybrid nbdkit-memory qemu-nbd qsd nbdkit-null"}
+case ${PIN:-} in
+"") SPIN=(); CPIN=() ;;
+same) SPIN=(taskset -c 0); CPIN=(taskset -c 0) ;;
+split) SPIN=(taskset -c 1); CPIN=(taskset -c 0) ;;
+*) echo "bench-nbd: PIN=same or PIN=split" >&2; exit 2 ;;
+esac
 JOBS=${JOBS:-"randread-4k-qd1 randread-4k-qd32 randwrite-4k-qd32 read-128k-qd8"}
 
 start() { # server -> sets PID and URI
@@ -40,32 +54,32 @@ start() { # server -> sets PID and URI
     rm -f "$sock"
     case $s in
     udm)
-        "$UDM" serve --dev ram0=ram:1G --dev 'lin=0 2097152 linear ram0 0' \
+        "${SPIN[@]}" "$UDM" serve --dev ram0=ram:1G --dev 'lin=0 2097152 linear ram0 0' \
             --listen "unix:$sock" >"$W/$s.log" 2>&1 &
         URI="nbd+unix:///lin?socket=$sock" ;;
     udm-b) # another build of udm, for A/B runs: UDM_B=/path/to/udm
-        "${UDM_B:?udm-b needs UDM_B=/path/to/udm}" serve --dev ram0=ram:1G \
+        "${SPIN[@]}" "${UDM_B:?udm-b needs UDM_B=/path/to/udm}" serve --dev ram0=ram:1G \
             --dev 'lin=0 2097152 linear ram0 0' --listen "unix:$sock" >"$W/$s.log" 2>&1 &
         URI="nbd+unix:///lin?socket=$sock" ;;
     udm-hybrid) # reactors spin 50 us after their last work, then sleep
-        "$UDM" serve --hybrid 50 --dev ram0=ram:1G --dev 'lin=0 2097152 linear ram0 0' \
+        "${SPIN[@]}" "$UDM" serve --hybrid 50 --dev ram0=ram:1G --dev 'lin=0 2097152 linear ram0 0' \
             --listen "unix:$sock" >"$W/$s.log" 2>&1 &
         URI="nbd+unix:///lin?socket=$sock" ;;
     udm-null) # the server's own cost: no data stored
-        "$UDM" serve --dev null0=null:1G --dev 'lin=0 2097152 linear null0 0' \
+        "${SPIN[@]}" "$UDM" serve --dev null0=null:1G --dev 'lin=0 2097152 linear null0 0' \
             --listen "unix:$sock" >"$W/$s.log" 2>&1 &
         URI="nbd+unix:///lin?socket=$sock" ;;
     nbdkit-memory)
-        nbdkit -f -U "$sock" --filter=offset memory 1G offset=0 range=1G >"$W/$s.log" 2>&1 &
+        "${SPIN[@]}" nbdkit -f -U "$sock" --filter=offset memory 1G offset=0 range=1G >"$W/$s.log" 2>&1 &
         URI="nbd+unix:///?socket=$sock" ;;
     nbdkit-null)
-        nbdkit -f -U "$sock" null 1G >"$W/$s.log" 2>&1 &
+        "${SPIN[@]}" nbdkit -f -U "$sock" null 1G >"$W/$s.log" 2>&1 &
         URI="nbd+unix:///?socket=$sock" ;;
     qemu-nbd)
-        qemu-nbd -f raw -t -e 4 --socket="$sock" "$IMG" >"$W/$s.log" 2>&1 &
+        "${SPIN[@]}" qemu-nbd -f raw -t -e 4 --socket="$sock" "$IMG" >"$W/$s.log" 2>&1 &
         URI="nbd+unix:///?socket=$sock" ;;
     qsd)
-        qemu-storage-daemon \
+        "${SPIN[@]}" qemu-storage-daemon \
             --blockdev driver=file,node-name=file0,filename="$IMG" \
             --blockdev driver=raw,node-name=disk0,file=file0 \
             --nbd-server addr.type=unix,addr.path="$sock" \
@@ -80,11 +94,12 @@ start() { # server -> sets PID and URI
 stop() { kill "$PID" 2>/dev/null; wait "$PID" 2>/dev/null || true; PID=; }
 
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$PID/stat"; }
+busy_ticks() { awk '/^cpu /{print $2 + $3 + $4 + $7 + $8 + $9}' /proc/stat; }
 
 run_job() { # job -> fio json on stdout
     local rw bs qd
     IFS=- read -r rw bs qd <<<"$1"
-    fio --name=j --ioengine=nbd --uri="$URI" --rw="$rw" --bs="$bs" --iodepth="${qd#qd}" \
+    "${CPIN[@]}" fio --name=j --ioengine=nbd --uri="$URI" --rw="$rw" --bs="$bs" --iodepth="${qd#qd}" \
         --size=1G --time_based --runtime="$RUNTIME" --norandommap --randrepeat=0 \
         --output-format=json
 }
@@ -94,12 +109,12 @@ for r in $(seq "$ROUNDS"); do
     for s in $SERVERS; do
         start "$s"
         for j in $JOBS; do
-            c0=$(cpu_ticks)
+            c0=$(cpu_ticks); b0=$(busy_ticks)
             run_job "$j" >"$W/out.json"
-            c1=$(cpu_ticks)
-            python3 - "$W/out.json" "$s" "$j" "$r" "$c0" "$c1" "$TCK" >>"$RES" <<'PY'
+            c1=$(cpu_ticks); b1=$(busy_ticks)
+            python3 - "$W/out.json" "$s" "$j" "$r" "$c0" "$c1" "$TCK" "$b0" "$b1" "$RUNTIME" >>"$RES" <<'PY'
 import json, sys
-f, s, j, r, c0, c1, tck = sys.argv[1:]
+f, s, j, r, c0, c1, tck, b0, b1, rt = sys.argv[1:]
 t = open(f).read()
 # the nbd engine prints a line of its own before the JSON
 d = json.loads(t[t.index("{"):])["jobs"][0]
@@ -107,7 +122,10 @@ side = d["read"] if d["read"]["total_ios"] > 0 else d["write"]
 ios = side["total_ios"]
 p99 = side["clat_ns"]["percentile"].get("99.000000", 0) / 1000
 cpu = (int(c1) - int(c0)) / int(tck)
-print(f"{s}\t{j}\t{r}\t{side['iops']:.0f}\t{p99:.1f}\t{cpu / max(ios, 1) * 1e6:.2f}")
+# CPU used by neither the server nor fio (fio's usr/sys are % of the run)
+fio_cpu = (d["usr_cpu"] + d["sys_cpu"]) / 100 * float(rt)
+other = ((int(b1) - int(b0)) / int(tck) - cpu - fio_cpu) / float(rt) * 100
+print(f"{s}\t{j}\t{r}\t{side['iops']:.0f}\t{p99:.1f}\t{cpu / max(ios, 1) * 1e6:.2f}\t{max(other, 0):.0f}")
 PY
         done
         stop
@@ -120,13 +138,13 @@ import sys, statistics as st
 rows = [l.split("\t") for l in open(sys.argv[1]).read().splitlines()]
 servers, jobs = sys.argv[2].split(), sys.argv[3].split()
 print(f"medians of {len(set(r[2] for r in rows))} rounds; CPU = server CPU seconds per million I/Os")
-print(f"{'job':20} {'server':15} {'IOPS':>9} {'p99 us':>9} {'CPU s/MIO':>10}")
+print(f"{'job':20} {'server':15} {'IOPS':>9} {'p99 us':>9} {'CPU s/MIO':>10} {'other%':>7}")
 for j in jobs:
     for s in servers:
         v = [r for r in rows if r[0] == s and r[1] == j]
         if not v:
             continue
         med = lambda i: st.median(float(x[i]) for x in v)
-        print(f"{j:20} {s:15} {med(3):9.0f} {med(4):9.1f} {med(5):10.2f}")
+        print(f"{j:20} {s:15} {med(3):9.0f} {med(4):9.1f} {med(5):10.2f} {med(6):7.0f}")
     print()
 PY

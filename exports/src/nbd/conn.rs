@@ -17,7 +17,10 @@
 //! - Replies go out in completion order. One sendmsg is in flight at a
 //!   time; replies that complete meanwhile are batched into the next one, as
 //!   iovecs pointing at each request's header and, for reads, its buffer:
-//!   read data is never copied into a send buffer.
+//!   read data is never copied into a send buffer. A batch is first offered
+//!   to the socket with a non-blocking sendmsg at the end of the turn; only
+//!   what the socket buffer cannot take goes to the ring, which sends it as
+//!   room appears.
 //! - Requests and their buffers are recycled per connection, so steady state
 //!   allocates nothing per request.
 //! - A connection is freed only by the [`Worker`]'s poller, once no recv,
@@ -184,7 +187,6 @@ impl Poller for Worker {
         }
         let mut batch = std::mem::take(&mut *self.scratch.borrow_mut());
         std::mem::swap(&mut batch, &mut *self.dirty.borrow_mut());
-        let n = batch.len();
         for &c in &batch {
             // SAFETY: a connection in the dirty list is live: only this loop
             // frees connections, and only after taking them off the list.
@@ -203,7 +205,13 @@ impl Poller for Worker {
         }
         batch.clear();
         *self.scratch.borrow_mut() = batch;
-        n
+        // Reported as no work: the reactor gives a poller that did work
+        // another turn before it sleeps, which here would cost an extra
+        // io_uring_enter per reply (a submit, then the wait). Nothing is
+        // lost by sleeping: a connection dirtied during the flush keeps
+        // must_spin true, and bios it submitted are queued completions or
+        // ring operations, both of which the reactor checks before waiting.
+        0
     }
 
     fn must_spin(&self) -> bool {
@@ -267,6 +275,8 @@ pub fn start(worker: &Rc<Worker>, fd: OwnedFd, peer: String, id: u64) {
         blocked: false,
         requests: 0,
         refused: 0,
+        sends_direct: 0,
+        sends_ring: 0,
         export: None,
     });
     let p = Box::into_raw(conn);
@@ -401,6 +411,10 @@ pub struct Conn {
     blocked: bool,
     requests: u64,
     refused: u64,
+    /// Batches the socket took whole or in part from a direct sendmsg.
+    sends_direct: u64,
+    /// Sends handed to the ring (the socket was full, or a batch's rest).
+    sends_ring: u64,
     export: Option<String>,
 }
 
@@ -476,11 +490,13 @@ impl Conn {
     fn log_close(&self) {
         let export = self.export.as_deref().unwrap_or("-");
         eprintln!(
-            "{}: export '{}': {} requests ({} refused); closed: {}",
+            "{}: export '{}': {} requests ({} refused); sends: {} direct, {} on the ring; closed: {}",
             self.tag(),
             export,
             self.requests,
             self.refused,
+            self.sends_direct,
+            self.sends_ring,
             self.closing.as_deref().unwrap_or("?")
         );
     }
@@ -1009,12 +1025,54 @@ impl Conn {
         if self.iov.is_empty() {
             return;
         }
-        self.push_send();
+        self.send_direct();
+    }
+
+    /// Offers the batch to the socket with a plain non-blocking sendmsg and
+    /// hands only what it did not take to the ring. On an idle socket (QD1,
+    /// and most batches) that is all of it: the reply leaves in this turn,
+    /// with no SQE, no CQE and no second io_uring_enter to reap the send's
+    /// completion before the reactor can sleep; the client is woken while
+    /// the server goes straight to its wait. Ordering is kept because this
+    /// runs only when no ring send is in flight (flush_sends' guard).
+    fn send_direct(&mut self) {
+        self.point_msg();
+        // SAFETY: msg names iov[iov_at..], whose buffers (hs_sending, the
+        // headers and buffers of the `sending` requests) are live; the
+        // kernel copies from them before the call returns.
+        let n = unsafe {
+            libc::sendmsg(
+                self.fd.as_raw_fd(),
+                &self.msg,
+                libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+            )
+        };
+        if n < 0 {
+            let err = std::io::Error::last_os_error();
+            match err.raw_os_error() {
+                // A full socket buffer (or a signal): the ring waits for room.
+                Some(libc::EAGAIN) | Some(libc::EINTR) => self.push_send(),
+                Some(e) => self.send_failed(format!("send: {}", errno_str(-e))),
+                None => self.push_send(),
+            }
+            return;
+        }
+        self.sends_direct += 1;
+        // A partial send (the socket buffer filled up): the rest through
+        // the ring, which sends it as room appears.
+        if !self.advance_sent(n as usize) {
+            self.push_send();
+        }
+    }
+
+    fn point_msg(&mut self) {
+        self.msg.msg_iov = self.iov[self.iov_at..].as_mut_ptr();
+        self.msg.msg_iovlen = self.iov.len() - self.iov_at;
     }
 
     fn push_send(&mut self) {
-        self.msg.msg_iov = self.iov[self.iov_at..].as_mut_ptr();
-        self.msg.msg_iovlen = self.iov.len() - self.iov_at;
+        self.point_msg();
+        self.sends_ring += 1;
         let e = opcode::SendMsg::new(types::Fd(self.fd.as_raw_fd()), &self.msg)
             .flags((libc::MSG_NOSIGNAL | libc::MSG_WAITALL) as u32)
             .build();
@@ -1032,23 +1090,24 @@ impl Conn {
 
     fn on_sent(&mut self, res: i32) {
         if res <= 0 {
-            self.write_dead = true;
-            let why = if res == 0 {
+            self.send_failed(if res == 0 {
                 "send: no progress".to_string()
             } else {
                 format!("send: {}", errno_str(res))
-            };
-            self.hs_sending.clear();
-            let sent: Vec<*mut Req> = self.sending.drain(..).collect();
-            for r in sent {
-                self.recycle(r);
-            }
-            self.begin_close(why);
-            // SAFETY: plain syscall on our own socket; wakes a pending recv.
-            unsafe { libc::shutdown(self.fd.as_raw_fd(), libc::SHUT_RDWR) };
+            });
             return;
         }
-        let mut left = res as usize;
+        if !self.advance_sent(res as usize) {
+            // A short send: the rest, from where it stopped.
+            self.push_send();
+        }
+    }
+
+    /// Accounts for `n` bytes of the batch sent. Returns true when the
+    /// batch is done (its requests are recycled); otherwise the iovecs now
+    /// start at the first byte not yet sent.
+    fn advance_sent(&mut self, n: usize) -> bool {
+        let mut left = n;
         while left > 0 && self.iov_at < self.iov.len() {
             let v = &mut self.iov[self.iov_at];
             if left >= v.iov_len {
@@ -1062,14 +1121,27 @@ impl Conn {
             }
         }
         if self.iov_at < self.iov.len() {
-            // A short send: the rest, from where it stopped.
-            self.push_send();
-            return;
+            return false;
         }
         self.hs_sending.clear();
         while let Some(r) = self.sending.pop() {
             self.recycle(r);
         }
+        true
+    }
+
+    /// The socket can no longer be written: the batch is dropped and the
+    /// connection closes.
+    fn send_failed(&mut self, why: String) {
+        self.write_dead = true;
+        self.hs_sending.clear();
+        let sent: Vec<*mut Req> = self.sending.drain(..).collect();
+        for r in sent {
+            self.recycle(r);
+        }
+        self.begin_close(why);
+        // SAFETY: plain syscall on our own socket; wakes a pending recv.
+        unsafe { libc::shutdown(self.fd.as_raw_fd(), libc::SHUT_RDWR) };
     }
 }
 
