@@ -6,8 +6,8 @@
 # Jobs: 4k randread QD1, 4k randread QD32, 4k randwrite QD32, 128k read QD8.
 # Per server and job: IOPS, p99 completion latency, and the server's CPU
 # seconds per million I/Os (utime+stime of /proc/PID/stat, all threads).
-# Each round starts every server in turn and runs every job on it; the
-# report gives the median over rounds.
+# Each round starts every server in turn (a different one first each round)
+# and runs every job on it; the report gives the median over rounds.
 #
 # usage: scripts/bench-nbd.sh [ROUNDS=3] [RUNTIME_S=4]
 #   SERVERS="udm udm-null nbdkit-null" JOBS="randwrite-4k-qd32" picks a subset
@@ -105,8 +105,13 @@ run_job() { # job -> fio json on stdout
 }
 
 RES=$W/results.tsv
+read -r -a SRV <<<"$SERVERS"
 for r in $(seq "$ROUNDS"); do
-    for s in $SERVERS; do
+    # Each round starts with a different server, so no server always runs
+    # first: in two runs the first server's 4 KiB writes measured 0.8x of
+    # the same build run second, and swapping the order evened them.
+    ORDER=("${SRV[@]:$(((r - 1) % ${#SRV[@]}))}" "${SRV[@]:0:$(((r - 1) % ${#SRV[@]}))}")
+    for s in "${ORDER[@]}"; do
         start "$s"
         for j in $JOBS; do
             c0=$(cpu_ticks); b0=$(busy_ticks)
