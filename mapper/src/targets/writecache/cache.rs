@@ -332,6 +332,22 @@ impl State {
         false
     }
 
+    /// Unmaps live block `b`, cached for origin block `ob`, and frees it
+    /// with a marker in the pending commit: its space is reused only once
+    /// that marker is durable (written back or discarded alike).
+    pub fn release_live(&mut self, b: u32, ob: u64) {
+        self.map[ob as usize] = NONE;
+        self.lru_remove(b);
+        self.live -= 1;
+        let pg = self.pending_gen;
+        let e = &mut self.entries[b as usize];
+        e.st = St::FreePending;
+        e.aux = pg;
+        self.mark_free(b);
+        self.free_pending.push(b);
+        self.shadow_add(ob);
+    }
+
     pub fn shadow_add(&mut self, ob: u64) {
         // At most a few per block: one per generation that superseded or
         // freed it, and each marker is durable two commits later.
@@ -723,7 +739,6 @@ impl WcChannel {
 /// bringing back data older than this block's).
 fn drop_range(st: &mut State, ob0: u64, n: u64) -> (bool, bool) {
     let (mut dropped, mut left) = (false, false);
-    let pg = st.pending_gen;
     let end = ob0 + n;
     let mut ob = ob0;
     while ob < end {
@@ -744,15 +759,7 @@ fn drop_range(st: &mut State, ob0: u64, n: u64) -> (bool, bool) {
             left = true;
             continue;
         }
-        st.map[this as usize] = NONE;
-        st.lru_remove(b);
-        st.live -= 1;
-        let e = &mut st.entries[b as usize];
-        e.st = St::FreePending;
-        e.aux = pg;
-        st.mark_free(b);
-        st.free_pending.push(b);
-        st.shadow_add(this);
+        st.release_live(b, this);
         dropped = true;
     }
     (dropped, left)

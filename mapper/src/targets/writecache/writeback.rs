@@ -796,15 +796,7 @@ impl Worker {
                     st.unpinned(b);
                     continue;
                 }
-                st.map[ob as usize] = NONE;
-                st.lru_remove(b);
-                st.live -= 1;
-                let e = &mut st.entries[b as usize];
-                e.st = St::FreePending;
-                e.aux = pg;
-                st.mark_free(b);
-                st.free_pending.push(b);
-                st.shadow_add(ob);
+                st.release_live(b, ob);
             }
             if !ok {
                 self.fail(&mut st);
