@@ -144,24 +144,31 @@ fn replies_to_a_client_that_waits_for_each_leave_by_direct_sendmsg_alone() {
     assert!(direct >= 40, "{log}");
 }
 
+/// Writes `n` blocks of `len` bytes (pattern `i` at block `i`), then asks
+/// for all of them back at once (cookies 1000 + i) and leaves the replies
+/// unread for a while, so the server meets a slow reader.
+fn write_then_leave_reads_unread(c: &mut Client, n: u64, len: usize) {
+    for i in 0..n {
+        c.request(CMD_WRITE, i, i * len as u64, len as u32);
+        c.send(&pattern(i, len));
+        assert_eq!(c.reply(), i);
+    }
+    for i in 0..n {
+        c.request(CMD_READ, 1000 + i, i * len as u64, len as u32);
+    }
+    std::thread::sleep(Duration::from_millis(200));
+}
+
 #[test]
 fn replies_larger_than_the_socket_buffer_finish_on_the_ring_intact() {
     let s = server();
     let mut c = Client::connect(&s);
     const N: u64 = 16;
     const LEN: usize = 1 << 20;
-    for i in 0..N {
-        c.request(CMD_WRITE, i, i * LEN as u64, LEN as u32);
-        c.send(&pattern(i, LEN));
-        assert_eq!(c.reply(), i);
-    }
     // 16 MiB of reads requested at once and not read for a while: the
     // direct sendmsg fills the socket buffer and stops part-way (or finds
     // it full), and the ring carries the rest as the client drains it.
-    for i in 0..N {
-        c.request(CMD_READ, 1000 + i, i * LEN as u64, LEN as u32);
-    }
-    std::thread::sleep(Duration::from_millis(200));
+    write_then_leave_reads_unread(&mut c, N, LEN);
     let mut seen = vec![false; N as usize];
     for _ in 0..N {
         let i = c.reply() - 1000;
@@ -191,17 +198,9 @@ fn a_unix_client_behind_by_eight_128k_replies_does_not_push_sends_onto_the_ring(
     let mut c = Client::connect(&s);
     const N: u64 = 8;
     const LEN: usize = 128 << 10;
-    for i in 0..N {
-        c.request(CMD_WRITE, i, i * LEN as u64, LEN as u32);
-        c.send(&pattern(i, LEN));
-        assert_eq!(c.reply(), i);
-    }
     // fio's 128 KiB QD8 job, with the client slow to read: the default
     // 208 KiB buffer would fill after one and a half replies.
-    for i in 0..N {
-        c.request(CMD_READ, 1000 + i, i * LEN as u64, LEN as u32);
-    }
-    std::thread::sleep(Duration::from_millis(200));
+    write_then_leave_reads_unread(&mut c, N, LEN);
     for _ in 0..N {
         let i = c.reply() - 1000;
         assert!(c.read(LEN) == pattern(i, LEN), "read {i}: wrong data");
