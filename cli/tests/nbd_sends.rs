@@ -6,83 +6,30 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::os::unix::net::UnixStream;
+use std::io::Read;
 use std::time::Duration;
 
+use common::raw::{Raw, CMD_DISC, CMD_READ, CMD_WRITE};
 use common::Serve;
 
-const IHAVEOPT: u64 = 0x4948_4156_454F_5054;
-const OPT_GO: u32 = 7;
-const REP_ACK: u32 = 1;
-const CMD_READ: u16 = 0;
-const CMD_WRITE: u16 = 1;
-const CMD_DISC: u16 = 2;
-
-/// A raw client in transmission on export `t` (simple replies).
-struct Client {
-    s: UnixStream,
+/// A raw client in transmission on export `t`, with simple replies.
+fn connect(srv: &Serve) -> Raw {
+    let mut c = Raw::connect(srv, 1); // FIXED_NEWSTYLE
+    c.go("t");
+    c
 }
 
-impl Client {
-    fn connect(srv: &Serve) -> Client {
-        let s = UnixStream::connect(&srv.sock).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        let mut c = Client { s };
-        c.read(18); // greeting
-        c.send(&1u32.to_be_bytes()); // FIXED_NEWSTYLE
-        let mut m = IHAVEOPT.to_be_bytes().to_vec();
-        m.extend_from_slice(&OPT_GO.to_be_bytes());
-        m.extend_from_slice(&7u32.to_be_bytes());
-        m.extend_from_slice(&1u32.to_be_bytes());
-        m.extend_from_slice(b"t");
-        m.extend_from_slice(&0u16.to_be_bytes());
-        c.send(&m);
-        loop {
-            let h = c.read(20);
-            let ty = u32::from_be_bytes(h[12..16].try_into().unwrap());
-            let len = u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize;
-            c.read(len);
-            if ty == REP_ACK {
-                return c;
-            }
-            assert!(ty < 1 << 31, "GO failed: {ty:#x}");
-        }
-    }
+/// Reads a simple reply's header; returns its cookie (error must be 0).
+fn reply(c: &mut Raw) -> u64 {
+    let (error, cookie) = c.simple_reply();
+    assert_eq!(error, 0, "error");
+    cookie
+}
 
-    fn send(&mut self, b: &[u8]) {
-        self.s.write_all(b).unwrap();
-    }
-
-    fn read(&mut self, n: usize) -> Vec<u8> {
-        let mut v = vec![0; n];
-        self.s.read_exact(&mut v).unwrap();
-        v
-    }
-
-    fn request(&mut self, cmd: u16, cookie: u64, offset: u64, len: u32) {
-        let mut m = 0x2560_9513u32.to_be_bytes().to_vec();
-        m.extend_from_slice(&0u16.to_be_bytes());
-        m.extend_from_slice(&cmd.to_be_bytes());
-        m.extend_from_slice(&cookie.to_be_bytes());
-        m.extend_from_slice(&offset.to_be_bytes());
-        m.extend_from_slice(&len.to_be_bytes());
-        self.send(&m);
-    }
-
-    /// Reads a simple reply's header; returns its cookie (error must be 0).
-    fn reply(&mut self) -> u64 {
-        let h = self.read(16);
-        assert_eq!(&h[..4], &0x6744_6698u32.to_be_bytes(), "simple reply magic");
-        assert_eq!(&h[4..8], &[0; 4], "error");
-        u64::from_be_bytes(h[8..16].try_into().unwrap())
-    }
-
-    fn disconnect(mut self) {
-        self.request(CMD_DISC, 0, 0, 0);
-        let mut b = [0u8; 1];
-        assert_eq!(self.s.read(&mut b).unwrap(), 0);
-    }
+fn disconnect(mut c: Raw) {
+    c.request(0, CMD_DISC, 0, 0, 0);
+    let mut b = [0u8; 1];
+    assert_eq!(c.s.read(&mut b).unwrap(), 0, "the server closes after DISC");
 }
 
 fn server() -> Serve {
@@ -125,17 +72,17 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
 #[test]
 fn replies_to_a_client_that_waits_for_each_leave_by_direct_sendmsg_alone() {
     let s = server();
-    let mut c = Client::connect(&s);
+    let mut c = connect(&s);
     for i in 0..20u64 {
         let data = pattern(i, 4096);
-        c.request(CMD_WRITE, i, i * 8192, 4096);
+        c.request(0, CMD_WRITE, i, i * 8192, 4096);
         c.send(&data);
-        assert_eq!(c.reply(), i);
-        c.request(CMD_READ, 100 + i, i * 8192, 4096);
-        assert_eq!(c.reply(), 100 + i);
+        assert_eq!(reply(&mut c), i);
+        c.request(0, CMD_READ, 100 + i, i * 8192, 4096);
+        assert_eq!(reply(&mut c), 100 + i);
         assert_eq!(c.read(4096), data);
     }
-    c.disconnect();
+    disconnect(c);
     let log = s.wait_log("closed: client disconnected", 1);
     // The handshake's replies and all 40 replies: an idle socket buffer
     // took every batch whole, so the ring sent nothing.
@@ -147,14 +94,14 @@ fn replies_to_a_client_that_waits_for_each_leave_by_direct_sendmsg_alone() {
 /// Writes `n` blocks of `len` bytes (pattern `i` at block `i`), then asks
 /// for all of them back at once (cookies 1000 + i) and leaves the replies
 /// unread for a while, so the server meets a slow reader.
-fn write_then_leave_reads_unread(c: &mut Client, n: u64, len: usize) {
+fn write_then_leave_reads_unread(c: &mut Raw, n: u64, len: usize) {
     for i in 0..n {
-        c.request(CMD_WRITE, i, i * len as u64, len as u32);
+        c.request(0, CMD_WRITE, i, i * len as u64, len as u32);
         c.send(&pattern(i, len));
-        assert_eq!(c.reply(), i);
+        assert_eq!(reply(c), i);
     }
     for i in 0..n {
-        c.request(CMD_READ, 1000 + i, i * len as u64, len as u32);
+        c.request(0, CMD_READ, 1000 + i, i * len as u64, len as u32);
     }
     std::thread::sleep(Duration::from_millis(200));
 }
@@ -162,7 +109,7 @@ fn write_then_leave_reads_unread(c: &mut Client, n: u64, len: usize) {
 #[test]
 fn replies_larger_than_the_socket_buffer_finish_on_the_ring_intact() {
     let s = server();
-    let mut c = Client::connect(&s);
+    let mut c = connect(&s);
     const N: u64 = 16;
     const LEN: usize = 1 << 20;
     // 16 MiB of reads requested at once and not read for a while: the
@@ -171,12 +118,12 @@ fn replies_larger_than_the_socket_buffer_finish_on_the_ring_intact() {
     write_then_leave_reads_unread(&mut c, N, LEN);
     let mut seen = vec![false; N as usize];
     for _ in 0..N {
-        let i = c.reply() - 1000;
+        let i = reply(&mut c) - 1000;
         assert!(i < N && !seen[i as usize], "cookie {}", i + 1000);
         seen[i as usize] = true;
         assert!(c.read(LEN) == pattern(i, LEN), "read {i}: wrong data");
     }
-    c.disconnect();
+    disconnect(c);
     let log = s.wait_log("closed: client disconnected", 1);
     let (direct, ring) = sends(&log);
     assert!(direct > 0 && ring > 0, "{log}");
@@ -195,17 +142,17 @@ fn a_unix_client_behind_by_eight_128k_replies_does_not_push_sends_onto_the_ring(
         return;
     }
     let s = server();
-    let mut c = Client::connect(&s);
+    let mut c = connect(&s);
     const N: u64 = 8;
     const LEN: usize = 128 << 10;
     // fio's 128 KiB QD8 job, with the client slow to read: the default
     // 208 KiB buffer would fill after one and a half replies.
     write_then_leave_reads_unread(&mut c, N, LEN);
     for _ in 0..N {
-        let i = c.reply() - 1000;
+        let i = reply(&mut c) - 1000;
         assert!(c.read(LEN) == pattern(i, LEN), "read {i}: wrong data");
     }
-    c.disconnect();
+    disconnect(c);
     let log = s.wait_log("closed: client disconnected", 1);
     assert_eq!(sends(&log).1, 0, "{log}");
 }

@@ -5,6 +5,8 @@
 // Test support: a failed setup step is a test failure, with its panic message.
 #![allow(clippy::unwrap_used)]
 
+pub mod raw;
+
 use std::io::Read;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
