@@ -16,15 +16,9 @@ use std::time::{Duration, Instant};
 
 use common::{run, udm, Serve};
 
-/// A writecache device `wc` (16 MiB origin, 4 MiB cache) and a linear one
-/// `lin` (64 MiB over ram0), both exported.
-const STACK: &[&str] = &[
-    "--dev",
-    "o=ram:16M",
-    "--dev",
-    "c=ram:4M",
-    "--dev",
-    "wc=0 32768 writecache s o c 4096 2 high_watermark 60",
+/// Past `common::WC_DEVS`: a linear device `lin` (64 MiB over ram0), and
+/// both exported.
+const LIN_AND_EXPORTS: [&str; 8] = [
     "--dev",
     "ram0=ram:64M",
     "--dev",
@@ -34,6 +28,11 @@ const STACK: &[&str] = &[
     "--export",
     "lin",
 ];
+
+/// The writecache `wc` and the linear `lin`, both exported.
+fn stack() -> Vec<&'static str> {
+    [&common::WC_DEVS[..], &LIN_AND_EXPORTS[..]].concat()
+}
 
 fn ctl_udm(s: &Serve, cmd: &str, rest: &[&str]) -> (i32, String, String) {
     let ctl = s.ctl();
@@ -67,7 +66,7 @@ fn raw(ctl: &Path, bytes: &[u8], replies: usize) -> Vec<String> {
 
 #[test]
 fn status_table_and_message_act_on_the_running_server() {
-    let mut s = Serve::start(STACK);
+    let mut s = Serve::start(&stack());
     let ctl = s.ctl();
     // Announced beside the NBD socket, mode 0600.
     assert_eq!(ctl, s.dir.path("nbd.sock.ctl"), "{}", s.out());
@@ -183,7 +182,7 @@ fn control_socket_path_can_be_chosen_and_a_live_one_is_not_stolen() {
 
 #[test]
 fn bad_requests_get_one_line_errors_and_other_clients_are_unaffected() {
-    let s = Serve::start(STACK);
+    let s = Serve::start(&stack());
     let ctl = s.ctl();
     // A client that sends half a request and stalls holds only itself.
     let stalled = UnixStream::connect(&ctl).unwrap();
@@ -362,7 +361,7 @@ fn a_long_flush_draws_progress_on_a_terminal_while_status_polls_the_server() {
 
 #[test]
 fn reload_swaps_tables_under_live_nbd_io_and_loses_nothing() {
-    let s = Serve::start(STACK);
+    let s = Serve::start(&stack());
     let one = "0 131072 linear ram0 0";
     let two = "0 40000 linear ram0 0\n40000 91072 linear ram0 40000";
     // fio writes 32 MiB at random with verification interleaved

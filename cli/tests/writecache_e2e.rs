@@ -46,14 +46,7 @@ fn bench_verify_through_writecache_finds_no_mismatches() {
 
 #[test]
 fn status_and_message_commands_work_on_a_writecache_device() {
-    let devs = [
-        "--dev",
-        "o=ram:16M",
-        "--dev",
-        "c=ram:4M",
-        "--dev",
-        "wc=0 32768 writecache s o c 4096 2 high_watermark 60",
-    ];
+    let devs = common::WC_DEVS;
     let mut a = vec!["status"];
     a.extend_from_slice(&devs);
     a.push("wc");

@@ -67,15 +67,21 @@ fn pc(name: &str, sectors: u64, power: &Arc<Power>) -> Arc<PowerCut> {
     )
 }
 
+/// The origin and cache devices, on one power supply, registered by name.
+fn origin_and_cache(power: &Arc<Power>) -> (Arc<PowerCut>, Arc<PowerCut>, Devices) {
+    let origin = pc("origin", ORIGIN_SECTORS, power);
+    let cache = pc("cache", CACHE_SECTORS, power);
+    let mut devs = Devices::new();
+    devs.add(origin.clone());
+    devs.add(cache.clone());
+    (origin, cache, devs)
+}
+
 /// One trial; returns a description of the first violation.
 fn trial(seed: u64) -> Result<(), String> {
     let mut rng = Rng::new(seed);
     let power = Power::new();
-    let origin = pc("origin", ORIGIN_SECTORS, &power);
-    let cache = pc("cache", CACHE_SECTORS, &power);
-    let mut devs = Devices::new();
-    devs.add(origin.clone());
-    devs.add(cache.clone());
+    let (origin, cache, devs) = origin_and_cache(&power);
     let features = match rng.range(0, 3) {
         0 => "0",
         1 => "4 high_watermark 20 low_watermark 5",
@@ -325,11 +331,7 @@ fn the_powercut_wrapper_drops_what_no_flush_covered() {
 #[test]
 fn autocommit_time_commits_unflushed_writes_by_itself() {
     let power = Power::new();
-    let origin = pc("origin", ORIGIN_SECTORS, &power);
-    let cache = pc("cache", CACHE_SECTORS, &power);
-    let mut devs = Devices::new();
-    devs.add(origin.clone());
-    devs.add(cache.clone());
+    let (origin, cache, devs) = origin_and_cache(&power);
     let table = format!(
         "0 {ORIGIN_SECTORS} writecache s origin cache {} 2 autocommit_time 50",
         BS_SECTORS * 512

@@ -7,6 +7,17 @@
 
 pub mod raw;
 
+/// A writecache device `wc`: a 16 MiB RAM origin `o` under a 4 MiB RAM
+/// cache `c`, 4 KiB blocks, writeback from 60% full.
+pub const WC_DEVS: [&str; 6] = [
+    "--dev",
+    "o=ram:16M",
+    "--dev",
+    "c=ram:4M",
+    "--dev",
+    "wc=0 32768 writecache s o c 4096 2 high_watermark 60",
+];
+
 use std::io::Read;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
