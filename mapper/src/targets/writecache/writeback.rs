@@ -18,7 +18,7 @@ use udm_core::{
 };
 
 use super::cache::{self, Shared, St, State, NONE};
-use super::meta::{DiskEntry, Super, ENTRIES_PER_MBLOCK, ENTRY_BYTES, MBLOCK_BYTES, SB_BYTES};
+use super::meta::{DiskEntry, Super, ENTRIES_PER_MBLOCK, MBLOCK_BYTES, SB_BYTES};
 
 /// Most blocks one writeback batch takes.
 const BATCH_BYTES: u64 = 16 << 20;
@@ -64,6 +64,11 @@ pub(crate) struct Worker {
     /// buffer before the cache reads overwrite it cost the worker a third
     /// of its instructions at 512-byte blocks).
     bufs: RefCell<Vec<Vec<u8>>>,
+    /// Where a commit copies its metadata blocks for writing (see
+    /// `start_commit`): sized at start for an autocommit's worth and only
+    /// grown, so that a commit does not fault in fresh pages under the
+    /// lock (a megabyte of them cost as much as encoding the entries).
+    stage: RefCell<Vec<u8>>,
 }
 
 fn io_done(bio: BioPtr) {
@@ -111,6 +116,43 @@ impl Worker {
             done: Box::new(move |s, b| {
                 me.inflight.set(me.inflight.get() - 1);
                 done(s, b)
+            }),
+        });
+        bio.set_end_io(io_done, Box::into_raw(ctx).cast());
+        if cache {
+            self.cache.submit(bio)
+        } else {
+            self.origin.submit(bio)
+        }
+    }
+
+    /// Issues one I/O on `ch` whose data is `len` bytes at `data`, which
+    /// the worker owns.
+    ///
+    /// # Safety
+    /// `data..data + len` stays valid and untouched by anyone else until
+    /// `done` runs.
+    unsafe fn io_at(
+        self: &Rc<Self>,
+        cache: bool,
+        op: Op,
+        sector: u64,
+        data: *mut u8,
+        len: usize,
+        done: impl FnOnce(Status) + 'static,
+    ) {
+        let mut bio = self.reactor().alloc_bio();
+        bio.op = op;
+        bio.sector = sector;
+        // SAFETY: the caller keeps the range valid until `done` runs.
+        unsafe { bio.add_seg(data, len) };
+        self.inflight.set(self.inflight.get() + 1);
+        let me = self.clone();
+        let ctx = Box::new(IoCtx {
+            buf: Vec::new(),
+            done: Box::new(move |s, _| {
+                me.inflight.set(me.inflight.get() - 1);
+                done(s)
             }),
         });
         bio.set_end_io(io_done, Box::into_raw(ctx).cast());
@@ -327,6 +369,12 @@ impl Worker {
             en.st = St::Live;
             winners.push((e.seq, b));
         }
+        // The image, from the rebuilt states (the markers above are in it
+        // already; the winners are not).
+        for &(_, b) in &winners {
+            let e = st.disk_entry(b as usize, bs);
+            st.set_image(b, e);
+        }
         // Oldest first in the writeback order.
         winners.sort_unstable();
         for &(_, b) in &winners {
@@ -391,45 +439,57 @@ impl Worker {
     /// the cache and the origin, then the superblock with FUA.
     fn start_commit(self: &Rc<Self>, then: Option<Box<dyn FnOnce(bool)>>) {
         let sh = &*self.shared;
+        debug_assert!(!self.commit_busy.get(), "writecache: two commits at once");
         self.commit_busy.set(true);
-        let (gen, runs) = {
+        // The dirty metadata blocks, merged into runs, are copied out of the
+        // image into the staging area, so writers wait only for a memcpy.
+        // The staging area is the commit's alone until `commit_done` (one
+        // commit at a time), and is never shrunk.
+        let mut stage = self.stage.borrow_mut();
+        let mut runs: Vec<(u32, usize, usize)> = Vec::new();
+        let gen = {
             let mut st = sh.lock();
             let gen = st.pending_gen;
             st.pending_gen += 1;
             st.uncommitted = 0;
             st.dirty_since = None;
-            // Encode the dirty metadata blocks, merged into runs, from the
-            // entries' state (one tight pass per block; the data path keeps
-            // no image beside the entries).
-            let bss = sh.cfg.bs_sectors();
-            let n = sh.geo.n_blocks as usize;
-            let mut copies: Vec<(u32, Vec<u8>)> = Vec::new();
-            if st.ndirty > 0 {
-                let nm = st.dirty.len() as u32;
-                let max = (MAX_RUN_BYTES as usize / MBLOCK_BYTES) as u32;
-                let mut m = 0;
-                while m < nm {
-                    if !st.dirty[m as usize] {
-                        m += 1;
-                        continue;
-                    }
-                    let start = m;
-                    while m < nm && st.dirty[m as usize] && m - start < max {
-                        st.dirty[m as usize] = false;
-                        m += 1;
-                    }
-                    let first = start as usize * ENTRIES_PER_MBLOCK;
-                    let last = (m as usize * ENTRIES_PER_MBLOCK).min(n);
-                    let mut buf = vec![0u8; (m - start) as usize * MBLOCK_BYTES];
-                    for (b, out) in (first..last).zip(buf.chunks_exact_mut(ENTRY_BYTES as usize)) {
-                        st.disk_entry(b, bss).encode(out);
-                    }
-                    copies.push((start, buf));
-                }
-                st.ndirty = 0;
+            let need = st.ndirty * MBLOCK_BYTES;
+            if stage.len() < need {
+                stage.resize(need, 0);
             }
-            (gen, copies)
+            let nm = st.dirty.len() as u32;
+            let max = (MAX_RUN_BYTES as usize / MBLOCK_BYTES) as u32;
+            let (mut m, mut at) = (0, 0);
+            while m < nm && at < need {
+                if !st.dirty[m as usize] {
+                    m += 1;
+                    continue;
+                }
+                let start = m;
+                while m < nm && st.dirty[m as usize] && m - start < max {
+                    st.dirty[m as usize] = false;
+                    m += 1;
+                }
+                let (m0, m1) = (start as usize, m as usize);
+                if cfg!(feature = "paranoid")
+                    && !st.image_is_consistent(m0, m1, sh.cfg.bs_sectors())
+                {
+                    // Fail the cache (all I/O errors) rather than panic the
+                    // worker, which would leave I/O hanging.
+                    eprintln!("writecache: the metadata image differs from the entries in metadata blocks {m0}..{m1}");
+                    self.fail(&mut st);
+                }
+                let len = (m1 - m0) * MBLOCK_BYTES;
+                stage[at..at + len]
+                    .copy_from_slice(&st.image[m0 * MBLOCK_BYTES..m1 * MBLOCK_BYTES]);
+                runs.push((start, at, len));
+                at += len;
+            }
+            st.ndirty = 0;
+            gen
         };
+        let base = stage.as_mut_ptr();
+        drop(stage);
         let left = Rc::new(Cell::new(runs.len() as u64 + 1));
         let ok = Rc::new(Cell::new(true));
         let then = Rc::new(Cell::new(then));
@@ -445,12 +505,14 @@ impl Worker {
             }
         };
         let step = Rc::new(step);
-        for (m, buf) in runs {
+        for (m, at, len) in runs {
             let sector = sh.cfg.start_sector + (sh.geo.mblock_offset(m) >> SECTOR_SHIFT);
             let step = step.clone();
-            self.io(true, Op::Write, BioFlags::NONE, sector, buf, move |s, _| {
-                step(s)
-            });
+            // SAFETY: `at + len` is within the staging area, which nothing
+            // resizes, writes or drops until this commit is done: only
+            // start_commit touches it, one commit runs at a time
+            // (commit_busy), and the worker outlives its I/O.
+            unsafe { self.io_at(true, Op::Write, sector, base.add(at), len, move |s| step(s)) };
         }
         step(Status::Ok);
     }
@@ -928,6 +990,15 @@ pub(crate) fn start(shared: Arc<Shared>) -> Result<std::thread::JoinHandle<()>, 
     }
 }
 
+/// The staging area a commit starts with: the metadata blocks of an
+/// autocommit's worth of new entries, plus as many again for free markers
+/// scattered elsewhere, at most the whole array. Filled with ones so that
+/// its pages are faulted in now, not by the first commits.
+fn stage_bytes(sh: &Shared) -> usize {
+    let per_commit = (sh.cfg.autocommit_blocks as usize).div_ceil(ENTRIES_PER_MBLOCK) * 2 + 2;
+    per_commit.min(sh.geo.mblocks as usize) * MBLOCK_BYTES
+}
+
 fn run(sh: Arc<Shared>, tx: mpsc::Sender<Result<(), Error>>) {
     // UDM_WC_WORKER_POLL=1 makes the worker spin instead of sleeping in
     // io_uring_enter: valgrind (3.19) holds its big lock across that call,
@@ -966,6 +1037,7 @@ fn run(sh: Arc<Shared>, tx: mpsc::Sender<Result<(), Error>>) {
         wb_busy: Cell::new(false),
         cache_fua: sh.cfg.cache.caps().contains(Caps::FUA),
         bufs: RefCell::new(Vec::new()),
+        stage: RefCell::new(vec![1u8; stage_bytes(&sh)]),
     });
     let result: Rc<Cell<Option<Result<(), Error>>>> = Rc::new(Cell::new(None));
     w.load(result.clone());
