@@ -80,9 +80,6 @@ pub(crate) struct Entry {
     /// Generation its entry was (or will be) committed with; 0 until its
     /// first data write completed.
     pub seq: u64,
-    /// For FreePending: the generation of the free marker. For Superseded:
-    /// the superseding block.
-    pub aux: u64,
     /// Milliseconds since the engine started, when it was cached (max_age).
     pub born_ms: u32,
     pub prev: u32,
@@ -98,7 +95,6 @@ impl Entry {
     pub const FREE: Entry = Entry {
         ob: 0,
         seq: 0,
-        aux: 0,
         born_ms: 0,
         prev: NONE,
         next: NONE,
@@ -107,6 +103,26 @@ impl Entry {
         wb: false,
         st: St::Free,
     };
+}
+
+/// Blocks `old..old + len`, superseded by blocks `by..by + len` (their
+/// origin blocks' newer copies). Kept as runs: a large overwrite
+/// supersedes a whole earlier write at once, and a commit then handles
+/// it in a few passes over arrays, not one list item per block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Superseded {
+    pub old: u32,
+    pub by: u32,
+    pub len: u32,
+}
+
+/// Blocks `b..b + len`, marked free in the image at generation `gen`:
+/// reusable once a commit of `gen` completed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct FreePending {
+    pub b: u32,
+    pub len: u32,
+    pub gen: u64,
 }
 
 /// dm-writecache's statistics counters (in blocks, as dm counts them).
@@ -154,8 +170,11 @@ pub(crate) struct State {
     /// Image changes since the last commit started (autocommit).
     pub uncommitted: u64,
     pub dirty_since: Option<Instant>,
-    pub superseded: Vec<u32>,
-    pub free_pending: Vec<u32>,
+    /// Superseded blocks, as runs, waiting for their successors to be
+    /// durable (then they get a free marker).
+    pub superseded: Vec<Superseded>,
+    /// Blocks with a free marker not yet durable, as runs.
+    pub free_pending: Vec<FreePending>,
     /// Per origin block: how many of its superseded or freed entries have
     /// a free marker that is not durable yet. Its newest entry must not be
     /// written back (or discarded) and freed before those markers are on
@@ -224,6 +243,18 @@ impl State {
     pub fn mark_free(&mut self, b: u32) {
         self.set_image(b, DiskEntry::FREE);
         self.image_changed(b, 1, 1);
+    }
+
+    /// Blocks `b..b + len` (their states already FreePending) get free
+    /// markers in the pending generation.
+    pub fn mark_free_run(&mut self, b: u32, len: u32) {
+        if len == 0 {
+            return;
+        }
+        let eb = ENTRY_BYTES as usize;
+        self.image[b as usize * eb..(b + len) as usize * eb].fill(0);
+        self.image_changed(b, len, len as u64);
+        self.push_free_pending(b, len);
     }
 
     /// Writes block `b`'s entry into the image (not yet marked dirty).
@@ -322,8 +353,7 @@ impl State {
     }
 
     /// The block is free on disk for good: true if it may go back to the
-    /// free space now (the caller frees it, batched into runs with
-    /// `free_run`), false if I/O still pins it (it is freed when unpinned).
+    /// free space now (the caller frees it, batched into runs), false if I/O still pins it (it is freed when unpinned).
     pub fn release(&mut self, b: u32) -> bool {
         let e = &mut self.entries[b as usize];
         if e.reads > 0 || e.writes > 0 {
@@ -333,20 +363,6 @@ impl State {
             *e = Entry::FREE;
             true
         }
-    }
-
-    /// Adds block `b` to the run being freed, returning the run to the free
-    /// extents when `b` does not extend it. Blocks released together are
-    /// mostly consecutive (a run superseded or written back together), and
-    /// one extent insert per run instead of per block keeps a commit's time
-    /// under the lock short (65536 single-block inserts held it for ms).
-    pub fn free_run(&mut self, run: &mut (u32, u32), b: u32) {
-        if run.1 > 0 && run.0 + run.1 == b {
-            run.1 += 1;
-            return;
-        }
-        self.free.free(run.0, run.1);
-        *run = (b, 1);
     }
 
     /// A block whose pins dropped: free it if it was waiting for that.
@@ -367,13 +383,27 @@ impl State {
         self.map[ob as usize] = NONE;
         self.lru_remove(b);
         self.live -= 1;
-        let pg = self.pending_gen;
-        let e = &mut self.entries[b as usize];
-        e.st = St::FreePending;
-        e.aux = pg;
+        self.entries[b as usize].st = St::FreePending;
         self.mark_free(b);
-        self.free_pending.push(b);
+        self.push_free_pending(b, 1);
         self.shadow_add(ob);
+    }
+
+    /// Blocks `b..b + len` got free markers in the pending generation.
+    pub fn push_free_pending(&mut self, b: u32, len: u32) {
+        let gen = self.pending_gen;
+        match self.free_pending.last_mut() {
+            Some(l) if l.gen == gen && l.b + l.len == b => l.len += len,
+            _ => self.free_pending.push(FreePending { b, len, gen }),
+        }
+    }
+
+    /// Block `old` was superseded by block `by`.
+    pub fn push_superseded(&mut self, old: u32, by: u32) {
+        match self.superseded.last_mut() {
+            Some(l) if l.old + l.len == old && l.by + l.len == by => l.len += 1,
+            _ => self.superseded.push(Superseded { old, by, len: 1 }),
+        }
     }
 
     pub fn shadow_add(&mut self, ob: u64) {
@@ -1193,9 +1223,8 @@ fn map_write(
                 if old != NONE {
                     // The old copy stays on disk until this one is committed.
                     st.entries[old as usize].st = St::Superseded;
-                    st.entries[old as usize].aux = (start + k) as u64;
                     st.lru_remove(old);
-                    st.superseded.push(old);
+                    st.push_superseded(old, start + k);
                     st.shadow_add(obk);
                     superseded += 1;
                 }
@@ -1213,7 +1242,6 @@ fn map_write(
             *e = Entry {
                 ob: ob + k as u64,
                 seq: 0,
-                aux: 0,
                 born_ms: now,
                 prev: nb.wrapping_sub(1),
                 next: nb.wrapping_add(1),

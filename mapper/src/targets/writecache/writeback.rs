@@ -558,50 +558,82 @@ impl Worker {
                 self.fail(&mut st);
             } else {
                 st.committed = gen;
-                // Free markers now durable: the blocks are reusable.
+                // Free markers now durable: the blocks are reusable. The
+                // lists hold runs (a 512 KiB overwrite of 512-byte blocks is
+                // one item, not 1024), and the loops below are flat passes
+                // over a run's entries: this all happens under the lock.
                 let fp = std::mem::take(&mut st.free_pending);
                 let mut keep = Vec::new();
-                let mut freed = Vec::with_capacity(fp.len());
-                for b in fp {
-                    let e = st.entries[b as usize];
-                    if e.aux <= gen {
-                        st.shadow_sub(e.ob);
+                let mut freed: Vec<(u32, u32)> = Vec::with_capacity(fp.len());
+                for f in fp {
+                    if f.gen > gen {
+                        keep.push(f);
+                        continue;
+                    }
+                    let mut run = (f.b, 0);
+                    for b in f.b..f.b + f.len {
+                        let ob = st.entries[b as usize].ob;
+                        st.shadow_sub(ob);
                         if st.release(b) {
-                            freed.push(b);
+                            run.1 += 1;
+                        } else {
+                            // Pinned by I/O: freed when unpinned.
+                            if run.1 > 0 {
+                                freed.push(run);
+                            }
+                            run = (b + 1, 0);
                         }
-                    } else {
-                        keep.push(b);
+                    }
+                    if run.1 > 0 {
+                        freed.push(run);
                     }
                 }
-                // Back to the free extents in block order, one insert per
-                // run. Random overwrites free blocks scattered over the
+                // Back to the free extents in block order, neighbours
+                // merged. Random overwrites free blocks scattered over the
                 // cache, in the order their successors were written: one
                 // extent insert each held the lock for 15-30 ms per commit
                 // (4 KiB random writes at QD1); sorted, neighbours merge and
                 // the inserts walk the tree in order.
                 freed.sort_unstable();
                 let mut run = (0, 0);
-                for b in freed {
-                    st.free_run(&mut run, b);
+                for (b, len) in freed {
+                    if run.1 > 0 && run.0 + run.1 == b {
+                        run.1 += len;
+                    } else {
+                        st.free.free(run.0, run.1);
+                        run = (b, len);
+                    }
                 }
                 st.free.free(run.0, run.1);
                 st.free_pending = keep;
                 // Superseded blocks whose successor is now durable get a
                 // free marker in the next commit.
                 let sup = std::mem::take(&mut st.superseded);
-                let mut keep = Vec::new();
+                let mut keep: Vec<cache::Superseded> = Vec::new();
                 let pg = st.pending_gen;
-                for b in sup {
-                    let by = st.entries[b as usize].aux as usize;
-                    let s = st.entries[by].seq;
-                    if s != 0 && s <= gen {
-                        st.entries[b as usize].st = St::FreePending;
-                        st.entries[b as usize].aux = pg;
-                        st.mark_free(b);
-                        st.free_pending.push(b);
-                    } else {
-                        keep.push(b);
+                for r in sup {
+                    let mut ready = (r.old, 0);
+                    for k in 0..r.len {
+                        let s = st.entries[(r.by + k) as usize].seq;
+                        if s != 0 && s <= gen {
+                            st.entries[(r.old + k) as usize].st = St::FreePending;
+                            ready.1 += 1;
+                            continue;
+                        }
+                        st.mark_free_run(ready.0, ready.1);
+                        ready = (r.old + k + 1, 0);
+                        match keep.last_mut() {
+                            Some(l) if l.old + l.len == r.old + k && l.by + l.len == r.by + k => {
+                                l.len += 1
+                            }
+                            _ => keep.push(cache::Superseded {
+                                old: r.old + k,
+                                by: r.by + k,
+                                len: 1,
+                            }),
+                        }
                     }
+                    st.mark_free_run(ready.0, ready.1);
                 }
                 st.superseded = keep;
                 // Space is wanted: do not wait for autocommit to release.
