@@ -325,6 +325,10 @@ fn bad_arguments_are_rejected_with_one_line_naming_them() {
     assert!(d
         .table_err("0 16380 writecache s origin cache 4096 0")
         .contains("not a multiple of the block size"));
+    // 2^32 blocks of 512 bytes: origin block numbers are 32-bit.
+    assert!(d
+        .table_err("0 4294967296 writecache s origin cache 512 0")
+        .contains("too large: at most 4294967295 blocks"));
 }
 
 #[test]

@@ -222,6 +222,15 @@ fn writecache_ctr(ctx: &CtrCtx<'_>, argv: &[&str]) -> Result<Box<dyn Target>, Er
             ctx.len
         )));
     }
+    if ctx.len / bss > u32::MAX as u64 {
+        // Origin blocks are u32 in the entries (and the map, one slot per
+        // origin block, would not fit in memory anyway).
+        return Err(bad(format!(
+            "target length {} is too large: at most {} blocks of {bs} bytes",
+            ctx.len,
+            u32::MAX
+        )));
+    }
     let olen = cfg.origin.limits().sectors;
     if olen < ctx.len {
         return Err(bad(format!(

@@ -364,7 +364,7 @@ impl Worker {
             }
             st.map[ob as usize] = b;
             let en = &mut st.entries[b as usize];
-            en.ob = ob;
+            en.ob = ob as u32;
             en.seq = e.seq;
             en.st = St::Live;
             winners.push((e.seq, b));
@@ -573,7 +573,7 @@ impl Worker {
                     let mut run = (f.b, 0);
                     for b in f.b..f.b + f.len {
                         let ob = st.entries[b as usize].ob;
-                        st.shadow_sub(ob);
+                        st.shadow_sub(ob as u64);
                         if st.release(b) {
                             run.1 += 1;
                         } else {
@@ -703,7 +703,7 @@ impl Worker {
                 }
             }
             if e.st == St::Live && !e.wb && e.writes == 0 {
-                if e.seq != 0 && e.seq <= st.committed && !st.shadowed(e.ob) {
+                if e.seq != 0 && e.seq <= st.committed && !st.shadowed(e.ob as u64) {
                     out.push(b);
                     // The origin block is read here anyway: runs are built
                     // now, so writeback sorts and merges without the lock
@@ -712,9 +712,11 @@ impl Worker {
                     // origin: a 512 KiB write of 512-byte blocks is one run,
                     // not 1024 entries to sort).
                     match runs.last_mut() {
-                        Some(r) if r.b + r.len == b && r.ob + r.len as u64 == e.ob => r.len += 1,
+                        Some(r) if r.b + r.len == b && r.ob + r.len as u64 == e.ob as u64 => {
+                            r.len += 1
+                        }
                         _ => runs.push(Run {
-                            ob: e.ob,
+                            ob: e.ob as u64,
                             b,
                             len: 1,
                         }),
@@ -901,7 +903,7 @@ impl Worker {
                     st.unpinned(b);
                     continue;
                 }
-                st.release_live(b, ob);
+                st.release_live(b, ob as u64);
             }
             if !ok {
                 self.fail(&mut st);
