@@ -161,6 +161,21 @@ pub(crate) struct State {
     /// Metadata blocks whose entries changed since the last commit started
     /// (what the next commit writes).
     pub dirty: Vec<bool>,
+    /// Cache blocks whose first data write is in flight, one bit each. A
+    /// new block's entry is published when the block is allocated (as
+    /// dm-writecache does): the data path then writes each entry once,
+    /// while it is hot, and completion touches only these bits. A commit
+    /// waits for the writes of its generation (`inflight_writes`) before it
+    /// flushes, so no durable entry points at data that was never written;
+    /// until then reads of the block wait and discards skip it.
+    pub unwritten: Vec<u64>,
+    /// Cache data writes in flight, by the parity of the generation they
+    /// were mapped in (one commit runs at a time, so two counters do): a
+    /// commit of generation g waits for `[g & 1]` to drain.
+    pub inflight_writes: [u64; 2],
+    /// The generation of a commit waiting for its writes to drain (0:
+    /// none); the last of them pokes the worker.
+    pub barrier: u64,
     pub ndirty: usize,
     pub lru_head: u32,
     pub lru_tail: u32,
@@ -215,6 +230,9 @@ impl State {
             free: FreeExtents::new(),
             image: touched(g.mblocks as usize * MBLOCK_BYTES, 0),
             dirty: vec![false; g.mblocks as usize],
+            unwritten: touched(n.div_ceil(64), 0),
+            inflight_writes: [0; 2],
+            barrier: 0,
             ndirty: 0,
             lru_head: NONE,
             lru_tail: NONE,
@@ -260,6 +278,31 @@ impl State {
         self.image[b as usize * eb..(b + len) as usize * eb].fill(0);
         self.image_changed(b, len, len as u64);
         self.push_free_pending(b, len);
+    }
+
+    /// Marks blocks `b..b + n` as awaiting (or, with `on` false, done
+    /// with) their first data write.
+    pub fn set_unwritten(&mut self, b: u32, n: u32, on: bool) {
+        for (w, mask) in bit_words(b, n) {
+            if on {
+                self.unwritten[w] |= mask;
+            } else {
+                self.unwritten[w] &= !mask;
+            }
+        }
+    }
+
+    /// Counts a cache data write mapped now; returns the Sub kind bits
+    /// that carry its generation's parity to `account`.
+    pub fn write_started(&mut self) -> u64 {
+        let odd = self.pending_gen & 1;
+        self.inflight_writes[odd as usize] += 1;
+        odd << 8
+    }
+
+    /// Whether any of blocks `b..b + n` awaits its first data write.
+    pub fn any_unwritten(&self, b: u32, n: u32) -> bool {
+        bit_words(b, n).any(|(w, mask)| self.unwritten[w] & mask != 0)
     }
 
     /// Writes block `b`'s entry into the image (not yet marked dirty).
@@ -354,7 +397,7 @@ impl State {
     #[inline]
     pub fn in_place_ok(&self, b: u32) -> bool {
         let e = &self.entries[b as usize];
-        e.st == St::Live && !e.wb && (e.seq == 0 || e.seq == self.pending_gen)
+        e.st == St::Live && !e.wb && e.seq == self.pending_gen
     }
 
     /// The block is free on disk for good: true if it may go back to the
@@ -434,6 +477,21 @@ impl State {
     pub fn used(&self, n: u64) -> u64 {
         n - self.free.free_blocks()
     }
+}
+
+/// The words and masks of a bitmap that cover bits `b..b + n`.
+fn bit_words(b: u32, n: u32) -> impl Iterator<Item = (usize, u64)> {
+    let (first, end) = (b as usize, b as usize + n as usize);
+    (first / 64..end.div_ceil(64)).map(move |w| {
+        let lo = first.max(w * 64) - w * 64;
+        let hi = end.min(w * 64 + 64) - w * 64;
+        let mask = if hi - lo == 64 {
+            !0
+        } else {
+            ((1u64 << (hi - lo)) - 1) << lo
+        };
+        (w, mask)
+    })
 }
 
 /// A vector of `n` copies of `v`, every page written now. `vec![0; n]`
@@ -610,13 +668,19 @@ impl BlockDevice for WcDev {
 }
 
 /// Sub-I/O kinds, in the top byte of a sub-bio's context word.
+/// An overwrite in place of cached blocks.
 const K_CACHE_WRITE: u64 = 1;
 const K_CACHE_READ: u64 = 2;
 const K_ORIGIN: u64 = 3;
+/// The first write of newly allocated blocks.
+const K_CACHE_NEW: u64 = 4;
+/// Context bit: a cache write mapped in an odd generation.
+const CTX_ODD: u64 = 1 << 55;
 
 /// One I/O the engine issues for a caller's bio.
 #[derive(Clone, Copy)]
 struct Sub {
+    /// Kind, and CTX_ODD for cache writes of an odd generation.
     kind: u64,
     /// First cache block (cache kinds) or origin block.
     block: u64,
@@ -624,6 +688,13 @@ struct Sub {
     off: u64,
     /// Length in blocks.
     n: u64,
+}
+
+impl Sub {
+    /// The context word of its bio: kind, generation parity, block.
+    fn ctx(&self) -> u64 {
+        (self.kind & 0xff) << 56 | self.kind >> 8 << 55 | self.block
+    }
 }
 
 /// A parked bio: a FLUSH or a FUA write waiting for generation `gen` to
@@ -814,7 +885,7 @@ fn drop_range(st: &mut State, ob0: u64, n: u64) -> (bool, bool) {
         ob += 1;
         let b = st.map[this as usize];
         let e = st.entries[b as usize];
-        if e.seq == 0 {
+        if st.any_unwritten(b, 1) {
             // A first write racing the discard: ordered after it.
             continue;
         }
@@ -963,6 +1034,7 @@ impl WcChannel {
         subs.clear();
         let mut blocked = false;
         let mut read_held = false;
+        let mut poke = false;
         {
             let mut st = sh.lock();
             if st.error != 0 {
@@ -978,13 +1050,22 @@ impl WcChannel {
                 }
             } else {
                 let now = sh.now_ms();
+                let was_clean = st.dirty_since.is_none();
                 from = map_write(sh, &mut st, ob0, nblk, from, now, &mut subs);
+                // The first change since a commit starts the autocommit
+                // clock: the worker may be asleep with no deadline, so it
+                // must hear of it; as it must of a full autocommit.
+                poke = (was_clean && st.dirty_since.is_some())
+                    || st.uncommitted >= sh.cfg.autocommit_blocks;
                 if from < nblk {
                     blocked = true;
                     st.stats.writes_blocked_on_freelist += 1;
                     st.space_waiters += 1;
                 }
             }
+        }
+        if poke {
+            sh.poke();
         }
         if subs.len() == 1
             && !read_held
@@ -1004,7 +1085,7 @@ impl WcChannel {
             let sub = subs[0];
             subs.clear();
             drop(subs);
-            bio.set_ctx(sub.kind << 56 | sub.block);
+            bio.set_ctx(sub.ctx());
             if sub.kind == K_ORIGIN {
                 bio.sector = sub.block * bs;
                 self.origin.submit(bio);
@@ -1027,7 +1108,7 @@ impl WcChannel {
             c.flags = udm_core::BioFlags::NONE;
             c.add_segs_from(parent, (s.off * bsz) as usize, (s.n * bsz) as usize);
             c.set_end_io(sub_done, p.cast());
-            c.set_ctx(s.kind << 56 | s.block);
+            c.set_ctx(s.ctx());
             match s.kind {
                 K_ORIGIN => {
                     c.sector = s.block * bs;
@@ -1044,7 +1125,7 @@ impl WcChannel {
         // SAFETY: as above; we still hold one pending count.
         let bio = unsafe { BioPtr::from_raw(p) };
         if read_held {
-            // Retried by `kick` once a first write completes (sub_done
+            // Retried by `kick` once a first write completes (`account`
             // sees read_waiters, counted under the lock above).
             self.read_wait.borrow_mut().push(bio);
         } else if blocked {
@@ -1091,12 +1172,10 @@ fn map_read(st: &mut State, ob0: u64, n: u64, subs: &mut Vec<Sub>) -> bool {
         let b = st.map[(ob0 + i) as usize];
         let mut k = 1;
         if b != NONE {
-            let mut unpublished = st.entries[b as usize].seq == 0;
             while i + k < n && st.map[(ob0 + i + k) as usize] == b + k as u32 {
-                unpublished |= st.entries[(b + k as u32) as usize].seq == 0;
                 k += 1;
             }
-            if unpublished {
+            if st.any_unwritten(b, k as u32) {
                 // Unpin what this read pinned so far.
                 for s in subs.drain(..) {
                     if s.kind == K_CACHE_READ {
@@ -1163,7 +1242,7 @@ fn map_write(
             st.stats.write_hits_uncommitted += k;
             st.stats.writes += k;
             subs.push(Sub {
-                kind: K_CACHE_WRITE,
+                kind: K_CACHE_WRITE | st.write_started(),
                 block: b as u64,
                 off: i,
                 n: k,
@@ -1236,26 +1315,40 @@ fn map_write(
             }
         }
         let last = start + got - 1;
-        // Whole entries, already linked to each other, in one branch-free
-        // pass; the run's ends are linked to the LRU list after it.
+        // Whole entries, already linked to each other, and their image
+        // (published now, see `State::unwritten`), in one branch-free pass;
+        // the run's ends are linked to the LRU list after it.
         let tail = st.lru_tail;
-        for (k, e) in st.entries[start as usize..=last as usize]
+        let (g, bss) = (st.pending_gen, sh.cfg.bs_sectors());
+        let eb = ENTRY_BYTES as usize;
+        let stm = &mut *st;
+        let image = stm.image[start as usize * eb..(last as usize + 1) * eb].chunks_exact_mut(eb);
+        for ((k, e), out) in stm.entries[start as usize..=last as usize]
             .iter_mut()
             .enumerate()
+            .zip(image)
         {
             let nb = start + k as u32;
+            let obk = ob + k as u64;
+            DiskEntry {
+                sector: obk * bss,
+                seq: g,
+            }
+            .encode(out);
             *e = Entry {
-                ob: (ob + k as u64) as u32,
-                seq: 0,
+                ob: obk as u32,
+                seq: g,
                 born_ms: now,
                 prev: nb.wrapping_sub(1),
                 next: nb.wrapping_add(1),
-                writes: 1,
+                writes: 0,
                 reads: 0,
                 wb: false,
                 st: St::Live,
             };
         }
+        st.image_changed(start, got, got as u64);
+        st.set_unwritten(start, got, true);
         st.entries[start as usize].prev = tail;
         st.entries[last as usize].next = NONE;
         st.map[ob as usize..(ob + got as u64) as usize]
@@ -1273,7 +1366,7 @@ fn map_write(
         st.stats.writes_allocate += got as u64 - superseded;
         st.stats.writes += got as u64;
         subs.push(Sub {
-            kind: K_CACHE_WRITE,
+            kind: K_CACHE_NEW | st.write_started(),
             block: start as u64,
             off: i,
             n: got as u64,
@@ -1308,12 +1401,10 @@ fn sub_done(c: BioPtr) {
     // kept alive by its table while I/O is in flight.
     let ch = unsafe { &*(parent.private() as *const WcChannel) };
     let sh = &*ch.shared;
-    let status = c.status();
-    let kind = c.ctx() >> 56;
-    let block = (c.ctx() & ((1 << 56) - 1)) as u32;
+    let (status, ctx) = (c.status(), c.ctx());
     let n = c.len() / sh.cfg.block_size;
     drop(c);
-    account(sh, kind, block, n, status, parent.op);
+    account(sh, ctx, n, status, parent.op);
     if !status.is_ok() && parent.status().is_ok() {
         parent.set_status(status);
     }
@@ -1322,44 +1413,31 @@ fn sub_done(c: BioPtr) {
     ch.put(bio, true);
 }
 
-/// Accounts a completed piece of `n` blocks from `block` (a cache block, or
-/// an origin block for K_ORIGIN) of a caller's `op`: unpins, publishes
-/// first writes, wakes whoever waits on that.
-fn account(sh: &Shared, kind: u64, block: u32, n: u32, status: Status, op: Op) {
-    let origin_write = kind == K_ORIGIN && op == Op::Write;
-    if kind == K_CACHE_WRITE || kind == K_CACHE_READ {
-        let mut st = sh.lock();
-        let mut freed = false;
-        let g = st.pending_gen;
-        let (first, end) = (block as usize, (block + n) as usize);
-        // One tight pass over the run's entries; dirty bookkeeping once per
-        // run (State::image_changed).
-        let mut published = 0u64;
+/// Accounts a completed piece (its context word `ctx`, `n` blocks) of a
+/// caller's `op`: unpins, marks first writes done, counts drained writes
+/// for a waiting commit, wakes whoever waits on any of that.
+fn account(sh: &Shared, ctx: u64, n: u32, status: Status, op: Op) {
+    let kind = ctx >> 56;
+    let block = ctx as u32;
+    if kind == K_ORIGIN {
+        if op == Op::Write {
+            sh.lock().last_origin_write = Some(Instant::now());
+        }
+        return;
+    }
+    let mut st = sh.lock();
+    let mut freed = false;
+    let mut wake_readers = false;
+    if kind == K_CACHE_NEW {
+        // A first write: its entries were published when it was mapped;
+        // only the bits say it is done (no pins were taken).
+        st.set_unwritten(block, n, false);
+        wake_readers = st.read_waiters > 0;
+    } else {
+        // One tight pass over the run's entries.
         let mut zombies = false;
-        let stm = &mut *st;
-        let run = &mut stm.entries[first..end];
-        if kind == K_CACHE_WRITE && status.is_ok() {
-            let bss = sh.cfg.bs_sectors();
-            let eb = ENTRY_BYTES as usize;
-            let image = stm.image[first * eb..end * eb].chunks_exact_mut(eb);
-            for (e, out) in run.iter_mut().zip(image) {
-                e.writes -= 1;
-                // First completed write (of a new block, or an overwrite
-                // in place that finished before it): the entry joins the
-                // image, in the generation no commit has started on, and
-                // readers may now be sent to the block.
-                if e.seq == 0 && e.st == St::Live {
-                    e.seq = g;
-                    DiskEntry {
-                        sector: e.ob as u64 * bss,
-                        seq: g,
-                    }
-                    .encode(out);
-                    published += 1;
-                }
-                zombies |= e.st == St::Zombie;
-            }
-        } else if kind == K_CACHE_WRITE {
+        let run = &mut st.entries[block as usize..(block + n) as usize];
+        if kind == K_CACHE_WRITE {
             for e in run {
                 e.writes -= 1;
                 zombies |= e.st == St::Zombie;
@@ -1370,33 +1448,28 @@ fn account(sh: &Shared, kind: u64, block: u32, n: u32, status: Status, op: Op) {
                 zombies |= e.st == St::Zombie;
             }
         }
-        // The first change since a commit starts the autocommit clock: the
-        // worker may be asleep with no deadline, so it must hear of it.
-        let newly_dirty = published > 0 && st.dirty_since.is_none();
-        if published > 0 {
-            st.image_changed(block, n, published);
-        }
         if zombies {
             for b in block..block + n {
                 freed |= st.unpinned(b);
             }
         }
-        let wake_readers = published > 0 && st.read_waiters > 0;
-        if !status.is_ok() {
-            st.error = Status::IoErr.errno();
-        }
-        let poke =
-            kind == K_CACHE_WRITE && (newly_dirty || st.uncommitted >= sh.cfg.autocommit_blocks);
-        let kick = (freed && st.space_waiters > 0) || !status.is_ok() || wake_readers;
-        drop(st);
-        if poke {
-            sh.poke();
-        }
-        if kick {
-            sh.kick_all();
-        }
-    } else if origin_write {
-        sh.lock().last_origin_write = Some(Instant::now());
+    }
+    let mut drained = false;
+    if kind != K_CACHE_READ {
+        let odd = (ctx & CTX_ODD != 0) as usize;
+        st.inflight_writes[odd] -= 1;
+        drained = st.inflight_writes[odd] == 0 && st.barrier != 0 && st.barrier & 1 == odd as u64;
+    }
+    if !status.is_ok() {
+        st.error = Status::IoErr.errno();
+    }
+    let kick = (freed && st.space_waiters > 0) || !status.is_ok() || wake_readers;
+    drop(st);
+    if drained || !status.is_ok() {
+        sh.poke();
+    }
+    if kick {
+        sh.kick_all();
     }
 }
 
@@ -1408,10 +1481,8 @@ fn parent_done(mut bio: BioPtr) {
     // SAFETY: the private of the engine's frame is the WcChannel that pushed
     // it, kept alive by its table while I/O is in flight.
     let ch = unsafe { &*(bio.private() as *const WcChannel) };
-    let kind = bio.ctx() >> 56;
-    let block = (bio.ctx() & ((1 << 56) - 1)) as u32;
     let n = bio.len() / ch.shared.cfg.block_size;
-    account(&ch.shared, kind, block, n, bio.status(), bio.op);
+    account(&ch.shared, bio.ctx(), n, bio.status(), bio.op);
     bio.pop_end_io();
     bio.endio();
 }

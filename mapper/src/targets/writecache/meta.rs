@@ -24,9 +24,11 @@
 //! before the power goes, at 512-byte (so whole-entry) granularity. It is
 //! safe because of what the engine lets a commit contain:
 //!
-//! 1. an entry gets a seq only once its data write has completed, and that
-//!    seq is the generation no commit has started on yet, so a torn commit's
-//!    new entries are ignored on load;
+//! 1. an entry gets its seq when its block is allocated, and that seq is
+//!    the generation no commit has started on yet, so a torn commit's new
+//!    entries are ignored on load; the commit of that generation waits for
+//!    the block's data write to complete before it flushes, so a durable
+//!    entry never points at data that was not written;
 //! 2. a block whose entry is superseded (the sector was rewritten elsewhere)
 //!    is marked free only in a commit *after* the one that made the new
 //!    entry durable; a written-back block is marked free only after the

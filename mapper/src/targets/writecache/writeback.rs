@@ -69,7 +69,12 @@ pub(crate) struct Worker {
     /// grown, so that a commit does not fault in fresh pages under the
     /// lock (a megabyte of them cost as much as encoding the entries).
     stage: RefCell<Vec<u8>>,
+    /// A commit waiting for its generation's data writes to drain (see
+    /// `State::unwritten`): its generation and continuation.
+    barrier_then: RefCell<Option<(u64, Then)>>,
 }
+
+type Then = Option<Box<dyn FnOnce(bool)>>;
 
 fn io_done(bio: BioPtr) {
     // SAFETY: private is the Box<IoCtx> leaked in `Worker::io`, taken back once.
@@ -437,7 +442,7 @@ impl Worker {
 
     /// Publishes the next generation: changed metadata blocks, a flush of
     /// the cache and the origin, then the superblock with FUA.
-    fn start_commit(self: &Rc<Self>, then: Option<Box<dyn FnOnce(bool)>>) {
+    fn start_commit(self: &Rc<Self>, then: Then) {
         let sh = &*self.shared;
         debug_assert!(!self.commit_busy.get(), "writecache: two commits at once");
         self.commit_busy.set(true);
@@ -517,9 +522,25 @@ impl Worker {
         step(Status::Ok);
     }
 
-    fn commit_flush(self: &Rc<Self>, gen: u64, ok: bool, then: Option<Box<dyn FnOnce(bool)>>) {
+    fn commit_flush(self: &Rc<Self>, gen: u64, ok: bool, then: Then) {
         if !ok {
             return self.commit_done(gen, false, then);
+        }
+        {
+            // Entries are published when their blocks are allocated: the
+            // data writes of this generation must be done before the flush
+            // that makes the commit durable. The last one pokes `step`.
+            let mut st = self.shared.lock();
+            if st.inflight_writes[(gen & 1) as usize] > 0 {
+                st.barrier = gen;
+                *self.barrier_then.borrow_mut() = Some((gen, then));
+                return;
+            }
+            if st.error != 0 {
+                // A data write failed: its entry must not become durable.
+                drop(st);
+                return self.commit_done(gen, false, then);
+            }
         }
         // Both devices: the cache holds the data and entries, the origin
         // what was written around the cache.
@@ -550,7 +571,7 @@ impl Worker {
         }
     }
 
-    fn commit_done(self: &Rc<Self>, gen: u64, ok: bool, then: Option<Box<dyn FnOnce(bool)>>) {
+    fn commit_done(self: &Rc<Self>, gen: u64, ok: bool, then: Then) {
         let sh = &*self.shared;
         {
             let mut st = sh.lock();
@@ -931,6 +952,19 @@ impl Worker {
             return;
         }
         let now = Instant::now();
+        let resume = {
+            let mut st = sh.lock();
+            let drained = st.barrier != 0 && st.inflight_writes[(st.barrier & 1) as usize] == 0;
+            if drained {
+                st.barrier = 0;
+            }
+            drained
+        };
+        if resume {
+            if let Some((gen, then)) = self.barrier_then.take() {
+                self.commit_flush(gen, true, then);
+            }
+        }
         let (commit, batch) = {
             let mut st = sh.lock();
             if !st.ready || st.error != 0 {
@@ -1072,6 +1106,7 @@ fn run(sh: Arc<Shared>, tx: mpsc::Sender<Result<(), Error>>) {
         cache_fua: sh.cfg.cache.caps().contains(Caps::FUA),
         bufs: RefCell::new(Vec::new()),
         stage: RefCell::new(vec![1u8; stage_bytes(&sh)]),
+        barrier_then: RefCell::new(None),
     });
     let result: Rc<Cell<Option<Result<(), Error>>>> = Rc::new(Cell::new(None));
     w.load(result.clone());
