@@ -23,6 +23,10 @@ RAM=${RAM:-ram:1G,prealloc}
 mib() { grep -o '"mib_per_s":[0-9.]*' | cut -d: -f2; }
 iops() { grep -o '"iops":[0-9.]*' | cut -d: -f2; }
 median() { tr ' ' '\n' | grep . | sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
+# Median of the per-round ratios A_i/B_i of two run lists (same order): each
+# run is paired with the raw run of its own round, which cancels some of the
+# machine's drift between rounds (runs are ~50 ms).
+ratio() { python3 -c 'import statistics,sys; a,b=(list(map(float,x.split())) for x in sys.argv[1:3]); print(statistics.median(x/y for x,y in zip(a,b)))' "$1" "$2"; }
 TABLE=(--rw randwrite --bs 512k --iodepth 32 --size 400M)
 wc() { # block-size features... -> WC=(device specs)
     local bs=$1; shift
@@ -45,18 +49,18 @@ for r in $(seq "$ROUNDS"); do
     R[raw 4k randread]+="$("$UDM" bench --json --dev c=$RAM --target c --rw randread "${HIT[@]}" | iops) "
     R[wc 4k randread]+="$("$UDM" bench --json "${WC[@]}" --target wc --rw randread "${HIT[@]}" | iops) "
 done
-printf '\n512k randwrite QD32, 400 MiB, MiB/s (median of %s)\n' "$ROUNDS"
+printf '\n512k randwrite QD32, 400 MiB, MiB/s (median of %s; ratios: median of per-round ratios)\n' "$ROUNDS"
 printf '%-8s %9s %9s %9s %9s %9s\n' "block" "raw" "off" "on" "on/off" "on/raw"
 for bs in 512 1024 2048 4096 8192 16384 32768 65536; do
     raw=$(echo "${R[raw $bs]}" | median)
     off=$(echo "${R[off $bs]}" | median)
     on=$(echo "${R[on $bs]}" | median)
     printf '%-8s %9.0f %9.0f %9.0f %9.2f %9.3f\n' "$bs" "$raw" "$off" "$on" \
-        "$(echo "$on / $off" | bc -l)" "$(echo "$on / $raw" | bc -l)"
+        "$(ratio "${R[on $bs]}" "${R[off $bs]}")" "$(ratio "${R[on $bs]}" "${R[raw $bs]}")"
 done
 printf '\n4k QD32 cache hits, IOPS (median)\n'
 for rw in randwrite randread; do
     raw=$(echo "${R[raw 4k $rw]}" | median)
     w=$(echo "${R[wc 4k $rw]}" | median)
-    printf '%-10s raw %10.0f  writecache %10.0f  ratio %.3f\n' "$rw" "$raw" "$w" "$(echo "$w / $raw" | bc -l)"
+    printf '%-10s raw %10.0f  writecache %10.0f  ratio %.3f\n' "$rw" "$raw" "$w" "$(ratio "${R[wc 4k $rw]}" "${R[raw 4k $rw]}")"
 done
