@@ -114,6 +114,13 @@ impl Worker {
         } else {
             bio.set_dataless(op, sector, 0);
         }
+        self.issue(cache, bio, buf, Box::new(done));
+    }
+
+    /// Submits `bio` on the cache (or origin) channel, counted in flight
+    /// until `done` runs; `buf` (what the bio's segment points into, or
+    /// empty) is kept alive until then and handed back to `done`.
+    fn issue(self: &Rc<Self>, cache: bool, mut bio: BioPtr, buf: Vec<u8>, done: Done) {
         self.inflight.set(self.inflight.get() + 1);
         let me = self.clone();
         let ctx = Box::new(IoCtx {
@@ -151,21 +158,7 @@ impl Worker {
         bio.sector = sector;
         // SAFETY: the caller keeps the range valid until `done` runs.
         unsafe { bio.add_seg(data, len) };
-        self.inflight.set(self.inflight.get() + 1);
-        let me = self.clone();
-        let ctx = Box::new(IoCtx {
-            buf: Vec::new(),
-            done: Box::new(move |s, _| {
-                me.inflight.set(me.inflight.get() - 1);
-                done(s)
-            }),
-        });
-        bio.set_end_io(io_done, Box::into_raw(ctx).cast());
-        if cache {
-            self.cache.submit(bio)
-        } else {
-            self.origin.submit(bio)
-        }
+        self.issue(cache, bio, Vec::new(), Box::new(move |s, _| done(s)));
     }
 
     fn fail(&self, st: &mut State) {
@@ -873,17 +866,7 @@ impl Worker {
                         },
                     );
                 });
-                self.inflight.set(self.inflight.get() + 1);
-                let me3 = self.clone();
-                let ctx = Box::new(IoCtx {
-                    buf: Vec::new(),
-                    done: Box::new(move |s, b| {
-                        me3.inflight.set(me3.inflight.get() - 1);
-                        done(s, b)
-                    }),
-                });
-                bio.set_end_io(io_done, Box::into_raw(ctx).cast());
-                self.cache.submit(bio);
+                self.issue(true, bio, Vec::new(), done);
             }
         }
     }
