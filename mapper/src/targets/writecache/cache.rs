@@ -432,8 +432,7 @@ impl State {
         self.lru_remove(b);
         self.live -= 1;
         self.entries[b as usize].st = St::FreePending;
-        self.mark_free(b);
-        self.push_free_pending(b, 1);
+        self.mark_free_run(b, 1);
         self.shadow_add(ob);
     }
 
