@@ -77,8 +77,8 @@ pub(crate) enum St {
 pub(crate) struct Entry {
     /// Origin block index (the constructor bounds it to u32).
     pub ob: u32,
-    /// Generation its entry was (or will be) committed with; 0 until its
-    /// first data write completed.
+    /// Generation its entry was (or will be) committed with: the one no
+    /// commit had started on when the block was allocated (0 when free).
     pub seq: u64,
     /// Milliseconds since the engine started, when it was cached (max_age).
     pub born_ms: u32,
@@ -91,8 +91,7 @@ pub(crate) struct Entry {
 }
 
 // Two per cache line: at 512-byte blocks the data path writes an entry per
-// block and completion rewrites it, so its size is a share of the memory
-// traffic (48 bytes cost ~19% on top of the data).
+// block, so its size is a share of the memory traffic beside the data's.
 const _: () = assert!(std::mem::size_of::<Entry>() == 32);
 
 impl Entry {
@@ -153,8 +152,8 @@ pub(crate) struct State {
     pub free: FreeExtents,
     /// The entry array as it is to be on disk (whole metadata blocks of
     /// 16-byte entries, see `meta`), kept in step with `entries` wherever
-    /// `State::disk_entry` changes: a data write's first completion, a free
-    /// marker, a rebuild. A commit copies its dirty metadata blocks from it
+    /// `State::disk_entry` changes: a block's allocation (see `unwritten`), a
+    /// free marker, a rebuild. A commit copies its dirty metadata blocks from it
     /// (a memcpy) instead of encoding them from the entries under the lock,
     /// which took 0.3-0.6 ms per 65536 entries and stalled writers.
     pub image: Vec<u8>,
@@ -313,9 +312,9 @@ impl State {
     }
 
     /// What the on-disk entry of block `b` is to say, from its state: its
-    /// origin sector and generation while its data is the block's (live
-    /// once its first write completed, or superseded but not yet marked
-    /// free), free otherwise. The image holds exactly this for every block
+    /// origin sector and generation while it holds (or, its first write in
+    /// flight, is about to hold) its origin block's data, live or
+    /// superseded but not yet marked free; free otherwise. The image holds exactly this for every block
     /// (`image_is_consistent`); a rebuild derives the image from it.
     #[inline]
     pub fn disk_entry(&self, b: usize, bs_sectors: u64) -> DiskEntry {
@@ -401,7 +400,8 @@ impl State {
     }
 
     /// The block is free on disk for good: true if it may go back to the
-    /// free space now (the caller frees it, batched into runs), false if I/O still pins it (it is freed when unpinned).
+    /// free space now (the caller frees it, batched into runs), false if
+    /// I/O still pins it (it is freed when unpinned).
     pub fn release(&mut self, b: u32) -> bool {
         let e = &mut self.entries[b as usize];
         if e.reads > 0 || e.writes > 0 {
