@@ -623,7 +623,8 @@ impl Worker {
                 // Superseded blocks whose successor is now durable get a
                 // free marker in the next commit.
                 let sup = std::mem::take(&mut st.superseded);
-                let mut keep: Vec<cache::Superseded> = Vec::new();
+                // (Those that must wait go back through push_superseded,
+                // which merges them into runs again.)
                 let pg = st.pending_gen;
                 for r in sup {
                     let mut ready = (r.old, 0);
@@ -636,20 +637,10 @@ impl Worker {
                         }
                         st.mark_free_run(ready.0, ready.1);
                         ready = (r.old + k + 1, 0);
-                        match keep.last_mut() {
-                            Some(l) if l.old + l.len == r.old + k && l.by + l.len == r.by + k => {
-                                l.len += 1
-                            }
-                            _ => keep.push(cache::Superseded {
-                                old: r.old + k,
-                                by: r.by + k,
-                                len: 1,
-                            }),
-                        }
+                        st.push_superseded(r.old + k, r.by + k);
                     }
                     st.mark_free_run(ready.0, ready.1);
                 }
-                st.superseded = keep;
                 // Space is wanted: do not wait for autocommit to release.
                 let n = sh.geo.n_blocks as u64;
                 let pressed = st.writeback_all > 0
