@@ -158,8 +158,8 @@ struct Job {
     issued: Cell<u64>,
     deadline: Cell<u64>,
     rng: Cell<u64>,
-    /// A random permutation of the region for random passes (verify/prefill).
-    perm: Vec<u32>,
+    /// The order of the current random pass (fio's random map).
+    rmap: Cell<RandomMap>,
     generation: u64,
     stats: UnsafeCell<Stats>,
     progress: Arc<AtomicU64>,
@@ -212,7 +212,11 @@ impl Job {
                 }
                 self.issued.set(i + 1);
                 let block = if self.cfg.rw.random() {
-                    ((self.next_rand() as u128 * n as u128) >> 64) as u64
+                    // Every pass covers the region once, in its own order.
+                    if i != 0 && i.is_multiple_of(n) {
+                        self.rmap.set(RandomMap::new(n, self.cfg.seed ^ (i / n)));
+                    }
+                    self.rmap.get().get(i % n)
                 } else {
                     i % n
                 };
@@ -235,10 +239,10 @@ impl Job {
                     return None;
                 }
                 self.issued.set(i + 1);
-                let block = if self.perm.is_empty() {
-                    i
+                let block = if self.cfg.rw.random() {
+                    self.rmap.get().get(i)
                 } else {
-                    self.perm[i as usize] as u64
+                    i
                 };
                 let op = if self.phase.get() == Phase::VerifyRead {
                     Op::Read
@@ -405,11 +409,6 @@ pub fn run_job(
     // explicit drops at the end keep that order).
     let buf_index =
         unsafe { reactor.register_buffer(base, bs * cfg.iodepth as usize) }.unwrap_or(Bio::NO_BUF);
-    let perm = if (cfg.verify || cfg.prefill) && cfg.rw.random() {
-        permutation(cfg.region_blocks, cfg.seed)
-    } else {
-        Vec::new()
-    };
     let job = Job {
         bs_sectors: (cfg.bs >> SECTOR_SHIFT) as u64,
         reactor: &reactor,
@@ -420,7 +419,7 @@ pub fn run_job(
         issued: Cell::new(0),
         deadline: Cell::new(u64::MAX),
         rng: Cell::new(cfg.seed | 1),
-        perm,
+        rmap: Cell::new(RandomMap::new(cfg.region_blocks, cfg.seed)),
         generation: cfg.seed,
         stats: UnsafeCell::new(Stats {
             hist: Histogram::new_with_bounds(1, 3_600_000_000_000, 3)
@@ -499,19 +498,60 @@ pub fn run_job(
     })
 }
 
-/// A random permutation of 0..n (Fisher–Yates), for random passes that must
-/// touch every block exactly once.
-fn permutation(n: u64, seed: u64) -> Vec<u32> {
-    let mut v: Vec<u32> = (0..n as u32).collect();
-    let mut x = seed | 1;
-    for i in (1..v.len()).rev() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        let j = (x % (i as u64 + 1)) as usize;
-        v.swap(i, j);
+/// The order of a random pass, as fio's random map gives it: every block of
+/// `0..n` exactly once (`fio --rw=randwrite --size=400M` writes each block
+/// once, and so does `udm bench` with `--size`), without fio's bitmap or a
+/// table of `n` entries. It is a keyed bijection of the next power of two
+/// (rounds of: xor a key, multiply by an odd key, xor-shift right; each is
+/// a bijection on `bits`-bit numbers), cycle-walked into `0..n`: values at or
+/// above `n` are mapped again until one lands inside, which keeps it a
+/// bijection of `0..n` and takes under two steps on average.
+#[derive(Clone, Copy, Debug)]
+struct RandomMap {
+    n: u64,
+    mask: u64,
+    shift: u32,
+    keys: [u64; 3],
+}
+
+impl RandomMap {
+    fn new(n: u64, seed: u64) -> RandomMap {
+        let bits = (64 - n.saturating_sub(1).leading_zeros()).max(1);
+        let mut x = seed;
+        let mut key = || {
+            // splitmix64: independent-looking keys from one seed.
+            x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        };
+        RandomMap {
+            n,
+            mask: u64::MAX >> (64 - bits),
+            shift: (bits / 2).max(1),
+            keys: [key(), key(), key()],
+        }
     }
-    v
+
+    #[inline]
+    fn step(&self, mut x: u64) -> u64 {
+        for k in self.keys {
+            x = ((x ^ k) & self.mask).wrapping_mul(k | 1) & self.mask;
+            x ^= x >> self.shift;
+        }
+        x
+    }
+
+    /// The `i`-th block of the pass (`i < n`).
+    #[inline]
+    fn get(&self, i: u64) -> u64 {
+        let mut x = self.step(i);
+        while x >= self.n {
+            x = self.step(x);
+        }
+        x
+    }
 }
 
 /// This thread's CPU time (user, system).
@@ -524,4 +564,39 @@ fn thread_cpu() -> (Duration, Duration) {
     };
     let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
     (tv(ru.ru_utime), tv(ru.ru_stime))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RandomMap;
+
+    /// A random pass visits every block exactly once, whatever the size.
+    #[test]
+    fn random_map_is_a_permutation() {
+        for n in (1..300).chain([1000, 4096, 4097, 65_537, 800]) {
+            for seed in [0, 1, 0xdead_beef] {
+                let m = RandomMap::new(n, seed);
+                let mut seen = vec![false; n as usize];
+                for i in 0..n {
+                    let b = m.get(i) as usize;
+                    assert!(!seen[b], "n {n} seed {seed}: block {b} twice");
+                    seen[b] = true;
+                }
+            }
+        }
+    }
+
+    /// The order is not the identity nor close to it, and passes differ.
+    #[test]
+    fn random_map_shuffles() {
+        let n = 800;
+        let (a, b) = (RandomMap::new(n, 1), RandomMap::new(n, 2));
+        let fixed = (0..n).filter(|&i| a.get(i) == i).count();
+        let ascending = (1..n).filter(|&i| a.get(i) == a.get(i - 1) + 1).count();
+        let same = (0..n).filter(|&i| a.get(i) == b.get(i)).count();
+        assert!(
+            fixed < 20 && ascending < 40 && same < 20,
+            "{fixed} {ascending} {same}"
+        );
+    }
 }

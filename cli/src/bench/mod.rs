@@ -35,6 +35,8 @@ options:
   --runtime SECS       time-based run length                    [5]
   --size SIZE          region to cover (all jobs together; one pass when
                        given without --runtime)                 [whole device]
+                       (random passes cover every block once, as fio's
+                       random map does; each pass in a new order)
   --prefill            write the region first, unmeasured
   --verify             write a pattern over the region, read it back, compare
   --poll               busy-poll completions (default: sleep when idle)
@@ -237,11 +239,6 @@ fn run(dev: &Arc<dyn BlockDevice>, cfg: BenchCfg) -> Result<Report, Error> {
             "region of {region} bytes is too small for {} jobs of --bs {}",
             cfg.jobs, cfg.bs
         )));
-    }
-    if (cfg.verify || cfg.prefill) && per_job_blocks > u32::MAX as u64 {
-        return Err(Error::invalid(
-            "--verify/--prefill region has too many blocks; use --size",
-        ));
     }
     crate::clock::init();
     let reactor = ReactorConfig {
