@@ -28,6 +28,10 @@ pub(crate) struct TargetIo {
     pub len: u64,
     pub max_io_len: u64,
     pub end_io: EndIoWhen,
+    /// For a pure offset remap ([`Target::remap_offset`]): what to add to the
+    /// table-relative sector, and device 0's channel; the fast path remaps
+    /// such bios itself instead of calling `map`.
+    remap: Option<(u64, *const dyn Channel)>,
     /// `target`'s address, resolved once: calling through it skips the
     /// Arc's data-offset arithmetic on every map.
     target_ptr: *const dyn Target,
@@ -107,6 +111,9 @@ impl TableIo {
                     len: t.len,
                     max_io_len: t.max_io_len,
                     end_io: t.end_io,
+                    remap: t
+                        .remap_offset
+                        .map(|o| (o.wrapping_sub(t.begin), Rc::as_ptr(&chans[0]))),
                     target_ptr: Arc::as_ptr(&t.target),
                     _target: t.target.clone(),
                     chan_ptrs: chans.iter().map(Rc::as_ptr).collect(),
@@ -339,8 +346,14 @@ impl Channel for MapperChannel {
                 // The target index, for end_io and for a target that completes
                 // the bio in map; dispatch adds the device index.
                 bio.set_ctx(ti as u64);
-                bio.sector = rel;
                 tio.get();
+                if let Some((delta, ch)) = t.remap {
+                    bio.sector = bio.sector.wrapping_add(delta);
+                    // SAFETY: `ch` is `Rc::as_ptr(&t.chans[0])`, which `t`
+                    // owns and never changes.
+                    return unsafe { (*ch).submit(bio) };
+                }
+                bio.sector = rel;
                 match t.target().map(bio, &MapCtx { devs: &t.chans }) {
                     Map::Remapped(bio, d) => t.submit_to(ti, bio, d),
                     m => {

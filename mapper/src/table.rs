@@ -104,6 +104,8 @@ pub struct TableTarget {
     pub max_io_len: u64,
     /// [`Target::wants_end_io`], cached.
     pub end_io: EndIoWhen,
+    /// [`Target::remap_offset`], cached.
+    pub remap_offset: Option<u64>,
     /// For each of the target's devices, its index in [`Table::devices`].
     pub dev_index: Vec<usize>,
 }
@@ -207,6 +209,7 @@ impl Table {
                 ty: tt.name,
                 max_io_len: target.max_io_len(),
                 end_io: target.wants_end_io(),
+                remap_offset: target.remap_offset().filter(|_| !dev_index.is_empty()),
                 dev_index,
                 target: Arc::from(target),
             });

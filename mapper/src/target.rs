@@ -136,6 +136,14 @@ pub trait Target: Send + Sync {
         false
     }
 
+    /// For a target whose `map` only adds a constant to the (target-relative)
+    /// sector and remaps to device 0, as `linear` does: that constant. The
+    /// fast path then does the remap itself and skips the call to `map`.
+    /// Only meaningful with [`Target::no_clone`].
+    fn remap_offset(&self) -> Option<u64> {
+        None
+    }
+
     /// Capabilities, given those stacked over [`Target::devices`].
     fn caps(&self, stacked: Caps) -> Caps {
         stacked

@@ -61,4 +61,8 @@ impl Target for Linear {
     fn no_clone(&self) -> bool {
         true
     }
+
+    fn remap_offset(&self) -> Option<u64> {
+        Some(self.devs[0].start)
+    }
 }
