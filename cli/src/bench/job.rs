@@ -158,8 +158,10 @@ struct Job {
     issued: Cell<u64>,
     deadline: Cell<u64>,
     rng: Cell<u64>,
-    /// The order of the current random pass (fio's random map).
+    /// The order of the current random pass (fio's random map), and how
+    /// many blocks of the pass were issued.
     rmap: Cell<RandomMap>,
+    rpos: Cell<u64>,
     generation: u64,
     stats: UnsafeCell<Stats>,
     progress: Arc<AtomicU64>,
@@ -212,11 +214,15 @@ impl Job {
                 }
                 self.issued.set(i + 1);
                 let block = if self.cfg.rw.random() {
-                    // Every pass covers the region once, in its own order.
-                    if i != 0 && i.is_multiple_of(n) {
-                        self.rmap.set(RandomMap::new(n, self.cfg.seed ^ (i / n)));
+                    // Every pass covers the region once, in its own order
+                    // (counted within the pass: no division per I/O).
+                    let mut p = self.rpos.get();
+                    if p == n {
+                        self.rmap.set(RandomMap::new(n, self.cfg.seed ^ i));
+                        p = 0;
                     }
-                    self.rmap.get().get(i % n)
+                    self.rpos.set(p + 1);
+                    self.rmap.get().get(p)
                 } else {
                     i % n
                 };
@@ -420,6 +426,7 @@ pub fn run_job(
         deadline: Cell::new(u64::MAX),
         rng: Cell::new(cfg.seed | 1),
         rmap: Cell::new(RandomMap::new(cfg.region_blocks, cfg.seed)),
+        rpos: Cell::new(0),
         generation: cfg.seed,
         stats: UnsafeCell::new(Stats {
             hist: Histogram::new_with_bounds(1, 3_600_000_000_000, 3)
@@ -502,7 +509,7 @@ pub fn run_job(
 /// `0..n` exactly once (`fio --rw=randwrite --size=400M` writes each block
 /// once, and so does `udm bench` with `--size`), without fio's bitmap or a
 /// table of `n` entries. It is a keyed bijection of the next power of two
-/// (rounds of: xor a key, multiply by an odd key, xor-shift right; each is
+/// (two rounds of: xor a key, multiply by an odd key, xor-shift right; each is
 /// a bijection on `bits`-bit numbers), cycle-walked into `0..n`: values at or
 /// above `n` are mapped again until one lands inside, which keeps it a
 /// bijection of `0..n` and takes under two steps on average.
@@ -511,12 +518,14 @@ struct RandomMap {
     n: u64,
     mask: u64,
     shift: u32,
-    keys: [u64; 3],
+    xors: [u64; 2],
+    muls: [u64; 2],
 }
 
 impl RandomMap {
     fn new(n: u64, seed: u64) -> RandomMap {
         let bits = (64 - n.saturating_sub(1).leading_zeros()).max(1);
+        let mask = u64::MAX >> (64 - bits);
         let mut x = seed;
         let mut key = || {
             // splitmix64: independent-looking keys from one seed.
@@ -528,16 +537,17 @@ impl RandomMap {
         };
         RandomMap {
             n,
-            mask: u64::MAX >> (64 - bits),
+            mask,
             shift: (bits / 2).max(1),
-            keys: [key(), key(), key()],
+            xors: [key() & mask, key() & mask],
+            muls: [key() | 1, key() | 1],
         }
     }
 
     #[inline]
     fn step(&self, mut x: u64) -> u64 {
-        for k in self.keys {
-            x = ((x ^ k) & self.mask).wrapping_mul(k | 1) & self.mask;
+        for r in 0..2 {
+            x = (x ^ self.xors[r]).wrapping_mul(self.muls[r]) & self.mask;
             x ^= x >> self.shift;
         }
         x
