@@ -366,31 +366,11 @@ fn accept(l: &Listener, addr: &Listen) -> Option<(OwnedFd, String)> {
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         let peer = match l {
             Listener::Unix(..) => {
-                let n = UNIX_SNDBUF;
-                // SAFETY: setsockopt with a live c_int of the size given.
-                unsafe {
-                    libc::setsockopt(
-                        fd.as_raw_fd(),
-                        libc::SOL_SOCKET,
-                        libc::SO_SNDBUF,
-                        (&n as *const libc::c_int).cast(),
-                        std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-                    )
-                };
+                set_int_opt(&fd, libc::SOL_SOCKET, libc::SO_SNDBUF, UNIX_SNDBUF);
                 format!("{addr}")
             }
             Listener::Tcp(_) => {
-                let one: libc::c_int = 1;
-                // SAFETY: setsockopt with a live c_int of the size given.
-                unsafe {
-                    libc::setsockopt(
-                        fd.as_raw_fd(),
-                        libc::IPPROTO_TCP,
-                        libc::TCP_NODELAY,
-                        (&one as *const libc::c_int).cast(),
-                        std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-                    )
-                };
+                set_int_opt(&fd, libc::IPPROTO_TCP, libc::TCP_NODELAY, 1);
                 peer_of(&fd)
             }
         };
@@ -478,5 +458,21 @@ fn flush_end_io(bio: udm_core::BioPtr) {
     let status = bio.status();
     if let Some(e) = results.borrow_mut().get_mut(i) {
         e.1 = Some(status);
+    };
+}
+
+/// Sets an int-valued socket option. Best effort: a socket that refuses it
+/// still works, only with the kernel's default.
+fn set_int_opt(fd: &OwnedFd, level: libc::c_int, opt: libc::c_int, v: libc::c_int) {
+    // SAFETY: setsockopt on a descriptor `fd` keeps open, with a pointer to
+    // a live c_int and its exact size.
+    unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            level,
+            opt,
+            (&v as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
     };
 }
