@@ -30,6 +30,7 @@ pub const SECTOR_SIZE: u64 = 1 << SECTOR_SHIFT;
 /// How many layers may stack their completions on one bio before the mapper
 /// falls back to cloning (the seed's fallback when the small allocation fails).
 pub const MAX_STACK: usize = 8;
+const _: () = assert!(MAX_STACK.is_power_of_two());
 
 /// Segments stored inline before the vector spills to the heap.
 pub const INLINE_SEGS: usize = 4;
@@ -561,7 +562,9 @@ impl Bio {
     pub fn pop_end_io(&mut self) {
         debug_assert!(self.depth > 0, "pop_end_io without a saved frame");
         self.depth -= 1;
-        let f = self.frames[self.depth as usize];
+        // The mask keeps the index in range without a bounds check (depth
+        // is below MAX_STACK, a power of two, whenever a frame is saved).
+        let f = self.frames[self.depth as usize & (MAX_STACK - 1)];
         self.end_io = f.end_io;
         self.private = f.private;
         self.ctx = f.ctx;
@@ -636,6 +639,13 @@ impl BioPtr {
     #[inline]
     #[must_use]
     pub fn push_end_io(&mut self, end_io: EndIo, private: *mut ()) -> bool {
+        self.push_end_io_ctx(end_io, private, 0)
+    }
+
+    /// [`BioPtr::push_end_io`] with the new context word set to `ctx`.
+    #[inline]
+    #[must_use]
+    pub fn push_end_io_ctx(&mut self, end_io: EndIo, private: *mut (), ctx: u64) -> bool {
         let b = &mut **self;
         let d = b.depth as usize;
         if d >= MAX_STACK {
@@ -650,7 +660,7 @@ impl BioPtr {
         b.depth += 1;
         b.end_io = end_io;
         b.private = private;
-        b.ctx = 0;
+        b.ctx = ctx;
         true
     }
 

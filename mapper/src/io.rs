@@ -28,10 +28,8 @@ pub(crate) struct TargetIo {
     pub len: u64,
     pub max_io_len: u64,
     pub end_io: EndIoWhen,
-    /// For a pure offset remap ([`Target::remap_offset`]): what to add to the
-    /// table-relative sector, and device 0's channel; the fast path remaps
-    /// such bios itself instead of calling `map`.
-    remap: Option<(u64, *const dyn Channel)>,
+    /// How the fast path maps a bio to this target.
+    fast: FastMap,
     /// `target`'s address, resolved once: calling through it skips the
     /// Arc's data-offset arithmetic on every map.
     target_ptr: *const dyn Target,
@@ -41,6 +39,18 @@ pub(crate) struct TargetIo {
     pub chans: Box<[Rc<dyn Channel>]>,
     /// Their addresses, resolved once (as `target_ptr`).
     chan_ptrs: Box<[*const dyn Channel]>,
+}
+
+/// How the fast path maps a bio to a target: the cheaper the better.
+#[derive(Clone, Copy)]
+enum FastMap {
+    /// A pure offset remap ([`Target::remap_offset`]): what to add to the
+    /// table-relative sector, and device 0's channel. No call to the target.
+    Offset(u64, *const dyn Channel),
+    /// [`Target::map_sector`]: one call that returns the device and sector.
+    Sector,
+    /// [`Target::map`], and what it returns dispatched.
+    Map,
 }
 
 impl TargetIo {
@@ -111,9 +121,11 @@ impl TableIo {
                     len: t.len,
                     max_io_len: t.max_io_len,
                     end_io: t.end_io,
-                    remap: t
-                        .remap_offset
-                        .map(|o| (o.wrapping_sub(t.begin), Rc::as_ptr(&chans[0]))),
+                    fast: match t.remap_offset {
+                        Some(o) => FastMap::Offset(o.wrapping_sub(t.begin), Rc::as_ptr(&chans[0])),
+                        None if t.sector_map => FastMap::Sector,
+                        None => FastMap::Map,
+                    },
                     target_ptr: Arc::as_ptr(&t.target),
                     _target: t.target.clone(),
                     chan_ptrs: chans.iter().map(Rc::as_ptr).collect(),
@@ -325,48 +337,117 @@ impl MapperChannel {
 }
 
 impl Channel for MapperChannel {
-    /// The no-clone fast path; anything it does not take goes to `submit_slow`.
+    /// The no-clone fast path (see [`MapperChannel::map_in`]). Every call in
+    /// it is a tail call, so it runs without a stack frame: a linear remap
+    /// costs a few dozen instructions.
     #[inline]
-    fn submit(&self, mut bio: BioPtr) {
+    fn submit(&self, bio: BioPtr) {
         let tio = self.tio();
+        if tio.targets.len() == 1 {
+            self.map_in::<false>(tio, 0, bio)
+        } else {
+            self.map_search(tio, bio)
+        }
+    }
+}
+
+impl MapperChannel {
+    /// The fast path's body for target `ti`: when it takes the bio (see the
+    /// module docs), pushes the completion frame and remaps; anything else
+    /// goes to `submit_slow`. `DIV`: the target's max_io_len window is not a
+    /// power of two, so finding the bio's place in it takes a division.
+    #[inline(always)]
+    fn map_in<const DIV: bool>(&self, tio: &TableIo, ti: usize, mut bio: BioPtr) {
         // Read or write (ops 0 and 1), no PREFLUSH, a free frame.
         if self.fast.get()
             && (bio.op as u8) <= Op::Write as u8
             && !bio.flags.contains(BioFlags::PREFLUSH)
             && bio.can_push()
         {
-            let ti = tio.table.find(bio.sector);
             let t = &tio.targets[ti];
             let rel = bio.sector.wrapping_sub(t.begin);
             let n = bio.sectors();
-            // Inside one target and one max_io_len window, non-empty, aligned.
-            if rel < t.len && n != 0 && n <= t.room(rel) && (bio.sector | n) & tio.lbs_mask == 0 {
-                // Cannot fail: can_push() held above.
-                let _ = bio.push_end_io(noclone_endio, tio as *const TableIo as *mut ());
-                // The target index, for end_io and for a target that completes
-                // the bio in map; dispatch adds the device index.
-                bio.set_ctx(ti as u64);
-                tio.get();
-                if let Some((delta, ch)) = t.remap {
-                    bio.sector = bio.sector.wrapping_add(delta);
-                    // SAFETY: `ch` is `Rc::as_ptr(&t.chans[0])`, which `t`
-                    // owns and never changes.
-                    return unsafe { (*ch).submit(bio) };
-                }
-                bio.sector = rel;
-                match t.target().map(bio, &MapCtx { devs: &t.chans }) {
-                    Map::Remapped(bio, d) => t.submit_to(ti, bio, d),
-                    m => {
-                        if let Some(b) = tio.dispatch(ti, m) {
-                            self.requeue(tio, b);
+            // Inside the target, non-empty, aligned...
+            if rel < t.len && n != 0 && (bio.sector | n) & tio.lbs_mask == 0 {
+                // ...and inside one max_io_len window.
+                let m = t.max_io_len;
+                let room = if m == 0 {
+                    t.len - rel
+                } else if DIV {
+                    (t.len - rel).min(m - rel % m)
+                } else if m.is_power_of_two() {
+                    (t.len - rel).min(m - (rel & (m - 1)))
+                } else {
+                    return self.map_div(tio, ti, bio);
+                };
+                if n <= room {
+                    // Cannot fail: can_push() held above. The context word is
+                    // the target index, for end_io and for a target that
+                    // completes the bio in map; dispatch adds the device.
+                    let _ = bio.push_end_io_ctx(
+                        noclone_endio,
+                        tio as *const TableIo as *mut (),
+                        ti as u64,
+                    );
+                    tio.get();
+                    return match t.fast {
+                        FastMap::Offset(delta, ch) => {
+                            bio.sector = bio.sector.wrapping_add(delta);
+                            // SAFETY: `ch` is `Rc::as_ptr(&t.chans[0])`, which
+                            // `t` owns and never changes.
+                            unsafe { (*ch).submit(bio) }
                         }
-                    }
+                        FastMap::Sector => {
+                            bio.sector = rel;
+                            map_sector(t, ti, bio)
+                        }
+                        FastMap::Map => {
+                            bio.sector = rel;
+                            self.map_fast(tio, ti, bio)
+                        }
+                    };
                 }
-                return;
             }
         }
         self.submit_slow(bio)
     }
+
+    /// The fast path on a table of several targets: the lookup (a binary
+    /// search) lives here so that `submit` itself needs no frame.
+    #[inline(never)]
+    fn map_search(&self, tio: &TableIo, bio: BioPtr) {
+        let ti = tio.table.find(bio.sector);
+        self.map_in::<false>(tio, ti, bio)
+    }
+
+    /// The fast path for a target whose max_io_len is not a power of two.
+    #[inline(never)]
+    fn map_div(&self, tio: &TableIo, ti: usize, bio: BioPtr) {
+        self.map_in::<true>(tio, ti, bio)
+    }
+
+    /// The fast path for a target that maps itself in full: its `map`, then
+    /// what that returned.
+    #[inline(never)]
+    fn map_fast(&self, tio: &TableIo, ti: usize, bio: BioPtr) {
+        let t = &tio.targets[ti];
+        match t.target().map(bio, &MapCtx { devs: &t.chans }) {
+            Map::Remapped(bio, d) => t.submit_to(ti, bio, d),
+            m => {
+                if let Some(b) = tio.dispatch(ti, m) {
+                    self.requeue(tio, b);
+                }
+            }
+        }
+    }
+}
+
+/// The fast path for a [`Target::map_sector`] target `t` (index `ti`).
+#[inline(never)]
+fn map_sector(t: &TargetIo, ti: usize, mut bio: BioPtr) {
+    let (d, sector) = t.target().map_sector(bio.sector);
+    bio.sector = sector;
+    t.submit_to(ti, bio, d)
 }
 
 impl TargetIo {
@@ -436,20 +517,26 @@ fn noclone_endio(mut bio: BioPtr) {
     // which includes this bio, is non-zero.
     let tio = unsafe { &*(bio.private() as *const TableIo) };
     if tio.end_io.applies(bio.status().is_ok()) {
-        target_end_io(tio, &mut bio);
+        return target_end_io(tio, bio);
     }
     bio.pop_end_io();
     tio.put();
     bio.endio();
 }
 
-/// Runs the mapping target's end_io if it wants one for this outcome.
-fn target_end_io(tio: &TableIo, bio: &mut BioPtr) {
+/// `noclone_endio` when a target of the table may want its end_io: runs the
+/// mapping target's, if it wants one for this outcome, then completes. Out
+/// of line: most tables never want one, and `noclone_endio` stays frameless.
+#[inline(never)]
+fn target_end_io(tio: &TableIo, mut bio: BioPtr) {
     let (ti, dev) = ctx_target_dev(bio.ctx());
     let t = &tio.targets[ti];
     if t.end_io.applies(bio.status().is_ok()) {
-        t.target().end_io(bio, dev);
+        t.target().end_io(&mut bio, dev);
     }
+    bio.pop_end_io();
+    tio.put();
+    bio.endio();
 }
 
 impl Poller for MapperChannel {

@@ -144,6 +144,21 @@ pub trait Target: Send + Sync {
         None
     }
 
+    /// Opts in to [`Target::map_sector`]: `map` only moves the bio to
+    /// another sector of one of its devices, as `striped` does. Only
+    /// meaningful with [`Target::no_clone`].
+    fn sector_map(&self) -> bool {
+        false
+    }
+
+    /// For a [`Target::sector_map`] target: where `map` sends the
+    /// target-relative sector `rel`, as (device index, sector on that
+    /// device); dm's `stripe_map_sector`. The fast path calls this instead
+    /// of `map`, and submits to the device itself.
+    fn map_sector(&self, rel: u64) -> (usize, u64) {
+        (0, rel)
+    }
+
     /// Capabilities, given those stacked over [`Target::devices`].
     fn caps(&self, stacked: Caps) -> Caps {
         stacked

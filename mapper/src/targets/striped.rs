@@ -28,15 +28,16 @@ pub const STRIPED: TargetType = TargetType {
 struct Striped {
     devs: Vec<DevArea>,
     chunk: u64,
-    /// log2(chunk) when it is a power of two: the common case maps with shifts.
-    chunk_shift: Option<u32>,
     stripes: u64,
-    stripes_shift: Option<u32>,
+    /// (log2 chunk, log2 stripes) when both are powers of two: the common
+    /// case then maps with shifts and masks only.
+    shifts: Option<(u32, u32)>,
     errors: Vec<AtomicU32>,
 }
 
-fn pow2_shift(v: u64) -> Option<u32> {
-    v.is_power_of_two().then(|| v.trailing_zeros())
+fn pow2_shifts(chunk: u64, stripes: u64) -> Option<(u32, u32)> {
+    (chunk.is_power_of_two() && stripes.is_power_of_two())
+        .then(|| (chunk.trailing_zeros(), stripes.trailing_zeros()))
 }
 
 fn striped_ctr(ctx: &CtrCtx<'_>, argv: &[&str]) -> Result<Box<dyn Target>, Error> {
@@ -95,27 +96,9 @@ fn striped_ctr(ctx: &CtrCtx<'_>, argv: &[&str]) -> Result<Box<dyn Target>, Error
         errors: devs.iter().map(|_| AtomicU32::new(0)).collect(),
         devs,
         chunk,
-        chunk_shift: pow2_shift(chunk),
         stripes: stripes as u64,
-        stripes_shift: pow2_shift(stripes as u64),
+        shifts: pow2_shifts(chunk, stripes as u64),
     }))
-}
-
-impl Striped {
-    /// (stripe, sector on that stripe's device) of a target-relative sector.
-    #[inline]
-    fn map_sector(&self, rel: u64) -> (usize, u64) {
-        let (chunk, off) = match self.chunk_shift {
-            Some(s) => (rel >> s, rel & (self.chunk - 1)),
-            None => (rel / self.chunk, rel % self.chunk),
-        };
-        let (row, stripe) = match self.stripes_shift {
-            Some(s) => (chunk >> s, chunk & (self.stripes - 1)),
-            None => (chunk / self.stripes, chunk % self.stripes),
-        };
-        let stripe = stripe as usize;
-        (stripe, self.devs[stripe].start + row * self.chunk + off)
-    }
 }
 
 impl Target for Striped {
@@ -124,6 +107,31 @@ impl Target for Striped {
         let (stripe, sector) = self.map_sector(bio.sector);
         bio.sector = sector;
         Map::Remapped(bio, stripe)
+    }
+
+    fn sector_map(&self) -> bool {
+        true
+    }
+
+    /// (stripe, sector on that stripe's device) of a target-relative sector.
+    #[inline]
+    fn map_sector(&self, rel: u64) -> (usize, u64) {
+        let (row, stripe, off) = match self.shifts {
+            Some((cs, ss)) => {
+                let chunk = rel >> cs;
+                (
+                    chunk >> ss,
+                    chunk & (self.stripes - 1),
+                    rel & (self.chunk - 1),
+                )
+            }
+            None => {
+                let chunk = rel / self.chunk;
+                (chunk / self.stripes, chunk % self.stripes, rel % self.chunk)
+            }
+        };
+        let stripe = stripe as usize;
+        (stripe, self.devs[stripe].start + row * self.chunk + off)
     }
 
     fn devices(&self) -> &[DevArea] {
@@ -203,9 +211,8 @@ mod tests {
         Striped {
             devs: Vec::new(),
             chunk,
-            chunk_shift: pow2_shift(chunk),
             stripes,
-            stripes_shift: pow2_shift(stripes),
+            shifts: pow2_shifts(chunk, stripes),
             errors: Vec::new(),
         }
         .with_starts(starts)
@@ -269,6 +276,26 @@ mod tests {
         let mut seen = std::collections::HashSet::new();
         for rel in 0..(3 * 6 * 5) {
             assert!(seen.insert(s.map_sector(rel)), "sector {rel} collides");
+        }
+    }
+
+    #[test]
+    fn shift_and_division_paths_agree_with_dms_formula() {
+        // Powers of two take shifts only when both chunk and stripe count
+        // are; every mix must give dm's answer.
+        for (stripes, chunk) in [(1, 8), (2, 8), (4, 1), (3, 8), (2, 6), (3, 6), (8, 128)] {
+            let starts: Vec<u64> = (0..stripes).map(|i| 1000 * i + 7).collect();
+            let s = striped(stripes, chunk, &starts);
+            for rel in 0..(stripes * chunk * 4) {
+                let c = rel / chunk;
+                let st = (c % stripes) as usize;
+                let want = (st, starts[st] + (c / stripes) * chunk + rel % chunk);
+                assert_eq!(
+                    s.map_sector(rel),
+                    want,
+                    "{stripes} stripes, chunk {chunk}, sector {rel}"
+                );
+            }
         }
     }
 }
