@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Two (or more) udm builds side by side on seed 000's hardest row: 512 B
+# sequential reads at QD1, 2 jobs (pinned), through TARGET (lin or str) over
+# RAM, against the raw RAM device. Each round runs raw (with the first
+# build), then every build, in turn; the report gives per build the median
+# IOPS, the median of its per-round ratios to raw (pairing each run with the
+# raw run beside it cancels some of this VM's drift) and in how many rounds
+# it beat the build before it.
+#   usage: scripts/bench-seed000-ab.sh ROUNDS TARGET UDM_BINARY...
+#   e.g.:  scripts/bench-seed000-ab.sh 11 lin /tmp/udm-before target/release/udm
+set -euo pipefail
+[ $# -ge 3 ] || { sed -n '2,10p' "$0" >&2; exit 2; }
+ROUNDS=$1 TARGET=$2
+shift 2
+RAM=(--dev ram0=ram:1G --dev ram1=ram:1G
+     --dev 'lin=0 2097152 linear ram0 0'
+     --dev 'str=0 2097152 striped 2 128 ram0 0 ram1 0')
+S512=(--rw read --bs 512 --iodepth 1 --jobs 2 --cpus 0,1 --runtime 2 --prefill --size 256M)
+iops() { grep -o '"iops":[0-9.]*' | cut -d: -f2; }
+OUT=$(mktemp)
+trap 'rm -f "$OUT"' EXIT
+for r in $(seq "$ROUNDS"); do
+    echo "round $r/$ROUNDS" >&2
+    line="raw $("$1" bench --json "${RAM[@]}" --target ram0 "${S512[@]}" | iops)"
+    for b in "$@"; do
+        line+=" $b $("$b" bench --json "${RAM[@]}" --target "$TARGET" "${S512[@]}" | iops)"
+    done
+    echo "$line" >>"$OUT"
+done
+python3 - "$OUT" "$TARGET" <<'EOF'
+import statistics, sys
+runs = {}
+for line in open(sys.argv[1]):
+    f = line.split()
+    for name, v in zip(f[0::2], f[1::2]):
+        runs.setdefault(name, []).append(float(v))
+raw = runs["raw"]
+print(f"512 B seq read QD1, 2 jobs, {sys.argv[2]} over RAM, {len(raw)} rounds")
+print(f"{'':40} {'IOPS':>12} {'x raw':>7} {'wins':>6}")
+prev = None
+for name, v in runs.items():
+    ratio = statistics.median(a / b for a, b in zip(v, raw))
+    wins = "" if prev is None or name == "raw" else f"{sum(a > b for a, b in zip(v, prev))}/{len(v)}"
+    print(f"{name:40} {statistics.median(v):12.0f} {ratio:7.3f} {wins:>6}")
+    if name != "raw":
+        prev = v
+EOF
