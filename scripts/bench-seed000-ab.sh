@@ -27,21 +27,4 @@ for r in $(seq "$ROUNDS"); do
     done
     echo "$line" >>"$OUT"
 done
-python3 - "$OUT" "$TARGET" <<'EOF'
-import statistics, sys
-runs = {}
-for line in open(sys.argv[1]):
-    f = line.split()
-    for name, v in zip(f[0::2], f[1::2]):
-        runs.setdefault(name, []).append(float(v))
-raw = runs["raw"]
-print(f"512 B seq read QD1, 2 jobs, {sys.argv[2]} over RAM, {len(raw)} rounds")
-print(f"{'':40} {'IOPS':>12} {'x raw':>7} {'wins':>6}")
-prev = None
-for name, v in runs.items():
-    ratio = statistics.median(a / b for a, b in zip(v, raw))
-    wins = "" if prev is None or name == "raw" else f"{sum(a > b for a, b in zip(v, prev))}/{len(v)}"
-    print(f"{name:40} {statistics.median(v):12.0f} {ratio:7.3f} {wins:>6}")
-    if name != "raw":
-        prev = v
-EOF
+python3 "$(dirname "$0")/ab-report.py" "$OUT" IOPS "512 B seq read QD1, 2 jobs, $TARGET over RAM"

@@ -5,7 +5,8 @@
 # round runs raw, then every build, in turn; the report gives per build the
 # median MiB/s and the median of its per-round ratios to raw (the rounds are
 # ~50 ms each, so pairing each run with the raw run beside it cancels some
-# of this VM's drift).
+# of this VM's drift) and in how many rounds each build beat the one
+# before it (scripts/ab-report.py).
 #   usage: scripts/bench-writecache-ab.sh ROUNDS BLOCK_SIZE UDM_BINARY...
 #   e.g.:  scripts/bench-writecache-ab.sh 15 512 /tmp/udm-before target/release/udm
 set -euo pipefail
@@ -26,17 +27,4 @@ for r in $(seq "$ROUNDS"); do
     done
     echo "$line" >>"$OUT"
 done
-python3 - "$OUT" "$BS" <<'EOF'
-import statistics, sys
-runs = {}
-for line in open(sys.argv[1]):
-    f = line.split()
-    for name, v in zip(f[0::2], f[1::2]):
-        runs.setdefault(name, []).append(float(v))
-raw = runs["raw"]
-print(f"512k randwrite QD32, 400 MiB, cache block {sys.argv[2]} B, {len(raw)} rounds")
-print(f"{'':40} {'MiB/s':>8} {'x raw':>7}")
-for name, v in runs.items():
-    ratio = statistics.median(a / b for a, b in zip(v, raw))
-    print(f"{name:40} {statistics.median(v):8.0f} {ratio:7.3f}")
-EOF
+python3 "$(dirname "$0")/ab-report.py" "$OUT" MiB/s "512k randwrite QD32, 400 MiB, cache block $BS B"
