@@ -65,17 +65,25 @@ impl TargetIo {
     /// Sectors from `rel` (target-relative) to the next split boundary.
     #[inline]
     pub fn room(&self, rel: u64) -> u64 {
+        match self.room_pow2(rel) {
+            Some(r) => r,
+            None => (self.len - rel).min(self.max_io_len - rel % self.max_io_len),
+        }
+    }
+
+    /// [`TargetIo::room`] when it takes no division (no max_io_len, or a
+    /// power of two); `None` otherwise.
+    #[inline]
+    fn room_pow2(&self, rel: u64) -> Option<u64> {
         let to_end = self.len - rel;
         let m = self.max_io_len;
         if m == 0 {
-            return to_end;
-        }
-        let in_chunk = if m.is_power_of_two() {
-            rel & (m - 1)
+            Some(to_end)
+        } else if m.is_power_of_two() {
+            Some(to_end.min(m - (rel & (m - 1))))
         } else {
-            rel % m
-        };
-        to_end.min(m - in_chunk)
+            None
+        }
     }
 }
 
@@ -370,15 +378,13 @@ impl MapperChannel {
             // Inside the target, non-empty, aligned...
             if rel < t.len && n != 0 && (bio.sector | n) & tio.lbs_mask == 0 {
                 // ...and inside one max_io_len window.
-                let m = t.max_io_len;
-                let room = if m == 0 {
-                    t.len - rel
-                } else if DIV {
-                    (t.len - rel).min(m - rel % m)
-                } else if m.is_power_of_two() {
-                    (t.len - rel).min(m - (rel & (m - 1)))
+                let room = if DIV {
+                    t.room(rel)
                 } else {
-                    return self.map_div(tio, ti, bio);
+                    match t.room_pow2(rel) {
+                        Some(r) => r,
+                        None => return self.map_div(tio, ti, bio),
+                    }
                 };
                 if n <= room {
                     // Cannot fail: can_push() held above. The context word is
