@@ -12,12 +12,16 @@
 # usage: scripts/bench-nbd.sh [ROUNDS=3] [RUNTIME_S=4]
 #   SERVERS="udm udm-null nbdkit-null" JOBS="randwrite-4k-qd32" picks a subset
 #   (udm-null: udm over the null backend, the server's cost without storing data;
-#   udm-b: the udm binary at $UDM_B, to compare two builds side by side)
+#   udm-b: the udm binary at $UDM_B, to compare two builds side by side;
+#   udm+OPTS: udm serve with OPTS, commas for spaces, e.g. udm+--adaptive,100)
 #   PIN=same runs server and fio on CPU 0, PIN=split the server on CPU 1 and fio
 #   on CPU 0. Unpinned (the default), QD1 figures follow where the scheduler puts
 #   the two: on one vCPU a request costs no cross-CPU wakeup, on two it costs two
 #   wakeups of an idle vCPU (tens of microseconds each in a VM), so a run's QD1
 #   IOPS swing with placement; PIN shows each case on its own.
+# After its jobs, each server sits idle for IDLE_S seconds (default 2) with
+# its connection closed; "idle CPU%" is what it burned meanwhile (a server
+# that spins when nobody asked shows here).
 # The "other%" column is the CPU that neither the server nor fio used during the
 # job (other processes on the machine), in % of one CPU: rows with a high value
 # were measured on a busy machine.
@@ -40,7 +44,7 @@ cleanup() {
 trap cleanup EXIT
 truncate -s 1G "$IMG"
 TCK=$(getconf CLK_TCK)
-SERVERS=${SERVERS:-"udm udm-hybrid nbdkit-memory qemu-nbd qsd nbdkit-null"}
+SERVERS=${SERVERS:-"udm udm-interrupt nbdkit-memory qemu-nbd qsd nbdkit-null"}
 case ${PIN:-} in
 "") SPIN=(); CPIN=() ;;
 same) SPIN=(taskset -c 0); CPIN=(taskset -c 0) ;;
@@ -60,6 +64,17 @@ start() { # server -> sets PID and URI
     udm-b) # another build of udm, for A/B runs: UDM_B=/path/to/udm
         "${SPIN[@]}" "${UDM_B:?udm-b needs UDM_B=/path/to/udm}" serve --dev ram0=ram:1G \
             --dev 'lin=0 2097152 linear ram0 0' --listen "unix:$sock" >"$W/$s.log" 2>&1 &
+        URI="nbd+unix:///lin?socket=$sock" ;;
+    udm+*) # udm serve with extra options, commas for spaces: udm+--adaptive,100
+        local extra
+        read -r -a extra <<<"${s#udm+}"
+        extra=(${extra[@]//,/ })
+        "${SPIN[@]}" "$UDM" serve "${extra[@]}" --dev ram0=ram:1G --dev 'lin=0 2097152 linear ram0 0' \
+            --listen "unix:$sock" >"$W/$s.log" 2>&1 &
+        URI="nbd+unix:///lin?socket=$sock" ;;
+    udm-interrupt) # reactors always sleep when idle (the default spins adaptively)
+        "${SPIN[@]}" "$UDM" serve --interrupt --dev ram0=ram:1G --dev 'lin=0 2097152 linear ram0 0' \
+            --listen "unix:$sock" >"$W/$s.log" 2>&1 &
         URI="nbd+unix:///lin?socket=$sock" ;;
     udm-hybrid) # reactors spin 50 us after their last work, then sleep
         "${SPIN[@]}" "$UDM" serve --hybrid 50 --dev ram0=ram:1G --dev 'lin=0 2097152 linear ram0 0' \
@@ -133,12 +148,16 @@ other = ((int(b1) - int(b0)) / int(tck) - cpu - fio_cpu) / float(rt) * 100
 print(f"{s}\t{j}\t{r}\t{side['iops']:.0f}\t{p99:.1f}\t{cpu / max(ios, 1) * 1e6:.2f}\t{max(other, 0):.0f}")
 PY
         done
+        c0=$(cpu_ticks)
+        sleep "${IDLE_S:-2}"
+        c1=$(cpu_ticks)
+        echo -e "$s\t$r\t$(python3 -c "print(f'{($c1 - $c0) / $TCK / ${IDLE_S:-2} * 100:.1f}')")" >>"$W/idle.tsv"
         stop
     done
     echo "bench-nbd: round $r of $ROUNDS done" >&2
 done
 
-python3 - "$RES" "$SERVERS" "$JOBS" <<'PY'
+python3 - "$RES" "$SERVERS" "$JOBS" "$W/idle.tsv" <<'PY'
 import sys, statistics as st
 rows = [l.split("\t") for l in open(sys.argv[1]).read().splitlines()]
 servers, jobs = sys.argv[2].split(), sys.argv[3].split()
@@ -152,4 +171,10 @@ for j in jobs:
         med = lambda i: st.median(float(x[i]) for x in v)
         print(f"{j:20} {s:15} {med(3):9.0f} {med(4):9.1f} {med(5):10.2f} {med(6):7.0f}")
     print()
+idle = [l.split("\t") for l in open(sys.argv[4]).read().splitlines()]
+print("idle CPU% (server CPU while no client is connected, % of one CPU):")
+for s in servers:
+    v = [float(r[2]) for r in idle if r[0] == s]
+    if v:
+        print(f"  {s:15} {st.median(v):5.1f}")
 PY

@@ -541,6 +541,7 @@ fn conformance(make: impl Fn() -> Fixture, e: Expect) {
         CompletionMode::Interrupt,
         CompletionMode::Poll,
         CompletionMode::Hybrid,
+        CompletionMode::Adaptive,
     ] {
         let config = ReactorConfig { mode, ..dflt() };
         check_in_flight(&fresh(config), &e, 128);

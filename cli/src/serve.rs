@@ -22,7 +22,8 @@ udm serve — export devices over NBD
 usage:
   udm serve [--dev NAME=SPEC]... [--config FILE] [--export NAME[:ro]]...
             [--listen unix:PATH | --listen [HOST:]PORT]... [--reactors N]
-            [--control PATH] [--poll | --hybrid [USEC]]
+            [--control PATH]
+            [--adaptive USEC | --interrupt | --hybrid USEC | --poll]
 
   --dev NAME=SPEC     a device, as for 'udm bench' (repeatable)
   --config FILE       more --dev specs, one NAME=SPEC per line ('#' comments)
@@ -38,11 +39,15 @@ usage:
                       first unix listen socket as <sock>.ctl, else
                       $XDG_RUNTIME_DIR (or the temporary directory)/udm-<pid>.ctl;
                       printed at start, removed at exit
-  --poll              reactors busy-poll (a spinning core each, lowest latency)
+  --adaptive USEC     (the default, USEC 100) an idle reactor spins only while
+                      the gaps between its bursts of work have lately been
+                      short (haltpoll's rule, at most USEC microseconds per
+                      gap), else it sleeps in io_uring_enter: a request-reply
+                      client skips the wakeups, an idle server spins never
+  --interrupt         reactors always sleep in io_uring_enter when idle
   --hybrid USEC       reactors spin USEC microseconds after their last work,
-                      then sleep (e.g. 50: QD1 latency near --poll's, a core
-                      spun only while requests keep coming)
-  (default: reactors sleep in io_uring_enter until a completion arrives)
+                      then sleep, whatever the gaps
+  --poll              reactors busy-poll (a spinning core each, lowest latency)
 
 Without --dev or --config: a 1 GiB RAM disk (ram0) with a linear device
 over it (lin), exported as 'lin'.
@@ -95,9 +100,11 @@ pub fn main(mut a: Args) -> Result<i32, Error> {
     let reactors = a.num("--reactors", 1)?;
     let control = a.opt("--control");
     let poll = a.flag("--poll");
+    let interrupt = a.flag("--interrupt");
     let hybrid = a.opt("--hybrid");
+    let adaptive = a.opt("--adaptive");
     a.finish()?;
-    let reactor = completion_mode(poll, hybrid.as_deref())?;
+    let reactor = completion_mode(poll, interrupt, hybrid.as_deref(), adaptive.as_deref())?;
     if reactors == 0 || reactors > 64 {
         return Err(Error::invalid(format!(
             "--reactors {reactors}: expected 1 to 64"
@@ -230,28 +237,51 @@ fn signal_fd() -> Result<OwnedFd, Error> {
     }
 }
 
-/// The reactors' completion mode from `--poll` / `--hybrid USEC`.
-fn completion_mode(poll: bool, hybrid: Option<&str>) -> Result<ReactorConfig, Error> {
+/// The adaptive spin cap `udm serve` uses unless told otherwise. A QD1
+/// client's gap, as a sleeping server sees it, is the client's turn plus the
+/// server's own wakeup (20–35 µs each on a VM): 50 µs measured too tight
+/// (the window rarely opened), 100 as good as 200 (cpuidle-haltpoll's).
+const ADAPTIVE_DEFAULT_US: u64 = 100;
+
+/// The reactors' completion mode from `--poll`, `--interrupt`,
+/// `--hybrid USEC` and `--adaptive USEC` (the default).
+fn completion_mode(
+    poll: bool,
+    interrupt: bool,
+    hybrid: Option<&str>,
+    adaptive: Option<&str>,
+) -> Result<ReactorConfig, Error> {
+    let chosen = [poll, interrupt, hybrid.is_some(), adaptive.is_some()];
+    if chosen.iter().filter(|&&c| c).count() > 1 {
+        return Err(Error::invalid(
+            "--poll, --interrupt, --hybrid and --adaptive: choose one",
+        ));
+    }
+    let usec = |flag: &str, us: &str| {
+        us.parse::<u64>()
+            .ok()
+            .filter(|&n| (1..=1_000_000).contains(&n))
+            .map(std::time::Duration::from_micros)
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "{flag} '{us}': expected microseconds, 1 to 1000000"
+                ))
+            })
+    };
     let mut cfg = ReactorConfig::default();
-    match (poll, hybrid) {
-        (true, Some(_)) => {
-            return Err(Error::invalid("--poll and --hybrid: choose one"));
-        }
-        (true, None) => cfg.mode = CompletionMode::Poll,
-        (false, Some(us)) => {
-            let n = us
-                .parse::<u64>()
-                .ok()
-                .filter(|&n| (1..=1_000_000).contains(&n))
-                .ok_or_else(|| {
-                    Error::invalid(format!(
-                        "--hybrid '{us}': expected microseconds, 1 to 1000000"
-                    ))
-                })?;
-            cfg.mode = CompletionMode::Hybrid;
-            cfg.hybrid_spin = std::time::Duration::from_micros(n);
-        }
-        (false, None) => {}
+    if poll {
+        cfg.mode = CompletionMode::Poll;
+    } else if interrupt {
+        cfg.mode = CompletionMode::Interrupt;
+    } else if let Some(us) = hybrid {
+        cfg.mode = CompletionMode::Hybrid;
+        cfg.hybrid_spin = usec("--hybrid", us)?;
+    } else {
+        cfg.mode = CompletionMode::Adaptive;
+        cfg.hybrid_spin = match adaptive {
+            Some(us) => usec("--adaptive", us)?,
+            None => std::time::Duration::from_micros(ADAPTIVE_DEFAULT_US),
+        };
     }
     Ok(cfg)
 }
@@ -301,20 +331,36 @@ mod tests {
     }
 
     #[test]
-    fn completion_modes_follow_poll_and_hybrid() {
+    fn completion_modes_follow_the_flags_and_default_to_adaptive() {
+        use std::time::Duration;
         use udm_core::CompletionMode;
+        let d = super::completion_mode(false, false, None, None).unwrap();
+        assert_eq!(d.mode, CompletionMode::Adaptive);
+        assert_eq!(d.hybrid_spin, Duration::from_micros(100));
+        let a = super::completion_mode(false, false, None, Some("200")).unwrap();
+        assert_eq!(a.mode, CompletionMode::Adaptive);
+        assert_eq!(a.hybrid_spin, Duration::from_micros(200));
         assert_eq!(
-            super::completion_mode(false, None).unwrap().mode,
+            super::completion_mode(false, true, None, None)
+                .unwrap()
+                .mode,
             CompletionMode::Interrupt
         );
         assert_eq!(
-            super::completion_mode(true, None).unwrap().mode,
+            super::completion_mode(true, false, None, None)
+                .unwrap()
+                .mode,
             CompletionMode::Poll
         );
-        let h = super::completion_mode(false, Some("50")).unwrap();
+        let h = super::completion_mode(false, false, Some("50"), None).unwrap();
         assert_eq!(h.mode, CompletionMode::Hybrid);
-        assert_eq!(h.hybrid_spin, std::time::Duration::from_micros(50));
-        assert!(super::completion_mode(false, Some("0")).is_err());
-        assert!(super::completion_mode(true, Some("5")).is_err());
+        assert_eq!(h.hybrid_spin, Duration::from_micros(50));
+        let err = |r: Result<_, Error>| r.unwrap_err().to_string();
+        assert!(err(super::completion_mode(false, false, Some("0"), None)).contains("--hybrid '0'"));
+        assert!(
+            err(super::completion_mode(false, false, None, Some("x"))).contains("--adaptive 'x'")
+        );
+        assert!(err(super::completion_mode(true, false, Some("5"), None)).contains("choose one"));
+        assert!(err(super::completion_mode(false, true, None, Some("5"))).contains("choose one"));
     }
 }

@@ -8,7 +8,10 @@
 //!
 //! Completion modes: [`CompletionMode::Interrupt`] sleeps in the ring when
 //! idle; [`CompletionMode::Poll`] spins; [`CompletionMode::Hybrid`] spins for
-//! a while after the last completion, then sleeps.
+//! a while after the last completion, then sleeps;
+//! [`CompletionMode::Adaptive`] spins only as long as recent idle gaps say
+//! work is about to arrive (cpuidle-haltpoll's governor), so an idle reactor
+//! costs nothing and a request-reply loop skips the sleep and the wakeup.
 
 use std::any::Any;
 use std::cell::{Cell, RefCell, UnsafeCell};
@@ -37,6 +40,14 @@ pub enum CompletionMode {
     Poll,
     /// Spin for [`ReactorConfig::hybrid_spin`] after the last completion, then sleep.
     Hybrid,
+    /// Spin for a window that follows the idle gaps seen, at most
+    /// [`ReactorConfig::hybrid_spin`], then sleep. A gap the window covered
+    /// keeps it; a longer gap up to the cap doubles it (from a quarter of
+    /// the cap); a gap beyond the cap halves it, and below a quarter of the
+    /// cap it is 0. So a reactor whose work comes in request-reply loops
+    /// spins across the gaps (no sleep, no cross-CPU wakeup for the next
+    /// request), and one whose gaps are long sleeps at once.
+    Adaptive,
 }
 
 /// How to build a reactor.
@@ -48,7 +59,7 @@ pub struct ReactorConfig {
     pub cache_size: usize,
     /// Slots of the reactor's io_uring SQ.
     pub ring_entries: u32,
-    /// How long hybrid mode spins before it sleeps.
+    /// How long hybrid mode spins before it sleeps; the most adaptive mode does.
     pub hybrid_spin: Duration,
 }
 
@@ -246,6 +257,51 @@ pub(crate) struct ReactorCore {
     wake_buf: UnsafeCell<u64>,
     wake_armed: Cell<bool>,
     last_work: Cell<Instant>,
+    /// Adaptive mode: when the reactor went idle (None while it has work).
+    idle_since: Cell<Option<Instant>>,
+    /// Adaptive mode: how long it spins once idle before it sleeps.
+    spin_window: Cell<Duration>,
+}
+
+impl ReactorCore {
+    /// Adaptive mode, on a turn: whether to sleep now. A turn with work ends
+    /// the idle gap and resizes the window by it; an idle turn spins while
+    /// inside the window.
+    fn adaptive_sleep(&self, work: bool) -> bool {
+        if work {
+            if let Some(t0) = self.idle_since.take() {
+                self.spin_window.set(next_window(
+                    self.spin_window.get(),
+                    t0.elapsed(),
+                    self.config.hybrid_spin,
+                ));
+            }
+            return false;
+        }
+        let w = self.spin_window.get();
+        match self.idle_since.get() {
+            None => {
+                self.idle_since.set(Some(Instant::now()));
+                w.is_zero()
+            }
+            Some(t0) => t0.elapsed() >= w,
+        }
+    }
+}
+
+/// The adaptive spin window after an idle gap of `gap` (see
+/// [`CompletionMode::Adaptive`]), for a cap of `max`.
+fn next_window(w: Duration, gap: Duration, max: Duration) -> Duration {
+    let start = max / 4;
+    if gap <= w {
+        w
+    } else if gap <= max {
+        (w * 2).max(start).min(max)
+    } else if w / 2 < start {
+        Duration::ZERO
+    } else {
+        w / 2
+    }
 }
 
 impl ReactorCore {
@@ -372,6 +428,8 @@ impl Reactor {
             wake_buf: UnsafeCell::new(0),
             wake_armed: Cell::new(false),
             last_work: Cell::new(Instant::now()),
+            idle_since: Cell::new(None),
+            spin_window: Cell::new(Duration::ZERO),
         });
         Ok(Reactor { core: Some(core) })
     }
@@ -565,10 +623,8 @@ impl Reactor {
                 return;
             }
             let t = self.turn();
-            if done() {
-                core.ring.submit();
-                return;
-            }
+            // Decided before `done()` so that the turn whose work ends the
+            // loop still counts for the modes' timing (it ends an idle gap).
             let sleep = match core.config.mode {
                 CompletionMode::Interrupt => true,
                 CompletionMode::Poll => false,
@@ -580,12 +636,25 @@ impl Reactor {
                         core.last_work.get().elapsed() >= core.config.hybrid_spin
                     }
                 }
+                CompletionMode::Adaptive => core.adaptive_sleep(t.work > 0),
             };
+            if done() {
+                core.ring.submit();
+                return;
+            }
             // A poller that did work may have more: give it another turn.
             if !(sleep && t.poller_work == 0 && self.sleep()) {
                 core.ring.submit();
                 if t.work == 0 {
-                    std::hint::spin_loop();
+                    if core.config.mode == CompletionMode::Adaptive {
+                        // An idle spin gives the CPU to anything else that
+                        // wants it: it is a bet on latency, not a claim on
+                        // the core (the client may be waiting for this CPU).
+                        // SAFETY: a plain syscall without arguments.
+                        unsafe { libc::sched_yield() };
+                    } else {
+                        std::hint::spin_loop();
+                    }
                 }
             }
         }
@@ -747,5 +816,30 @@ impl Drop for Reactor {
             // the only safe choice.
             Box::leak(core);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::next_window;
+    use std::time::Duration;
+
+    const US: Duration = Duration::from_micros(1);
+
+    #[test]
+    fn the_adaptive_window_follows_idle_gaps_as_haltpoll_does() {
+        let max = 100 * US;
+        // A short gap opens a closed window at a quarter of the cap, then
+        // doubles it up to the cap.
+        assert_eq!(next_window(Duration::ZERO, 30 * US, max), 25 * US);
+        assert_eq!(next_window(25 * US, 30 * US, max), 50 * US);
+        assert_eq!(next_window(80 * US, 90 * US, max), max);
+        // A gap the window covered keeps it.
+        assert_eq!(next_window(50 * US, 30 * US, max), 50 * US);
+        // A gap beyond the cap halves it, and closes it below a quarter.
+        assert_eq!(next_window(max, 5000 * US, max), 50 * US);
+        assert_eq!(next_window(50 * US, 5000 * US, max), 25 * US);
+        assert_eq!(next_window(25 * US, 5000 * US, max), Duration::ZERO);
+        assert_eq!(next_window(Duration::ZERO, 5000 * US, max), Duration::ZERO);
     }
 }

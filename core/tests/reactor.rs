@@ -1018,7 +1018,7 @@ fn all_of_a_mode(mode: CompletionMode) {
             )
         }
         CompletionMode::Poll => assert!(turns > 50, "only {turns} turns in 30 ms: poll mode slept"),
-        CompletionMode::Hybrid => {}
+        CompletionMode::Hybrid | CompletionMode::Adaptive => {}
     }
 
     // A message from another thread once the reactor has gone idle.
@@ -1072,12 +1072,68 @@ fn hybrid_mode_completes_io() {
 }
 
 #[test]
+fn adaptive_mode_completes_io() {
+    all_of_a_mode(CompletionMode::Adaptive);
+}
+
+/// Adaptive mode spins across gaps shorter than its cap (a request-reply
+/// loop: no sleep, no wakeup) and, once gaps grow longer than the cap,
+/// sleeps at once: an idle reactor burns no CPU.
+#[test]
+fn adaptive_mode_spins_across_short_gaps_and_sleeps_through_long_ones() {
+    let r = Reactor::new(ReactorConfig {
+        mode: CompletionMode::Adaptive,
+        hybrid_spin: Duration::from_millis(20),
+        ..ReactorConfig::default()
+    })
+    .unwrap();
+    let dog = Watchdog::new(r.handle());
+    // Turns the reactor takes waiting for a message sent `gap` from now.
+    let wait = |gap: Duration| -> usize {
+        let flag = Arc::new(AtomicBool::new(false));
+        let (h, f2) = (r.handle(), flag.clone());
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(gap);
+            assert!(h.send(move |_| f2.store(true, Ordering::SeqCst)));
+        });
+        let mut turns = 0;
+        dog.run_until(&r, "a message", || {
+            turns += 1;
+            flag.load(Ordering::SeqCst)
+        });
+        t.join().unwrap();
+        turns
+    };
+    // Gaps of 2 ms: the window opens (5 ms, a quarter of the cap) and then
+    // covers them, so the reactor spins through each.
+    for _ in 0..3 {
+        wait(Duration::from_millis(2));
+    }
+    let spun: Vec<usize> = (0..5).map(|_| wait(Duration::from_millis(2))).collect();
+    assert!(
+        spun.iter().filter(|&&t| t > 100).count() >= 3,
+        "turns per 2 ms gap {spun:?}: adaptive mode slept through gaps its window covers"
+    );
+    // Gaps of 60 ms, beyond the cap: the window halves on each and closes
+    // after three, then the reactor sleeps at once.
+    for _ in 0..3 {
+        wait(Duration::from_millis(60));
+    }
+    let slept: Vec<usize> = (0..3).map(|_| wait(Duration::from_millis(60))).collect();
+    assert!(
+        slept.iter().all(|&t| t < 50),
+        "turns per 60 ms gap {slept:?}: adaptive mode spun with its window closed"
+    );
+}
+
+#[test]
 fn small_rings_complete_more_io_than_they_hold() {
     // 16 SQ entries (32 CQ): the SQ backlog fills and the CQ overflows.
     for mode in [
         CompletionMode::Interrupt,
         CompletionMode::Poll,
         CompletionMode::Hybrid,
+        CompletionMode::Adaptive,
     ] {
         let r = Reactor::new(ReactorConfig {
             mode,

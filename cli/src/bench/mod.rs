@@ -41,6 +41,7 @@ options:
   --verify             write a pattern over the region, read it back, compare
   --poll               busy-poll completions (default: sleep when idle)
   --hybrid             spin briefly, then sleep
+  --adaptive           spin while recent idle gaps were short, else sleep
   --no-fast-path       force the mapper's clone path
   --no-cache           disable the descriptor cache
   --cpus LIST          pin job i to the i-th CPU of LIST (e.g. 0,1)
@@ -117,6 +118,8 @@ pub fn main(mut args: Args) -> Result<i32, Error> {
             CompletionMode::Poll
         } else if args.flag("--hybrid") {
             CompletionMode::Hybrid
+        } else if args.flag("--adaptive") {
+            CompletionMode::Adaptive
         } else {
             CompletionMode::Interrupt
         },
@@ -371,6 +374,7 @@ fn report(cfg: &BenchCfg, dev: &Arc<dyn BlockDevice>, rs: &[JobResult]) -> Repor
         CompletionMode::Interrupt => "interrupt",
         CompletionMode::Poll => "poll",
         CompletionMode::Hybrid => "hybrid",
+        CompletionMode::Adaptive => "adaptive",
     };
     if cfg.json {
         let opt = |s: &Option<String>| match s {
