@@ -57,6 +57,25 @@ fn sends(log: &str) -> (u64, u64) {
     (direct, ring)
 }
 
+/// The numbers of lent reads, and of those copied after all, in the
+/// connection's close line.
+fn lent(log: &str) -> (u64, u64) {
+    let line = log
+        .lines()
+        .find(|l| l.contains("closed: client disconnected"))
+        .unwrap_or_else(|| panic!("no close line:\n{log}"));
+    let rest = line.split("lent reads: ").nth(1).unwrap();
+    let mut words = rest.split_whitespace();
+    let n = words.next().unwrap().parse().unwrap();
+    let copied = words
+        .next()
+        .unwrap()
+        .trim_start_matches('(')
+        .parse()
+        .unwrap();
+    (n, copied)
+}
+
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed | 1;
     (0..len)
@@ -155,4 +174,69 @@ fn a_unix_client_behind_by_eight_128k_replies_does_not_push_sends_onto_the_ring(
     disconnect(c);
     let log = s.wait_log("closed: client disconnected", 1);
     assert_eq!(sends(&log).1, 0, "{log}");
+}
+
+#[test]
+fn large_reads_go_out_from_the_ram_disks_memory_without_a_copy() {
+    let s = server();
+    let mut c = connect(&s);
+    // 128 KiB reads are lent by the RAM disk under linear; 4 KiB reads and
+    // a read spanning two max-size bios are not (checked by the counts).
+    for i in 0..10u64 {
+        let data = pattern(i, 128 << 10);
+        c.request(0, CMD_WRITE, i, i << 17, 128 << 10);
+        c.send(&data);
+        assert_eq!(reply(&mut c), i);
+        c.request(0, CMD_READ, 100 + i, i << 17, 128 << 10);
+        assert_eq!(reply(&mut c), 100 + i);
+        assert!(c.read(128 << 10) == data, "read {i}: wrong data");
+        c.request(0, CMD_READ, 200 + i, (i << 17) + 4096, 4096);
+        assert_eq!(reply(&mut c), 200 + i);
+        assert!(
+            c.read(4096) == data[4096..8192],
+            "small read {i}: wrong data"
+        );
+    }
+    // Never written: the RAM disk lends its (zero) memory too.
+    c.request(0, CMD_READ, 300, 32 << 20, 64 << 10);
+    assert_eq!(reply(&mut c), 300);
+    assert!(
+        c.read(64 << 10).iter().all(|&b| b == 0),
+        "unwritten reads zero"
+    );
+    disconnect(c);
+    let log = s.wait_log("closed: client disconnected", 1);
+    assert_eq!(lent(&log), (11, 0), "{log}");
+}
+
+#[test]
+fn lent_reads_the_socket_cannot_take_at_once_are_copied_and_arrive_intact() {
+    let s = server();
+    let mut c = connect(&s);
+    const N: u64 = 64;
+    const LEN: usize = 128 << 10;
+    // 8 MiB of lent reads left unread: the socket buffer fills, and every
+    // reply it cannot take must be copied out of the lent memory before
+    // the read's completion returns. Overwriting the blocks afterwards
+    // must not change what the earlier reads return.
+    write_then_leave_reads_unread(&mut c, N, LEN);
+    for i in 0..N {
+        c.request(0, CMD_WRITE, 2000 + i, i * LEN as u64, LEN as u32);
+        c.send(&pattern(500 + i, LEN));
+    }
+    let mut seen = vec![false; N as usize];
+    for _ in 0..N {
+        let i = reply(&mut c) - 1000;
+        assert!(i < N && !seen[i as usize], "cookie {}", i + 1000);
+        seen[i as usize] = true;
+        assert!(c.read(LEN) == pattern(i, LEN), "read {i}: wrong data");
+    }
+    for _ in 0..N {
+        assert!(reply(&mut c) >= 2000, "a write's reply");
+    }
+    disconnect(c);
+    let log = s.wait_log("closed: client disconnected", 1);
+    let (n, copied) = lent(&log);
+    assert_eq!(n, N, "{log}");
+    assert!(copied > 0 && copied < N, "{log}");
 }

@@ -91,6 +91,17 @@ impl BioFlags {
     pub const POLLED: BioFlags = BioFlags(8);
     /// Fail rather than fall back to writing zero buffers (NBD's FAST_ZERO).
     pub const NOUNMAP_FAST: BioFlags = BioFlags(16);
+    /// Read only, set by the submitter: instead of copying the data into the
+    /// bio's single segment, the device may point the segment at its own
+    /// memory that holds the data ([`Bio::lend`]; SPDK's zcopy), valid until
+    /// the submitter's end_io returns and no longer. A layer that passes a
+    /// bio down in place and needs the data in the caller's buffer when it
+    /// completes (a target that transforms or caches it, a stand-in, a
+    /// clone) removes this flag.
+    pub const MAY_LEND: BioFlags = BioFlags(32);
+    /// Set by a device that lent its memory: the segment points at it, not
+    /// at the submitter's buffer.
+    pub const LENT: BioFlags = BioFlags(64);
 
     /// Whether every bit of `other` is set.
     #[inline]
@@ -129,6 +140,8 @@ impl fmt::Debug for BioFlags {
             (Self::NOWAIT, "NOWAIT"),
             (Self::POLLED, "POLLED"),
             (Self::NOUNMAP_FAST, "NOUNMAP_FAST"),
+            (Self::MAY_LEND, "MAY_LEND"),
+            (Self::LENT, "LENT"),
         ];
         let set: Vec<_> = names
             .iter()
@@ -472,6 +485,33 @@ impl Bio {
         self.len += len as u32;
     }
 
+    /// Whether the device may lend its memory instead of copying the data
+    /// in: a read whose submitter allows it ([`BioFlags::MAY_LEND`]) with a
+    /// single segment.
+    #[inline]
+    pub fn may_lend(&self) -> bool {
+        self.op == Op::Read && self.flags.contains(BioFlags::MAY_LEND) && self.segs.n == 1
+    }
+
+    /// Serves a read by lending: the bio's one segment now points at `data`
+    /// (the bio's length in bytes), and [`BioFlags::LENT`] says so. Returns
+    /// false, changing nothing, unless [`Bio::may_lend`].
+    ///
+    /// # Safety
+    /// `data..data+len()` must hold the bio's data, stay valid for reads
+    /// until the submitter's end_io returns, and not be written meanwhile
+    /// but by I/O that overlaps this read (which may tear it, as it may tear
+    /// a copy).
+    #[inline]
+    pub unsafe fn lend(&mut self, data: *const u8) -> bool {
+        if !self.may_lend() {
+            return false;
+        }
+        self.segs.inline[0].base = data.cast_mut();
+        self.flags.insert(BioFlags::LENT);
+        true
+    }
+
     /// Appends the part `[offset, offset+len)` of `src`'s data (the clone path:
     /// a child bio points into its parent's buffers; nothing is copied).
     pub fn add_segs_from(&mut self, src: &Bio, mut offset: usize, mut len: usize) {
@@ -674,6 +714,8 @@ impl BioPtr {
             return self;
         }
         let mut s = self.alloc_clone();
+        // Memory lent to the stand-in would not reach this bio's buffer.
+        s.flags.remove(BioFlags::MAY_LEND);
         if self.op.has_data() {
             s.add_segs_from(&self, 0, self.len() as usize);
         } else {

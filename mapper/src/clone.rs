@@ -67,7 +67,9 @@ fn split(tio: &TableIo, p: *mut Bio) {
         let n = t.room(rel).min(end - sector);
         let bytes = (n << SECTOR_SHIFT) as usize;
         let mut c = parent.alloc_clone();
+        // A clone's data must land in the parent's buffer: nothing is lent.
         c.flags.remove(BioFlags::PREFLUSH);
+        c.flags.remove(BioFlags::MAY_LEND);
         if parent.op.has_data() {
             c.add_segs_from(parent, offset, bytes);
         } else {

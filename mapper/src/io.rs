@@ -6,6 +6,11 @@
 //! completion (end_io, private, ctx, sector) is saved in an inline frame of
 //! the bio, so the path allocates nothing and copies nothing; [`noclone_endio`]
 //! restores it. Everything else goes to [`crate::clone`].
+//!
+//! A read whose caller allows lending ([`BioFlags::MAY_LEND`]) keeps that
+//! flag only through pure remaps (linear's offset, striped's sector), where
+//! the device's memory is exactly the caller's data; a target's own `map`
+//! and the clone path remove it.
 
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
@@ -435,8 +440,12 @@ impl MapperChannel {
     /// The fast path for a target that maps itself in full: its `map`, then
     /// what that returned.
     #[inline(never)]
-    fn map_fast(&self, tio: &TableIo, ti: usize, bio: BioPtr) {
+    fn map_fast(&self, tio: &TableIo, ti: usize, mut bio: BioPtr) {
         let t = &tio.targets[ti];
+        // Only a pure remap (offset or sector) may let a device below lend
+        // its memory to the caller: a target that maps itself may cache,
+        // move or transform the data (writecache reuses its blocks).
+        bio.flags.remove(BioFlags::MAY_LEND);
         match t.target().map(bio, &MapCtx { devs: &t.chans }) {
             Map::Remapped(bio, d) => t.submit_to(ti, bio, d),
             m => {

@@ -863,3 +863,73 @@ fn requeued_bios_are_mapped_again_and_complete_once() {
         assert!(maps > 2, "some maps were retried ({maps} map calls)");
     }
 }
+
+// ---------------------------------------------------------------------------
+// Lending (BioFlags::MAY_LEND)
+// ---------------------------------------------------------------------------
+
+/// A read that allows lending reaches a RAM disk's own memory through pure
+/// remaps (linear, striped: the fast path moves the caller's bio) and comes
+/// back with the right data either way; anywhere the data must land in the
+/// caller's buffer (a clone across targets, a target that maps itself, a
+/// read split into several segments) nothing is lent.
+#[test]
+fn lending_passes_pure_remaps_only_and_reads_the_same_data() {
+    let mut devs = Devices::new();
+    for r in ["ram0", "ram1", "ram2", "ram3", "ram4"] {
+        devs.ram(r, 2048);
+    }
+    let lin = as_dev(&devs.mapped("lin", "0 1024 linear ram0 37"));
+    let str2 = as_dev(&devs.mapped("str", "0 2048 striped 2 8 ram1 0 ram2 0"));
+    let two = as_dev(&devs.mapped("two", "0 512 linear ram3 0; 512 512 linear ram4 0"));
+    let zero = as_dev(&devs.mapped("z", "0 1024 zero"));
+    let t = Tester::new();
+    t.write(&lin, 0, pattern(1, 0, 512));
+    t.write(&str2, 1024, pattern(2, 1024, 64));
+    t.write(&two, 0, pattern(3, 0, 1024));
+
+    let lend = |dev: &Arc<dyn BlockDevice>, req: Req| {
+        let d = t.run(dev, req.flags(BioFlags::MAY_LEND));
+        d.assert_returned_intact();
+        assert_eq!(d.status, Status::Ok, "{:?}", d.req);
+        d
+    };
+    // Pure remaps: lent, and the lent memory holds the data.
+    let d = lend(&lin, Req::read(100, 64));
+    assert!(d.lent, "linear over RAM lends");
+    assert_sectors_eq(&d.data, &pattern(1, 100, 64), "lent through linear");
+    let d = lend(&str2, Req::read(1024 + 8, 8));
+    assert!(d.lent, "striped over RAM lends within a chunk");
+    assert_sectors_eq(&d.data, &pattern(2, 1032, 8), "lent through striped");
+    // A never-written range lends zeroes.
+    let d = lend(&lin, Req::read(1000, 16));
+    assert!(
+        d.lent && d.data.iter().all(|&b| b == 0),
+        "unwritten reads zero"
+    );
+
+    // Not lent: the clone path (striped across a chunk, two targets), a
+    // target's own map (zero), several segments.
+    for (dev, req, what) in [
+        (&str2, Req::read(1024, 64), "striped across chunks"),
+        (&two, Req::read(500, 24), "across two targets"),
+        (&lin, Req::read(100, 64).segs(3), "three segments"),
+    ] {
+        let d = lend(dev, req);
+        assert!(!d.lent, "{what}: lent");
+        let want = match what {
+            "striped across chunks" => pattern(2, 1024, 64),
+            "across two targets" => pattern(3, 500, 24),
+            _ => pattern(1, 100, 64),
+        };
+        assert_sectors_eq(&d.data, &want, what);
+    }
+    let d = lend(&zero, Req::read(0, 16));
+    assert!(!d.lent && d.data.iter().all(|&b| b == 0), "zero target");
+    // The clone path with the fast path off: the same read, not lent.
+    let md = devs.mapped("lin2", "0 1024 linear ram0 37");
+    md.set_fast_path(false).expect("fast path off");
+    let d = lend(&as_dev(&md), Req::read(100, 64));
+    assert!(!d.lent, "clone path lent");
+    assert_sectors_eq(&d.data, &pattern(1, 100, 64), "clone path");
+}

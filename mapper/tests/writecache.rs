@@ -688,3 +688,26 @@ fn discard_is_offered_only_when_the_origin_takes_it() {
     assert_eq!(t.run(&dev, Req::discard(0, 8)).status, Status::NotSupp);
     assert_sectors_eq(&t.read(&dev, 0, 8), &pattern(1, 0, 8), "still cached");
 }
+
+/// A writecache never lets a device lend it memory for a caller's read: its
+/// cache blocks are reused for other sectors, so the data must be in the
+/// caller's buffer when the read completes, hit, miss or both.
+#[test]
+fn reads_through_the_cache_are_never_lent() {
+    let d = setup();
+    let t = Tester::new();
+    t.write(&d.get("origin"), 0, pattern(7, 0, 256));
+    let md = wc(&d, "0");
+    let dev = as_dev(&md);
+    t.write(&dev, 64, pattern(8, 64, 64));
+    let mut want = pattern(7, 0, 256);
+    want[64 * SECTOR..128 * SECTOR].copy_from_slice(&pattern(8, 64, 64));
+    for (s, n) in [(64, 64), (0, 64), (32, 128)] {
+        let got = t.run(&dev, Req::read(s, n).flags(BioFlags::MAY_LEND));
+        got.assert_returned_intact();
+        assert_eq!(got.status, Status::Ok);
+        assert!(!got.lent, "read of {n} at {s} was lent");
+        let (a, b) = (s as usize * SECTOR, (s + n) as usize * SECTOR);
+        assert_sectors_eq(&got.data, &want[a..b], "read through the cache");
+    }
+}

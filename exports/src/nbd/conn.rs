@@ -21,6 +21,14 @@
 //!   to the socket with a non-blocking sendmsg at the end of the turn; only
 //!   what the socket buffer cannot take goes to the ring, which sends it as
 //!   room appears.
+//! - Large reads are not copied at all where the device can lend them: a
+//!   single-bio READ of [`LEND_MIN`] bytes or more allows it
+//!   ([`BioFlags::MAY_LEND`]); a RAM disk under linear or striped then
+//!   points the bio at its own memory instead of copying into the request's
+//!   buffer. Lent memory is valid only inside the end_io, so the reply is
+//!   sent from there at once, and whatever the socket does not take (or a
+//!   reply queued behind a send in flight) is copied into the request's
+//!   buffer before the end_io returns: nothing refers to lent memory later.
 //! - Requests and their buffers are recycled per connection, so steady state
 //!   allocates nothing per request.
 //! - A connection is freed only by the [`Worker`]'s poller, once no recv,
@@ -58,6 +66,10 @@ const MAX_IOV: usize = 1024;
 const HDR_LEN: usize = 96;
 /// Alignment of request buffers (O_DIRECT-friendly).
 const BUF_ALIGN: usize = 4096;
+/// Single-bio reads of at least this many bytes let the device lend its
+/// memory. Below it, the copy costs less than the sendmsg of its own that
+/// a lent reply takes (smaller replies leave batched at the end of the turn).
+pub const LEND_MIN: u32 = 32 << 10;
 
 /// A reactor's share of the server: the export table, one channel per
 /// export (opened on first use), the connections placed here. Registered
@@ -263,6 +275,7 @@ pub fn start(worker: &Rc<Worker>, fd: OwnedFd, peer: String, id: u64) {
         sending: Vec::new(),
         iov: Vec::new(),
         iov_at: 0,
+        lent_iovs: Vec::new(),
         // SAFETY: msghdr is plain data; all-zero is a valid empty header.
         msg: unsafe { std::mem::zeroed() },
         send_inflight: false,
@@ -277,6 +290,8 @@ pub fn start(worker: &Rc<Worker>, fd: OwnedFd, peer: String, id: u64) {
         refused: 0,
         sends_direct: 0,
         sends_ring: 0,
+        lent: 0,
+        lent_copied: 0,
         export: None,
     });
     let p = Box::into_raw(conn);
@@ -332,6 +347,9 @@ struct Req {
     hdr: [u8; HDR_LEN],
     hdr_len: usize,
     data_len: usize,
+    /// The read's data lent by the device (null: it is in `buf`). Set only
+    /// while the bio's end_io runs; see [`Conn::send_lent`].
+    lent: *const u8,
 }
 
 impl Req {
@@ -399,6 +417,8 @@ pub struct Conn {
     sending: Vec<*mut Req>,
     iov: Vec<libc::iovec>,
     iov_at: usize,
+    /// The batch's iovecs that point at lent memory, with their requests.
+    lent_iovs: Vec<(usize, *mut Req)>,
     msg: libc::msghdr,
     send_inflight: bool,
     /// Payload bytes of a refused WRITE still to be read and dropped.
@@ -415,6 +435,10 @@ pub struct Conn {
     sends_direct: u64,
     /// Sends handed to the ring (the socket was full, or a batch's rest).
     sends_ring: u64,
+    /// Reads served from memory the device lent, and those of them that
+    /// had to be copied after all (in part or whole: the socket was full).
+    lent: u64,
+    lent_copied: u64,
     export: Option<String>,
 }
 
@@ -448,6 +472,11 @@ fn send_complete(op: *mut RingOp, res: i32, _flags: u32) {
 fn req_end_io(bio: BioPtr) {
     let r = bio.private() as *mut Req;
     let st = bio.status();
+    // Valid until this function returns (BioFlags::MAY_LEND's contract).
+    let lent = match bio.flags.contains(BioFlags::LENT) {
+        true => bio.segs()[0].base.cast_const(),
+        false => std::ptr::null(),
+    };
     drop(bio);
     // SAFETY: private is a request of a live connection: a connection is not
     // freed while it has active requests, and a request is not recycled
@@ -468,6 +497,10 @@ fn req_end_io(bio: BioPtr) {
         req.post_flush = false;
         c.submit_flush(r);
         return;
+    }
+    if !lent.is_null() {
+        // Only single-bio reads may be lent, so this is the last bio.
+        return c.send_lent(r, lent);
     }
     c.reply(r);
 }
@@ -490,13 +523,16 @@ impl Conn {
     fn log_close(&self) {
         let export = self.export.as_deref().unwrap_or("-");
         eprintln!(
-            "{}: export '{}': {} requests ({} refused); sends: {} direct, {} on the ring; closed: {}",
+            "{}: export '{}': {} requests ({} refused); sends: {} direct, {} on the ring; \
+             lent reads: {} ({} copied); closed: {}",
             self.tag(),
             export,
             self.requests,
             self.refused,
             self.sends_direct,
             self.sends_ring,
+            self.lent,
+            self.lent_copied,
             self.closing.as_deref().unwrap_or("?")
         );
     }
@@ -749,6 +785,7 @@ impl Conn {
                 hdr: [0; HDR_LEN],
                 hdr_len: 0,
                 data_len: 0,
+                lent: std::ptr::null(),
             })),
         };
         // SAFETY: a request from the free list or just made, owned by us.
@@ -765,6 +802,7 @@ impl Conn {
         req.counted = 0;
         req.hdr_len = 0;
         req.data_len = 0;
+        req.lent = std::ptr::null();
         self.active += 1;
         r
     }
@@ -774,6 +812,7 @@ impl Conn {
         let req = unsafe { &mut *r };
         self.inflight_bytes -= req.counted;
         self.active -= 1;
+        req.lent = std::ptr::null();
         if req.cap > KEEP_BUF {
             req.free_buf();
         }
@@ -903,6 +942,9 @@ impl Conn {
             if fast {
                 bio.flags.insert(BioFlags::NOUNMAP_FAST);
             }
+            if op == Op::Read && n == 1 && len >= LEND_MIN {
+                bio.flags.insert(BioFlags::MAY_LEND);
+            }
             bio.set_end_io(req_end_io, r.cast());
             tx.chan.submit(bio);
         }
@@ -997,6 +1039,7 @@ impl Conn {
         }
         self.iov.clear();
         self.iov_at = 0;
+        self.lent_iovs.clear();
         if !self.hs_out.is_empty() {
             std::mem::swap(&mut self.hs_out, &mut self.hs_sending);
             self.iov.push(libc::iovec {
@@ -1015,8 +1058,14 @@ impl Conn {
                 iov_len: req.hdr_len,
             });
             if req.data_len > 0 {
+                let data = if req.lent.is_null() {
+                    req.buf.cast_const()
+                } else {
+                    self.lent_iovs.push((self.iov.len(), r));
+                    req.lent
+                };
                 self.iov.push(libc::iovec {
-                    iov_base: req.buf.cast(),
+                    iov_base: data.cast_mut().cast(),
                     iov_len: req.data_len,
                 });
             }
@@ -1051,9 +1100,15 @@ impl Conn {
             let err = std::io::Error::last_os_error();
             match err.raw_os_error() {
                 // A full socket buffer (or a signal): the ring waits for room.
-                Some(libc::EAGAIN) | Some(libc::EINTR) => self.push_send(),
+                Some(libc::EAGAIN) | Some(libc::EINTR) => {
+                    self.unlend_rest();
+                    self.push_send()
+                }
                 Some(e) => self.send_failed(format!("send: {}", errno_str(-e))),
-                None => self.push_send(),
+                None => {
+                    self.unlend_rest();
+                    self.push_send()
+                }
             }
             return;
         }
@@ -1061,8 +1116,61 @@ impl Conn {
         // A partial send (the socket buffer filled up): the rest through
         // the ring, which sends it as room appears.
         if !self.advance_sent(n as usize) {
+            self.unlend_rest();
             self.push_send();
         }
+    }
+
+    /// Replies to a read whose data the device lent: sends it now, with
+    /// every reply queued before it, and copies into the request's buffer
+    /// whatever still needs the data afterwards (the part of the batch the
+    /// socket did not take, or the whole reply when it cannot be sent now),
+    /// so that nothing refers to the lent memory once the end_io returns.
+    fn send_lent(&mut self, r: *mut Req, lent: *const u8) {
+        self.lent += 1;
+        // SAFETY: an active request of this connection.
+        unsafe { (*r).lent = lent };
+        self.reply(r);
+        self.flush_sends();
+        // SAFETY: `r` is still this connection's (sent and recycled onto the
+        // free list, or queued); a recycled request has `lent` cleared.
+        let req = unsafe { &mut *r };
+        if !req.lent.is_null() {
+            // Not in the batch: queued behind a send in flight, or beyond
+            // the batch's iovecs.
+            // SAFETY: lent data of data_len bytes (valid during this end_io)
+            // and the request's own buffer, which holds len >= data_len
+            // bytes; distinct memory.
+            unsafe { std::ptr::copy_nonoverlapping(req.lent, req.buf, req.data_len) };
+            req.lent = std::ptr::null();
+            self.lent_copied += 1;
+        }
+    }
+
+    /// Before the rest of a batch goes to the ring, which sends it later:
+    /// the unsent part of each lent reply is copied into its request's
+    /// buffer, and its iovec points there.
+    fn unlend_rest(&mut self) {
+        for &(i, r) in &self.lent_iovs {
+            if i < self.iov_at {
+                continue; // sent whole
+            }
+            // SAFETY: a request of the batch being sent, still active.
+            let req = unsafe { &mut *r };
+            let v = &mut self.iov[i];
+            // Bytes of this reply already sent (advance_sent moves the base).
+            let done = v.iov_base as usize - req.lent as usize;
+            // SAFETY: [done, done + iov_len) lies in the reply's data_len
+            // bytes, in the lent memory (valid: we are inside its end_io)
+            // and in the request's buffer alike; distinct memory.
+            unsafe {
+                std::ptr::copy_nonoverlapping(req.lent.add(done), req.buf.add(done), v.iov_len);
+                v.iov_base = req.buf.add(done).cast();
+            }
+            req.lent = std::ptr::null();
+            self.lent_copied += 1;
+        }
+        self.lent_iovs.clear();
     }
 
     fn point_msg(&mut self) {

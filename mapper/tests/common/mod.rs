@@ -285,6 +285,9 @@ pub struct Done {
     pub sector: u64,
     /// Completion frames still on the bio when it came back (must be 0).
     pub depth: usize,
+    /// Whether a device lent its memory for the read ([`BioFlags::LENT`]);
+    /// `data` is then what that memory held when the completion ran.
+    pub lent: bool,
 }
 
 impl Done {
@@ -318,6 +321,9 @@ struct Slot {
     status: Cell<Status>,
     sector: Cell<u64>,
     depth: Cell<usize>,
+    /// A lent read's data, copied while the completion ran (the only time
+    /// the lent memory may be read).
+    lent: RefCell<Option<Vec<u8>>>,
     /// Counts completions for a whole load (see [`Counters`]).
     counters: Option<Arc<Counters>>,
 }
@@ -352,6 +358,13 @@ fn slot_end_io(bio: BioPtr) {
     slot.status.set(bio.status());
     slot.sector.set(bio.sector);
     slot.depth.set(bio.depth());
+    if bio.flags.contains(BioFlags::LENT) {
+        let s = bio.segs()[0];
+        // SAFETY: a lent segment is readable until this end_io returns
+        // (BioFlags::MAY_LEND's contract), and holds the bio's data.
+        let data = unsafe { std::slice::from_raw_parts(s.base, s.len) };
+        *slot.lent.borrow_mut() = Some(data.to_vec());
+    }
     if let Some(c) = &slot.counters {
         c.completed.fetch_add(1, Ordering::SeqCst);
     }
@@ -374,10 +387,11 @@ impl InFlight {
     /// The result. Call only once [`InFlight::is_done`].
     pub fn finish(mut self) -> Done {
         assert!(self.is_done(), "finish before completion");
-        let data = if self.req.op == Op::Read {
-            std::mem::take(&mut self.buf)
-        } else {
-            Vec::new()
+        let lent = self.slot.lent.borrow_mut().take();
+        let data = match (self.req.op, lent.is_some()) {
+            (Op::Read, true) => lent.clone().unwrap_or_default(),
+            (Op::Read, false) => std::mem::take(&mut self.buf),
+            _ => Vec::new(),
         };
         Done {
             req: self.req.clone(),
@@ -386,6 +400,7 @@ impl InFlight {
             completions: self.slot.completions.get(),
             sector: self.slot.sector.get(),
             depth: self.slot.depth.get(),
+            lent: lent.is_some(),
         }
     }
 }
