@@ -19,6 +19,9 @@
 #   the two: on one vCPU a request costs no cross-CPU wakeup, on two it costs two
 #   wakeups of an idle vCPU (tens of microseconds each in a VM), so a run's QD1
 #   IOPS swing with placement; PIN shows each case on its own.
+# Each server's 1 GiB is written over once before its jobs (PREFILL=0 skips
+# it), so reads return stored data: a read of never-written space is a
+# zero fill in every server and measures no data path.
 # After its jobs, each server sits idle for IDLE_S seconds (default 2) with
 # its connection closed; "idle CPU%" is what it burned meanwhile (a server
 # that spins when nobody asked shows here).
@@ -128,6 +131,10 @@ for r in $(seq "$ROUNDS"); do
     ORDER=("${SRV[@]:$(((r - 1) % ${#SRV[@]}))}" "${SRV[@]:0:$(((r - 1) % ${#SRV[@]}))}")
     for s in "${ORDER[@]}"; do
         start "$s"
+        if [ "${PREFILL:-1}" = 1 ]; then
+            "${CPIN[@]}" fio --name=fill --ioengine=nbd --uri="$URI" --rw=write --bs=1m --iodepth=4 \
+                --size=1G --output-format=terse >/dev/null 2>&1
+        fi
         for j in $JOBS; do
             c0=$(cpu_ticks); b0=$(busy_ticks)
             run_job "$j" >"$W/out.json"
