@@ -4,7 +4,11 @@
 //! of its size (`MAP_NORESERVE`): the kernel gives a 4 KiB page, zeroed, on
 //! its first write, as brd allocates its pages; a bitmap records which pages
 //! were written, so reads of never-written space return zeroes without
-//! touching (and so without backing) the mapping. Discard and write-zeroes
+//! touching (and so without backing) the mapping. A read that lets the
+//! device lend ([`udm_core::BioFlags::MAY_LEND`]) gets a pointer into the
+//! mapping instead, written or not: a never-written page reads as the
+//! kernel's shared zero page there, which costs page tables but no memory.
+//! Discard and write-zeroes
 //! zero the range (pages stay allocated: freeing one under a concurrent
 //! reader on another reactor would need RCU, as brd uses, for little gain).
 //!

@@ -99,8 +99,9 @@ impl BioFlags {
     /// completes (a target that transforms or caches it, a stand-in, a
     /// clone) removes this flag.
     pub const MAY_LEND: BioFlags = BioFlags(32);
-    /// Set by a device that lent its memory: the segment points at it, not
-    /// at the submitter's buffer.
+    /// Set by [`Bio::lend`] only: the segment points at the device's
+    /// memory, not at the submitter's buffer, and must not be written.
+    /// Clones never carry it (nor `MAY_LEND`).
     pub const LENT: BioFlags = BioFlags(64);
 
     /// Whether every bit of `other` is set.
@@ -497,6 +498,9 @@ impl Bio {
     /// (the bio's length in bytes), and [`BioFlags::LENT`] says so. Returns
     /// false, changing nothing, unless [`Bio::may_lend`].
     ///
+    /// A lent segment is read-only: no layer may write through it (a target
+    /// whose end_io changes read data must not keep `MAY_LEND`).
+    ///
     /// # Safety
     /// `data..data+len()` must hold the bio's data, stay valid for reads
     /// until the submitter's end_io returns, and not be written meanwhile
@@ -558,6 +562,10 @@ impl Bio {
     /// Copies `buf` into the bio's data from byte `offset` of the bio (a device
     /// serving a read).
     pub fn copy_in(&mut self, mut offset: usize, mut buf: &[u8]) {
+        debug_assert!(
+            !self.flags.contains(BioFlags::LENT),
+            "copy_in on a lent (read-only) segment"
+        );
         for s in self.segs() {
             if buf.is_empty() {
                 break;
@@ -591,7 +599,11 @@ impl Bio {
         // BioPtr::complete).
         let mut c = unsafe { (*self.home).alloc_bio_pub() };
         c.op = self.op;
+        // A clone's data lands in its parent's buffers: nothing is lent to
+        // it, and it was lent nothing.
         c.flags = self.flags;
+        c.flags.remove(BioFlags::MAY_LEND);
+        c.flags.remove(BioFlags::LENT);
         c.buf_index = self.buf_index;
         c
     }
@@ -713,9 +725,9 @@ impl BioPtr {
         if self.can_push() {
             return self;
         }
+        // alloc_clone removes MAY_LEND: memory lent to the stand-in would
+        // not reach this bio's buffer.
         let mut s = self.alloc_clone();
-        // Memory lent to the stand-in would not reach this bio's buffer.
-        s.flags.remove(BioFlags::MAY_LEND);
         if self.op.has_data() {
             s.add_segs_from(&self, 0, self.len() as usize);
         } else {

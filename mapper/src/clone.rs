@@ -66,10 +66,10 @@ fn split(tio: &TableIo, p: *mut Bio) {
         let rel = sector - t.begin;
         let n = t.room(rel).min(end - sector);
         let bytes = (n << SECTOR_SHIFT) as usize;
+        // alloc_clone removes MAY_LEND: a clone's data must land in the
+        // parent's buffer.
         let mut c = parent.alloc_clone();
-        // A clone's data must land in the parent's buffer: nothing is lent.
         c.flags.remove(BioFlags::PREFLUSH);
-        c.flags.remove(BioFlags::MAY_LEND);
         if parent.op.has_data() {
             c.add_segs_from(parent, offset, bytes);
         } else {

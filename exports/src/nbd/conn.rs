@@ -473,8 +473,12 @@ fn req_end_io(bio: BioPtr) {
     let r = bio.private() as *mut Req;
     let st = bio.status();
     // Valid until this function returns (BioFlags::MAY_LEND's contract).
+    let seg = bio
+        .segs()
+        .first()
+        .map_or(std::ptr::null(), |s| s.base.cast_const());
     let lent = match bio.flags.contains(BioFlags::LENT) {
-        true => bio.segs()[0].base.cast_const(),
+        true => seg,
         false => std::ptr::null(),
     };
     drop(bio);
@@ -498,8 +502,9 @@ fn req_end_io(bio: BioPtr) {
         c.submit_flush(r);
         return;
     }
-    if !lent.is_null() {
-        // Only single-bio reads may be lent, so this is the last bio.
+    // Only single-bio reads may be lent, so this is the last bio. (A
+    // "lent" pointer that is the request's own buffer lent nothing.)
+    if !lent.is_null() && lent != req.buf.cast_const() {
         return c.send_lent(r, lent);
     }
     c.reply(r);
@@ -1087,7 +1092,9 @@ impl Conn {
     fn send_direct(&mut self) {
         self.point_msg();
         // SAFETY: msg names iov[iov_at..], whose buffers (hs_sending, the
-        // headers and buffers of the `sending` requests) are live; the
+        // headers and buffers of the `sending` requests, or memory lent for
+        // a read, which is valid because a batch holds lent iovecs only
+        // while send_lent runs inside that read's end_io) are live; the
         // kernel copies from them before the call returns.
         let n = unsafe {
             libc::sendmsg(
@@ -1152,11 +1159,12 @@ impl Conn {
     /// buffer, and its iovec points there.
     fn unlend_rest(&mut self) {
         for &(i, r) in &self.lent_iovs {
-            if i < self.iov_at {
-                continue; // sent whole
-            }
             // SAFETY: a request of the batch being sent, still active.
             let req = unsafe { &mut *r };
+            if i < self.iov_at {
+                req.lent = std::ptr::null(); // sent whole
+                continue;
+            }
             let v = &mut self.iov[i];
             // Bytes of this reply already sent (advance_sent moves the base).
             let done = v.iov_base as usize - req.lent as usize;
@@ -1192,7 +1200,9 @@ impl Conn {
         // the send completes: the iov vector is only modified in
         // flush_sends/on_sent while no send is in flight, `sending` requests
         // are recycled after it, and the connection is not freed while
-        // send_inflight.
+        // send_inflight. No iovec points at lent memory here: send_direct
+        // runs unlend_rest before every push_send it makes, and on_sent only
+        // continues batches that were pushed so.
         unsafe { self.worker.reactor().ring().push_op(e, op) };
     }
 

@@ -723,7 +723,11 @@ pub(crate) struct WcChannel {
 }
 
 impl Channel for WcChannel {
-    fn submit(&self, bio: BioPtr) {
+    fn submit(&self, mut bio: BioPtr) {
+        // Cache blocks are reused for other sectors once a read releases
+        // them, before its caller's end_io runs: never lend them. (The
+        // mapper already removes the flag before a target's map.)
+        bio.flags.remove(udm_core::BioFlags::MAY_LEND);
         match bio.op {
             Op::Flush => self.park_until_committed(bio, false, true),
             Op::Read | Op::Write => {
