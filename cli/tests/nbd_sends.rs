@@ -43,12 +43,16 @@ fn server() -> Serve {
     ])
 }
 
+/// The connection's close line.
+fn close_line(log: &str) -> &str {
+    log.lines()
+        .find(|l| l.contains("closed: client disconnected"))
+        .unwrap_or_else(|| panic!("no close line:\n{log}"))
+}
+
 /// The numbers of direct and ring sends in the connection's close line.
 fn sends(log: &str) -> (u64, u64) {
-    let line = log
-        .lines()
-        .find(|l| l.contains("closed: client disconnected"))
-        .unwrap_or_else(|| panic!("no close line:\n{log}"));
+    let line = close_line(log);
     let rest = line.split("sends: ").nth(1).unwrap();
     let mut words = rest.split_whitespace();
     let direct = words.next().unwrap().parse().unwrap();
@@ -60,10 +64,7 @@ fn sends(log: &str) -> (u64, u64) {
 /// The numbers of lent reads, and of those copied after all, in the
 /// connection's close line.
 fn lent(log: &str) -> (u64, u64) {
-    let line = log
-        .lines()
-        .find(|l| l.contains("closed: client disconnected"))
-        .unwrap_or_else(|| panic!("no close line:\n{log}"));
+    let line = close_line(log);
     let rest = line.split("lent reads: ").nth(1).unwrap();
     let mut words = rest.split_whitespace();
     let n = words.next().unwrap().parse().unwrap();
@@ -125,6 +126,18 @@ fn write_then_leave_reads_unread(c: &mut Raw, n: u64, len: usize) {
     std::thread::sleep(Duration::from_millis(200));
 }
 
+/// Reads the `n` replies [`write_then_leave_reads_unread`] asked for, in
+/// whatever order they come: each exactly once, with its block's pattern.
+fn read_back_unread(c: &mut Raw, n: u64, len: usize) {
+    let mut seen = vec![false; n as usize];
+    for _ in 0..n {
+        let i = reply(c) - 1000;
+        assert!(i < n && !seen[i as usize], "cookie {}", i + 1000);
+        seen[i as usize] = true;
+        assert!(c.read(len) == pattern(i, len), "read {i}: wrong data");
+    }
+}
+
 #[test]
 fn replies_larger_than_the_socket_buffer_finish_on_the_ring_intact() {
     let s = server();
@@ -135,13 +148,7 @@ fn replies_larger_than_the_socket_buffer_finish_on_the_ring_intact() {
     // direct sendmsg fills the socket buffer and stops part-way (or finds
     // it full), and the ring carries the rest as the client drains it.
     write_then_leave_reads_unread(&mut c, N, LEN);
-    let mut seen = vec![false; N as usize];
-    for _ in 0..N {
-        let i = reply(&mut c) - 1000;
-        assert!(i < N && !seen[i as usize], "cookie {}", i + 1000);
-        seen[i as usize] = true;
-        assert!(c.read(LEN) == pattern(i, LEN), "read {i}: wrong data");
-    }
+    read_back_unread(&mut c, N, LEN);
     disconnect(c);
     let log = s.wait_log("closed: client disconnected", 1);
     let (direct, ring) = sends(&log);
@@ -167,10 +174,7 @@ fn a_unix_client_behind_by_eight_128k_replies_does_not_push_sends_onto_the_ring(
     // fio's 128 KiB QD8 job, with the client slow to read: the default
     // 208 KiB buffer would fill after one and a half replies.
     write_then_leave_reads_unread(&mut c, N, LEN);
-    for _ in 0..N {
-        let i = reply(&mut c) - 1000;
-        assert!(c.read(LEN) == pattern(i, LEN), "read {i}: wrong data");
-    }
+    read_back_unread(&mut c, N, LEN);
     disconnect(c);
     let log = s.wait_log("closed: client disconnected", 1);
     assert_eq!(sends(&log).1, 0, "{log}");
@@ -224,13 +228,7 @@ fn lent_reads_the_socket_cannot_take_at_once_are_copied_and_arrive_intact() {
         c.request(0, CMD_WRITE, 2000 + i, i * LEN as u64, LEN as u32);
         c.send(&pattern(500 + i, LEN));
     }
-    let mut seen = vec![false; N as usize];
-    for _ in 0..N {
-        let i = reply(&mut c) - 1000;
-        assert!(i < N && !seen[i as usize], "cookie {}", i + 1000);
-        seen[i as usize] = true;
-        assert!(c.read(LEN) == pattern(i, LEN), "read {i}: wrong data");
-    }
+    read_back_unread(&mut c, N, LEN);
     for _ in 0..N {
         assert!(reply(&mut c) >= 2000, "a write's reply");
     }
