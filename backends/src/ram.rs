@@ -168,13 +168,14 @@ impl RamDevice {
     fn rw(&self, bio: &mut BioPtr) -> Status {
         let mut pos = (bio.sector << SECTOR_SHIFT) as usize;
         let end = pos + bio.len() as usize;
+        // A read that allows it is lent (`lend` does nothing otherwise).
         // SAFETY: [pos, end) lies inside the mapping (bios are checked
         // against the device's size), which lives as long as the device, and
         // the device outlives every completion of its bios. Never-written
         // pages read as zeroes there too (the kernel maps its zero page), and
         // only writes, discards and write-zeroes, which overlap the read if
         // they change its bytes, store into it.
-        if bio.may_lend() && unsafe { bio.lend(self.mem.ptr.add(pos)) } {
+        if unsafe { bio.lend(self.mem.ptr.add(pos)) } {
             return Status::Ok;
         }
         let mut off = 0usize;

@@ -473,13 +473,9 @@ fn req_end_io(bio: BioPtr) {
     let r = bio.private() as *mut Req;
     let st = bio.status();
     // Valid until this function returns (BioFlags::MAY_LEND's contract).
-    let seg = bio
-        .segs()
-        .first()
-        .map_or(std::ptr::null(), |s| s.base.cast_const());
-    let lent = match bio.flags.contains(BioFlags::LENT) {
-        true => seg,
-        false => std::ptr::null(),
+    let lent = match bio.segs().first() {
+        Some(s) if bio.flags.contains(BioFlags::LENT) => s.base.cast_const(),
+        _ => std::ptr::null(),
     };
     drop(bio);
     // SAFETY: private is a request of a live connection: a connection is not
@@ -1107,15 +1103,9 @@ impl Conn {
             let err = std::io::Error::last_os_error();
             match err.raw_os_error() {
                 // A full socket buffer (or a signal): the ring waits for room.
-                Some(libc::EAGAIN) | Some(libc::EINTR) => {
-                    self.unlend_rest();
-                    self.push_send()
-                }
+                Some(libc::EAGAIN) | Some(libc::EINTR) => self.push_send(),
                 Some(e) => self.send_failed(format!("send: {}", errno_str(-e))),
-                None => {
-                    self.unlend_rest();
-                    self.push_send()
-                }
+                None => self.push_send(),
             }
             return;
         }
@@ -1123,7 +1113,6 @@ impl Conn {
         // A partial send (the socket buffer filled up): the rest through
         // the ring, which sends it as room appears.
         if !self.advance_sent(n as usize) {
-            self.unlend_rest();
             self.push_send();
         }
     }
@@ -1187,6 +1176,8 @@ impl Conn {
     }
 
     fn push_send(&mut self) {
+        // The ring sends later, after any end_io that lent memory returned.
+        self.unlend_rest();
         self.point_msg();
         self.sends_ring += 1;
         let e = opcode::SendMsg::new(types::Fd(self.fd.as_raw_fd()), &self.msg)
@@ -1200,9 +1191,8 @@ impl Conn {
         // the send completes: the iov vector is only modified in
         // flush_sends/on_sent while no send is in flight, `sending` requests
         // are recycled after it, and the connection is not freed while
-        // send_inflight. No iovec points at lent memory here: send_direct
-        // runs unlend_rest before every push_send it makes, and on_sent only
-        // continues batches that were pushed so.
+        // send_inflight. No iovec points at lent memory: unlend_rest above
+        // repointed every one.
         unsafe { self.worker.reactor().ring().push_op(e, op) };
     }
 

@@ -388,9 +388,10 @@ impl InFlight {
     pub fn finish(mut self) -> Done {
         assert!(self.is_done(), "finish before completion");
         let lent = self.slot.lent.borrow_mut().take();
-        let data = match (self.req.op, lent.is_some()) {
-            (Op::Read, true) => lent.clone().unwrap_or_default(),
-            (Op::Read, false) => std::mem::take(&mut self.buf),
+        let was_lent = lent.is_some();
+        let data = match (self.req.op, lent) {
+            (Op::Read, Some(d)) => d,
+            (Op::Read, None) => std::mem::take(&mut self.buf),
             _ => Vec::new(),
         };
         Done {
@@ -400,7 +401,7 @@ impl InFlight {
             completions: self.slot.completions.get(),
             sector: self.slot.sector.get(),
             depth: self.slot.depth.get(),
-            lent: lent.is_some(),
+            lent: was_lent,
         }
     }
 }
