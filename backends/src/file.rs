@@ -19,8 +19,8 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use udm_core::{
-    check_bio, BioFlags, BioPtr, BlockDevice, Caps, Channel, Error, ErrorKind, Limits, Op, Reactor,
-    ReactorConfig, Ring, RingFd, RingKind, Status, SECTOR_SHIFT,
+    check_bio, AlignedBuf, BioFlags, BioPtr, BlockDevice, Caps, Channel, Error, ErrorKind, Limits,
+    Op, Reactor, ReactorConfig, Ring, RingFd, RingKind, Status, SECTOR_SHIFT,
 };
 
 /// How to open a file device.
@@ -181,49 +181,6 @@ fn probe_done(bio: BioPtr) {
     // SAFETY: private is the Rc leaked in probe_iopoll, taken back once.
     let r = unsafe { Rc::from_raw(bio.private() as *const std::cell::Cell<Option<Status>>) };
     r.set(Some(bio.status()));
-}
-
-/// A heap buffer aligned for O_DIRECT.
-pub struct AlignedBuf {
-    ptr: *mut u8,
-    len: usize,
-}
-
-impl AlignedBuf {
-    /// `len` zeroed bytes aligned to 4096.
-    pub fn new(len: usize) -> AlignedBuf {
-        let layout = std::alloc::Layout::from_size_align(len.max(1), 4096)
-            .unwrap_or_else(|_| std::alloc::Layout::new::<u8>());
-        // SAFETY: the layout has non-zero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        if ptr.is_null() {
-            std::alloc::handle_alloc_error(layout);
-        }
-        AlignedBuf { ptr, len }
-    }
-    /// The start.
-    pub fn as_mut_ptr(&mut self) -> *mut u8 {
-        self.ptr
-    }
-    /// The bytes.
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: `ptr` points at `len` initialised (zeroed) bytes we own.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-    /// The bytes, mutably.
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as in as_slice, and `&mut self` makes the borrow unique.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
-    }
-}
-
-impl Drop for AlignedBuf {
-    fn drop(&mut self) {
-        if let Ok(layout) = std::alloc::Layout::from_size_align(self.len.max(1), 4096) {
-            // SAFETY: allocated in `new` with this layout.
-            unsafe { std::alloc::dealloc(self.ptr, layout) };
-        }
-    }
 }
 
 impl BlockDevice for FileDevice {

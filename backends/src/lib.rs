@@ -12,7 +12,9 @@ pub mod null;
 pub mod powercut;
 pub mod ram;
 
-pub use file::{AlignedBuf, FileDevice, FileOpts};
+pub use file::{FileDevice, FileOpts};
 pub use null::NullDevice;
 pub use powercut::{Power, PowerCut};
 pub use ram::RamDevice;
+/// Re-exported from the core, where it now lives.
+pub use udm_core::AlignedBuf;

@@ -4,6 +4,7 @@
 //!   with inline completion frames so stacking layers never allocate.
 //! - [`BlockDevice`]/[`Channel`]: the device contract; capabilities and limits
 //!   are data ([`Limits`], [`Caps`]); I/O goes through per-reactor channels.
+//! - [`AlignedBuf`]: memory any device can do (O_DIRECT) I/O to.
 //! - [`Reactor`]: one per thread, run to completion, with its own io_uring
 //!   ([`Ring`]), descriptor cache and completion list.
 //!
@@ -16,12 +17,14 @@
 #![deny(missing_docs)]
 
 pub mod bio;
+pub mod buf;
 pub mod device;
 pub mod error;
 pub mod reactor;
 pub mod ring;
 
 pub use bio::{Bio, BioFlags, BioPtr, EndIo, Op, Seg, Status, SECTOR_SHIFT, SECTOR_SIZE};
+pub use buf::AlignedBuf;
 pub use device::{check_bio, BlockDevice, Caps, Channel, Dispatch, Limits};
 pub use error::{Error, ErrorKind, Result};
 pub use reactor::{

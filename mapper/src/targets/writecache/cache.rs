@@ -26,7 +26,8 @@ use udm_core::{
 };
 
 use super::alloc::FreeExtents;
-use super::meta::{DiskEntry, Geometry, ENTRIES_PER_MBLOCK, ENTRY_BYTES, MBLOCK_BYTES};
+use super::image::Image;
+use super::meta::{DiskEntry, Geometry, ENTRIES_PER_MBLOCK, ENTRY_BYTES};
 
 /// "No cache block".
 pub(crate) const NONE: u32 = u32::MAX;
@@ -153,10 +154,11 @@ pub(crate) struct State {
     /// The entry array as it is to be on disk (whole metadata blocks of
     /// 16-byte entries, see `meta`), kept in step with `entries` wherever
     /// `State::disk_entry` changes: a block's allocation (see `unwritten`), a
-    /// free marker, a rebuild. A commit copies its dirty metadata blocks from it
-    /// (a memcpy) instead of encoding them from the entries under the lock,
-    /// which took 0.3-0.6 ms per 65536 entries and stalled writers.
-    pub image: Vec<u8>,
+    /// free marker, a rebuild. A commit writes its dirty metadata blocks
+    /// from it (see `image`) instead of encoding them from the entries
+    /// under the lock, which took 0.3-0.6 ms per 65536 entries and stalled
+    /// writers.
+    pub image: Image,
     /// Metadata blocks whose entries changed since the last commit started
     /// (what the next commit writes).
     pub dirty: Vec<bool>,
@@ -227,7 +229,7 @@ impl State {
             entries: vec![Entry::FREE; n],
             map: vec![NONE; origin_blocks as usize],
             free: FreeExtents::new(),
-            image: touched(g.mblocks as usize * MBLOCK_BYTES, 0),
+            image: Image::new(g.mblocks as usize),
             dirty: vec![false; g.mblocks as usize],
             unwritten: touched(n.div_ceil(64), 0),
             inflight_writes: [0; 2],
@@ -273,8 +275,8 @@ impl State {
         if len == 0 {
             return;
         }
-        let eb = ENTRY_BYTES as usize;
-        self.image[b as usize * eb..(b + len) as usize * eb].fill(0);
+        self.image
+            .for_each_run(b as usize, len as usize, |_, out| out.fill(0));
         self.image_changed(b, len, len as u64);
         self.push_free_pending(b, len);
     }
@@ -307,8 +309,7 @@ impl State {
     /// Writes block `b`'s entry into the image (not yet marked dirty).
     #[inline]
     pub fn set_image(&mut self, b: u32, e: DiskEntry) {
-        let o = b as usize * ENTRY_BYTES as usize;
-        e.encode(&mut self.image[o..o + ENTRY_BYTES as usize]);
+        self.image.set(b as usize, e);
     }
 
     /// What the on-disk entry of block `b` is to say, from its state: its
@@ -338,8 +339,7 @@ impl State {
         let mut want = [0u8; ENTRY_BYTES as usize];
         (first..last).all(|b| {
             self.disk_entry(b, bs_sectors).encode(&mut want);
-            let o = b * ENTRY_BYTES as usize;
-            self.image[o..o + ENTRY_BYTES as usize] == want
+            self.image.entry(b) == want
         })
     }
 
@@ -1325,28 +1325,34 @@ fn map_write(
         let (g, bss) = (st.pending_gen, sh.cfg.bs_sectors());
         let eb = ENTRY_BYTES as usize;
         let stm = &mut *st;
-        let ents = &mut stm.entries[start as usize..=last as usize];
-        let image = stm.image[start as usize * eb..(last as usize + 1) * eb].chunks_exact_mut(eb);
-        // Every field is affine in the block's place in the run: counters
-        // stepped once per block, no multiply and no index check in the loop.
-        let (mut sector, mut obk, mut nb) = (ob * bss, ob as u32, start);
-        for (e, out) in ents.iter_mut().zip(image) {
-            DiskEntry { sector, seq: g }.encode(out);
-            *e = Entry {
-                ob: obk,
-                seq: g,
-                born_ms: now,
-                prev: nb.wrapping_sub(1),
-                next: nb.wrapping_add(1),
-                writes: 0,
-                reads: 0,
-                wb: false,
-                st: St::Live,
-            };
-            sector += bss;
-            obk += 1;
-            nb += 1;
-        }
+        let entries = &mut stm.entries;
+        // One pass per metadata block the run touches. Every field is
+        // affine in the block's place in the run: counters stepped once
+        // per block, no multiply and no index check in the inner loop.
+        stm.image
+            .for_each_run(start as usize, got as usize, |first, image| {
+                let k = first as u32 - start;
+                let (mut sector, mut obk, mut nb) =
+                    ((ob + k as u64) * bss, ob as u32 + k, first as u32);
+                let ents = &mut entries[first..first + image.len() / eb];
+                for (e, out) in ents.iter_mut().zip(image.chunks_exact_mut(eb)) {
+                    DiskEntry { sector, seq: g }.encode(out);
+                    *e = Entry {
+                        ob: obk,
+                        seq: g,
+                        born_ms: now,
+                        prev: nb.wrapping_sub(1),
+                        next: nb.wrapping_add(1),
+                        writes: 0,
+                        reads: 0,
+                        wb: false,
+                        st: St::Live,
+                    };
+                    sector += bss;
+                    obk += 1;
+                    nb += 1;
+                }
+            });
         st.image_changed(start, got, got as u64);
         st.set_unwritten(start, got, true);
         st.entries[start as usize].prev = tail;

@@ -47,6 +47,7 @@
 
 mod alloc;
 mod cache;
+mod image;
 mod meta;
 mod writeback;
 

@@ -13,12 +13,12 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use udm_core::{
-    BioFlags, BioPtr, Caps, Channel, Error, ErrorKind, Op, Poller, Reactor, ReactorConfig, Status,
-    SECTOR_SHIFT,
+    AlignedBuf, BioFlags, BioPtr, Caps, Channel, Error, ErrorKind, Op, Poller, Reactor,
+    ReactorConfig, Status, SECTOR_SHIFT,
 };
 
 use super::cache::{self, Shared, St, State, NONE};
-use super::meta::{DiskEntry, Super, ENTRIES_PER_MBLOCK, MBLOCK_BYTES, SB_BYTES};
+use super::meta::{DiskEntry, Super, MBLOCK_BYTES, SB_BYTES};
 
 /// Most blocks one writeback batch takes.
 const BATCH_BYTES: u64 = 16 << 20;
@@ -27,7 +27,7 @@ const MAX_RUN_BYTES: u64 = 1 << 20;
 /// Most writeback buffers (each up to MAX_RUN_BYTES) kept for reuse.
 const MAX_SPARE_BUFS: usize = 16;
 
-type Done = Box<dyn FnOnce(Status, Vec<u8>)>;
+type Done = Box<dyn FnOnce(Status, AlignedBuf)>;
 
 /// Blocks contiguous both on the origin and on the cache.
 #[derive(Clone, Copy, Debug)]
@@ -46,7 +46,7 @@ struct Batch {
 }
 
 struct IoCtx {
-    buf: Vec<u8>,
+    buf: AlignedBuf,
     done: Done,
 }
 
@@ -63,12 +63,7 @@ pub(crate) struct Worker {
     /// that a buffer is zeroed once, not per group (zeroing every group's
     /// buffer before the cache reads overwrite it cost the worker a third
     /// of its instructions at 512-byte blocks).
-    bufs: RefCell<Vec<Vec<u8>>>,
-    /// Where a commit copies its metadata blocks for writing (see
-    /// `start_commit`): sized at start for an autocommit's worth and only
-    /// grown, so that a commit does not fault in fresh pages under the
-    /// lock (a megabyte of them cost as much as encoding the entries).
-    stage: RefCell<Vec<u8>>,
+    bufs: RefCell<Vec<AlignedBuf>>,
     /// A commit waiting for its generation's data writes to drain (see
     /// `State::unwritten`): its generation and continuation.
     barrier_then: RefCell<Option<(u64, Then)>>,
@@ -100,8 +95,8 @@ impl Worker {
         op: Op,
         flags: BioFlags,
         sector: u64,
-        mut buf: Vec<u8>,
-        done: impl FnOnce(Status, Vec<u8>) + 'static,
+        mut buf: AlignedBuf,
+        done: impl FnOnce(Status, AlignedBuf) + 'static,
     ) {
         let mut bio = self.reactor().alloc_bio();
         bio.flags = flags;
@@ -120,7 +115,7 @@ impl Worker {
     /// Submits `bio` on the cache (or origin) channel, counted in flight
     /// until `done` runs; `buf` (what the bio's segment points into, or
     /// empty) is kept alive until then and handed back to `done`.
-    fn issue(self: &Rc<Self>, cache: bool, mut bio: BioPtr, buf: Vec<u8>, done: Done) {
+    fn issue(self: &Rc<Self>, cache: bool, mut bio: BioPtr, buf: AlignedBuf, done: Done) {
         self.inflight.set(self.inflight.get() + 1);
         let me = self.clone();
         let ctx = Box::new(IoCtx {
@@ -158,7 +153,12 @@ impl Worker {
         bio.sector = sector;
         // SAFETY: the caller keeps the range valid until `done` runs.
         unsafe { bio.add_seg(data, len) };
-        self.issue(cache, bio, Vec::new(), Box::new(move |s, _| done(s)));
+        self.issue(
+            cache,
+            bio,
+            AlignedBuf::default(),
+            Box::new(move |s, _| done(s)),
+        );
     }
 
     fn fail(&self, st: &mut State) {
@@ -178,7 +178,7 @@ impl Worker {
             Op::Read,
             BioFlags::NONE,
             sb_sector,
-            vec![0; SB_BYTES as usize],
+            AlignedBuf::new(SB_BYTES as usize),
             move |s, buf| {
                 if !s.is_ok() {
                     return result.set(Some(Err(Error::new(
@@ -227,7 +227,7 @@ impl Worker {
                 Op::Write,
                 BioFlags::NONE,
                 sector,
-                vec![0; n as usize],
+                AlignedBuf::new(n as usize),
                 move |s, _| {
                     ok.set(ok.get() && s.is_ok());
                     left.set(left.get() - 1);
@@ -289,7 +289,7 @@ impl Worker {
                 Op::Read,
                 BioFlags::NONE,
                 sector,
-                vec![0; n],
+                AlignedBuf::new(n),
                 move |s, buf| {
                     ok.set(ok.get() && s.is_ok());
                     all.borrow_mut()[at..at + buf.len()].copy_from_slice(&buf);
@@ -403,7 +403,7 @@ impl Worker {
 
     fn write_super(self: &Rc<Self>, seq: u64, done: impl FnOnce(Status) + 'static) {
         let g = self.shared.geo;
-        let mut buf = vec![0u8; SB_BYTES as usize];
+        let mut buf = AlignedBuf::new(SB_BYTES as usize);
         Super {
             block_size: g.block_size,
             n_blocks: g.n_blocks,
@@ -426,7 +426,7 @@ impl Worker {
                     Op::Flush,
                     BioFlags::NONE,
                     0,
-                    Vec::new(),
+                    AlignedBuf::default(),
                     move |s, _| done(s),
                 );
             },
@@ -439,26 +439,22 @@ impl Worker {
         let sh = &*self.shared;
         debug_assert!(!self.commit_busy.get(), "writecache: two commits at once");
         self.commit_busy.set(true);
-        // The dirty metadata blocks, merged into runs, are copied out of the
-        // image into the staging area, so writers wait only for a memcpy.
-        // The staging area is the commit's alone until `commit_done` (one
-        // commit at a time), and is never shrunk.
-        let mut stage = self.stage.borrow_mut();
-        let mut runs: Vec<(u32, usize, usize)> = Vec::new();
+        // The dirty metadata blocks, merged into runs, are written from the
+        // image itself: holding them (see `image`) freezes them for this
+        // commit, and writers copy a held block before changing it. The
+        // lock is held only to pick and mark the blocks.
+        let mut runs: Vec<(u32, *const u8, usize)> = Vec::new();
+        let max = (self.max_meta_io() / MBLOCK_BYTES) as u32;
         let gen = {
             let mut st = sh.lock();
             let gen = st.pending_gen;
             st.pending_gen += 1;
             st.uncommitted = 0;
             st.dirty_since = None;
-            let need = st.ndirty * MBLOCK_BYTES;
-            if stage.len() < need {
-                stage.resize(need, 0);
-            }
             let nm = st.dirty.len() as u32;
-            let max = (MAX_RUN_BYTES as usize / MBLOCK_BYTES) as u32;
-            let (mut m, mut at) = (0, 0);
-            while m < nm && at < need {
+            let mut m = 0;
+            let mut left = st.ndirty;
+            while m < nm && left > 0 {
                 if !st.dirty[m as usize] {
                     m += 1;
                     continue;
@@ -469,6 +465,7 @@ impl Worker {
                     m += 1;
                 }
                 let (m0, m1) = (start as usize, m as usize);
+                left -= m1 - m0;
                 if cfg!(feature = "paranoid")
                     && !st.image_is_consistent(m0, m1, sh.cfg.bs_sectors())
                 {
@@ -477,17 +474,11 @@ impl Worker {
                     eprintln!("writecache: the metadata image differs from the entries in metadata blocks {m0}..{m1}");
                     self.fail(&mut st);
                 }
-                let len = (m1 - m0) * MBLOCK_BYTES;
-                stage[at..at + len]
-                    .copy_from_slice(&st.image[m0 * MBLOCK_BYTES..m1 * MBLOCK_BYTES]);
-                runs.push((start, at, len));
-                at += len;
+                runs.push((start, st.image.hold(m0, m1), (m1 - m0) * MBLOCK_BYTES));
             }
             st.ndirty = 0;
             gen
         };
-        let base = stage.as_mut_ptr();
-        drop(stage);
         let left = Rc::new(Cell::new(runs.len() as u64 + 1));
         let ok = Rc::new(Cell::new(true));
         let then = Rc::new(Cell::new(then));
@@ -498,21 +489,37 @@ impl Worker {
                 ok.set(ok.get() && s.is_ok());
                 left.set(left.get() - 1);
                 if left.get() == 0 {
+                    // Nothing reads the held blocks any more.
+                    me.shared.lock().image.release();
                     me.commit_flush(gen, ok.get(), then.take());
                 }
             }
         };
         let step = Rc::new(step);
-        for (m, at, len) in runs {
+        for (m, data, len) in runs {
             let sector = sh.cfg.start_sector + (sh.geo.mblock_offset(m) >> SECTOR_SHIFT);
             let step = step.clone();
-            // SAFETY: `at + len` is within the staging area, which nothing
-            // resizes, writes or drops until this commit is done: only
-            // start_commit touches it, one commit runs at a time
-            // (commit_busy), and the worker outlives its I/O.
-            unsafe { self.io_at(true, Op::Write, sector, base.add(at), len, move |s| step(s)) };
+            // SAFETY: the image holds these blocks until `step` has seen
+            // every write complete: nobody changes them (writers copy a
+            // held block first) and the image, owned by the shared state
+            // that the worker keeps alive, does not free or move them. The
+            // write only reads them, though `io_at` takes a *mut.
+            unsafe {
+                self.io_at(true, Op::Write, sector, data as *mut u8, len, move |s| {
+                    step(s)
+                })
+            };
         }
         step(Status::Ok);
+    }
+
+    /// The most bytes of metadata one commit write carries: MAX_RUN_BYTES,
+    /// or less if the cache device takes less in one I/O.
+    fn max_meta_io(&self) -> usize {
+        let l = self.shared.cfg.cache.limits();
+        (l.max_io_bytes as usize)
+            .min(MAX_RUN_BYTES as usize)
+            .max(MBLOCK_BYTES)
     }
 
     fn commit_flush(self: &Rc<Self>, gen: u64, ok: bool, then: Then) {
@@ -547,7 +554,7 @@ impl Worker {
                 Op::Flush,
                 BioFlags::NONE,
                 0,
-                Vec::new(),
+                AlignedBuf::default(),
                 move |s, _| {
                     good.set(good.get() && s.is_ok());
                     left.set(left.get() - 1);
@@ -794,8 +801,9 @@ impl Worker {
         for (first_ob, len, pieces) in groups {
             let n = len as usize * bs;
             let mut buf = self.bufs.borrow_mut().pop().unwrap_or_default();
-            // Shrinking keeps the bytes; only growth is zeroed.
-            buf.resize(n, 0);
+            // Shrinking keeps the bytes; growth within the capacity zeroes
+            // only what it adds, growth past it reallocates.
+            buf.resize(n);
             let base_ptr = buf.as_mut_ptr();
             let pieces_left = Rc::new(Cell::new(pieces.len() as u64));
             let read_ok = Rc::new(Cell::new(true));
@@ -857,7 +865,7 @@ impl Worker {
                         },
                     );
                 });
-                self.issue(true, bio, Vec::new(), done);
+                self.issue(true, bio, AlignedBuf::default(), done);
             }
         }
     }
@@ -876,7 +884,7 @@ impl Worker {
             Op::Flush,
             BioFlags::NONE,
             0,
-            Vec::new(),
+            AlignedBuf::default(),
             move |s, _| finish(s),
         );
     }
@@ -1032,15 +1040,6 @@ pub(crate) fn start(shared: Arc<Shared>) -> Result<std::thread::JoinHandle<()>, 
     }
 }
 
-/// The staging area a commit starts with: the metadata blocks of an
-/// autocommit's worth of new entries, plus as many again for free markers
-/// scattered elsewhere, at most the whole array. Filled with ones so that
-/// its pages are faulted in now, not by the first commits.
-fn stage_bytes(sh: &Shared) -> usize {
-    let per_commit = (sh.cfg.autocommit_blocks as usize).div_ceil(ENTRIES_PER_MBLOCK) * 2 + 2;
-    per_commit.min(sh.geo.mblocks as usize) * MBLOCK_BYTES
-}
-
 fn run(sh: Arc<Shared>, tx: mpsc::Sender<Result<(), Error>>) {
     // UDM_WC_WORKER_POLL=1 makes the worker spin instead of sleeping in
     // io_uring_enter: valgrind (3.19) holds its big lock across that call,
@@ -1079,7 +1078,6 @@ fn run(sh: Arc<Shared>, tx: mpsc::Sender<Result<(), Error>>) {
         wb_busy: Cell::new(false),
         cache_fua: sh.cfg.cache.caps().contains(Caps::FUA),
         bufs: RefCell::new(Vec::new()),
-        stage: RefCell::new(vec![1u8; stage_bytes(&sh)]),
         barrier_then: RefCell::new(None),
     });
     let result: Rc<Cell<Option<Result<(), Error>>>> = Rc::new(Cell::new(None));
