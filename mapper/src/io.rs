@@ -18,7 +18,7 @@ use std::rc::{Rc, Weak};
 use std::sync::Arc;
 
 use udm_core::{
-    check_bio, BioFlags, BioPtr, BlockDevice, Channel, Error, Op, Poller, Reactor, Status,
+    check_bio, BioFlags, BioPtr, BlockDevice, Channel, EndIo, Error, Op, Poller, Reactor, Status,
     WorkQueue, SECTOR_SHIFT,
 };
 
@@ -44,6 +44,25 @@ pub(crate) struct TargetIo {
     pub chans: Box<[Rc<dyn Channel>]>,
     /// Their addresses, resolved once (as `target_ptr`).
     chan_ptrs: Box<[*const dyn Channel]>,
+    /// Where each device's area starts ([`DevArea::start`]), for
+    /// [`FastMap::Stripes`].
+    ///
+    /// [`DevArea::start`]: crate::target::DevArea::start
+    starts: Box<[u64]>,
+}
+
+/// Power-of-two striping, as the fast path computes it (dm's
+/// `stripe_map_sector` with shifts and masks).
+#[derive(Clone, Copy)]
+struct Stripes {
+    /// log2 of the chunk, in sectors.
+    cs: u32,
+    /// log2 of the number of stripes.
+    ss: u32,
+    /// Number of stripes minus one.
+    smask: u64,
+    /// Chunk size minus one.
+    cmask: u64,
 }
 
 /// How the fast path maps a bio to a target: the cheaper the better.
@@ -52,6 +71,10 @@ enum FastMap {
     /// A pure offset remap ([`Target::remap_offset`]): what to add to the
     /// table-relative sector, and device 0's channel. No call to the target.
     Offset(u64, *const dyn Channel),
+    /// [`Target::stripe_shifts`]: the geometry; the stripes' channels and
+    /// area starts are the target's `chan_ptrs` and `starts`. No call to
+    /// the target.
+    Stripes(Stripes),
     /// [`Target::map_sector`]: one call that returns the device and sector.
     Sector,
     /// [`Target::map`], and what it returns dispatched.
@@ -100,9 +123,10 @@ pub(crate) struct TableIo {
     pub flush_chans: Vec<Rc<dyn Channel>>,
     /// Logical block size in sectors, minus one: alignment mask.
     lbs_mask: u64,
-    /// The most any target wants its end_io (most tables: never, and
-    /// completion skips the lookup; striped: only on error).
-    end_io: EndIoWhen,
+    /// The fast path's completion, by the most any target wants its
+    /// end_io (most tables: never, and completion skips the lookup;
+    /// striped: only on error).
+    endio: EndIo,
     /// Bios (parents, not clones) mapped through this table and not completed.
     pub inflight: Cell<u64>,
     /// The owning channel's state (for retries from completion context).
@@ -134,11 +158,24 @@ impl TableIo {
                     len: t.len,
                     max_io_len: t.max_io_len,
                     end_io: t.end_io,
-                    fast: match t.remap_offset {
-                        Some(o) => FastMap::Offset(o.wrapping_sub(t.begin), Rc::as_ptr(&chans[0])),
-                        None if t.sector_map => FastMap::Sector,
-                        None => FastMap::Map,
+                    fast: match (t.remap_offset, t.stripe_shifts) {
+                        (Some(o), _) => {
+                            FastMap::Offset(o.wrapping_sub(t.begin), Rc::as_ptr(&chans[0]))
+                        }
+                        // The window check (max_io_len is the chunk) keeps
+                        // a bio inside one chunk.
+                        (None, Some((cs, ss))) if cs < 64 && ss < 64 && t.max_io_len == 1 << cs => {
+                            FastMap::Stripes(Stripes {
+                                cs,
+                                ss,
+                                smask: (1 << ss) - 1,
+                                cmask: (1 << cs) - 1,
+                            })
+                        }
+                        _ if t.sector_map => FastMap::Sector,
+                        _ => FastMap::Map,
                     },
+                    starts: t.target.devices().iter().map(|a| a.start).collect(),
                     target_ptr: Arc::as_ptr(&t.target),
                     _target: t.target.clone(),
                     chan_ptrs: chans.iter().map(Rc::as_ptr).collect(),
@@ -147,11 +184,16 @@ impl TableIo {
             })
             .collect();
         Ok(TableIo {
-            end_io: table
+            endio: match table
                 .targets
                 .iter()
                 .map(|t| t.end_io)
-                .fold(EndIoWhen::Never, EndIoWhen::max),
+                .fold(EndIoWhen::Never, EndIoWhen::max)
+            {
+                EndIoWhen::Never => noclone_endio,
+                EndIoWhen::OnError => noclone_endio_on_error,
+                EndIoWhen::Always => noclone_endio_always,
+            },
             lbs_mask: (table.limits.logical_block_size as u64 >> SECTOR_SHIFT) - 1,
             table,
             targets,
@@ -395,11 +437,8 @@ impl MapperChannel {
                     // Cannot fail: can_push() held above. The context word is
                     // the target index, for end_io and for a target that
                     // completes the bio in map; dispatch adds the device.
-                    let _ = bio.push_end_io_ctx(
-                        noclone_endio,
-                        tio as *const TableIo as *mut (),
-                        ti as u64,
-                    );
+                    let _ =
+                        bio.push_end_io_ctx(tio.endio, tio as *const TableIo as *mut (), ti as u64);
                     tio.get();
                     return match t.fast {
                         FastMap::Offset(delta, ch) => {
@@ -407,6 +446,22 @@ impl MapperChannel {
                             // SAFETY: `ch` is `Rc::as_ptr(&t.chans[0])`, which
                             // `t` owns and never changes.
                             unsafe { (*ch).submit(bio) }
+                        }
+                        FastMap::Stripes(g) => {
+                            let chunk = rel >> g.cs;
+                            let d = (chunk & g.smask) as usize;
+                            match (t.chan_ptrs.get(d), t.starts.get(d)) {
+                                (Some(&ch), Some(&start)) => {
+                                    bio.sector =
+                                        start + ((chunk >> g.ss) << g.cs) + (rel & g.cmask);
+                                    // For the target's end_io (on error).
+                                    bio.set_ctx(ti as u64 | (d as u64) << 32);
+                                    // SAFETY: as for Offset: `chan_ptrs[d]`
+                                    // points into `t.chans`, which `t` owns.
+                                    unsafe { (*ch).submit(bio) }
+                                }
+                                _ => bad_device(bio),
+                            }
                         }
                         FastMap::Sector => {
                             bio.sector = rel;
@@ -524,24 +579,51 @@ impl MapperChannel {
     }
 }
 
-/// The fast path's completion: the target's end_io if it wants one, then the
-/// caller's completion restored from the frame (sector included).
+/// The TableIo a fast-path bio was mapped through.
+///
+/// # Safety
+/// `bio` carries the fast path's frame: its private is that TableIo.
+#[inline(always)]
+unsafe fn mapped_tio<'a>(bio: &BioPtr) -> &'a TableIo {
+    // SAFETY: per the caller, the fast path set private to the TableIo it
+    // mapped through, which stays alive (as current or retired) while its
+    // inflight count, which includes this bio, is non-zero.
+    unsafe { &*(bio.private() as *const TableIo) }
+}
+
+/// The fast path's completion on a table whose targets want no end_io:
+/// the caller's completion restored from the frame (sector included). One
+/// of three, chosen per table ([`TableIo::endio`]), so that none tests
+/// what the table wants.
 fn noclone_endio(mut bio: BioPtr) {
-    // SAFETY: the fast path set private to the TableIo it mapped through,
-    // which stays alive (as current or retired) while its inflight count,
-    // which includes this bio, is non-zero.
-    let tio = unsafe { &*(bio.private() as *const TableIo) };
-    if tio.end_io.applies(bio.status().is_ok()) {
-        return target_end_io(tio, bio);
-    }
+    // SAFETY: this end_io is only ever pushed by `push_frame`.
+    let tio = unsafe { mapped_tio(&bio) };
     bio.pop_end_io();
     tio.put();
     bio.endio();
 }
 
-/// `noclone_endio` when a target of the table may want its end_io: runs the
-/// mapping target's, if it wants one for this outcome, then completes. Out
-/// of line: most tables never want one, and `noclone_endio` stays frameless.
+/// [`noclone_endio`] when a target of the table wants its end_io on error
+/// (striped counts errors per device).
+fn noclone_endio_on_error(bio: BioPtr) {
+    // SAFETY: as in noclone_endio.
+    let tio = unsafe { mapped_tio(&bio) };
+    if !bio.status().is_ok() {
+        return target_end_io(tio, bio);
+    }
+    noclone_endio(bio)
+}
+
+/// [`noclone_endio`] when a target of the table wants its end_io always.
+fn noclone_endio_always(bio: BioPtr) {
+    // SAFETY: as in noclone_endio.
+    target_end_io(unsafe { mapped_tio(&bio) }, bio)
+}
+
+/// The fast path's completion when a target of the table may want its
+/// end_io: runs the mapping target's, if it wants one for this outcome,
+/// then completes. Out of line: most bios never need it, and the
+/// `noclone_endio`s stay frameless.
 #[inline(never)]
 fn target_end_io(tio: &TableIo, mut bio: BioPtr) {
     let (ti, dev) = ctx_target_dev(bio.ctx());

@@ -106,6 +106,8 @@ pub struct TableTarget {
     pub end_io: EndIoWhen,
     /// [`Target::remap_offset`], cached.
     pub remap_offset: Option<u64>,
+    /// [`Target::stripe_shifts`], cached (when they fit the devices).
+    pub stripe_shifts: Option<(u32, u32)>,
     /// [`Target::sector_map`], cached.
     pub sector_map: bool,
     /// For each of the target's devices, its index in [`Table::devices`].
@@ -212,6 +214,9 @@ impl Table {
                 max_io_len: target.max_io_len(),
                 end_io: target.wants_end_io(),
                 remap_offset: target.remap_offset().filter(|_| !dev_index.is_empty()),
+                stripe_shifts: target
+                    .stripe_shifts()
+                    .filter(|&(_, ss)| 1usize.checked_shl(ss) == Some(dev_index.len())),
                 sector_map: target.sector_map() && !dev_index.is_empty(),
                 dev_index,
                 target: Arc::from(target),

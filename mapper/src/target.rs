@@ -144,6 +144,17 @@ pub trait Target: Send + Sync {
         None
     }
 
+    /// For a target whose `map` stripes as dm's `striped` does with
+    /// power-of-two geometry: chunk `c` (of `1 << chunk_shift` sectors) of
+    /// the target goes to device `c & (n - 1)`, at chunk `c >> stripe_shift`
+    /// of that device's area (from its [`DevArea::start`]), where
+    /// n = `1 << stripe_shift` is the number of [`Target::devices`]: the
+    /// shifts. The fast path then maps with shifts and masks itself and
+    /// calls nothing. Only meaningful with [`Target::no_clone`].
+    fn stripe_shifts(&self) -> Option<(u32, u32)> {
+        None
+    }
+
     /// Opts in to [`Target::map_sector`]: `map` only moves the bio to
     /// another sector of one of its devices, as `striped` does. Only
     /// meaningful with [`Target::no_clone`].

@@ -109,6 +109,10 @@ impl Target for Striped {
         Map::Remapped(bio, stripe)
     }
 
+    fn stripe_shifts(&self) -> Option<(u32, u32)> {
+        self.shifts
+    }
+
     fn sector_map(&self) -> bool {
         true
     }
