@@ -276,7 +276,7 @@ impl State {
             return;
         }
         self.image
-            .for_each_run(b as usize, len as usize, |_, out| out.fill(0));
+            .for_each_run(b as usize, len as usize, |_, out| out.fill([0; 16]));
         self.image_changed(b, len, len as u64);
         self.push_free_pending(b, len);
     }
@@ -1323,7 +1323,6 @@ fn map_write(
         // the run's ends are linked to the LRU list after it.
         let tail = st.lru_tail;
         let (g, bss) = (st.pending_gen, sh.cfg.bs_sectors());
-        let eb = ENTRY_BYTES as usize;
         let stm = &mut *st;
         let entries = &mut stm.entries;
         // One pass per metadata block the run touches. Every field is
@@ -1331,12 +1330,15 @@ fn map_write(
         // per block, no multiply and no index check in the inner loop.
         stm.image
             .for_each_run(start as usize, got as usize, |first, image| {
+                // Locals, not the captured references: the stores below
+                // would make the compiler reload those every block.
+                let (g, bss, now, ob, start) = (g, bss, now, ob, start);
                 let k = first as u32 - start;
                 let (mut sector, mut obk, mut nb) =
                     ((ob + k as u64) * bss, ob as u32 + k, first as u32);
-                let ents = &mut entries[first..first + image.len() / eb];
-                for (e, out) in ents.iter_mut().zip(image.chunks_exact_mut(eb)) {
-                    DiskEntry { sector, seq: g }.encode(out);
+                let ents = &mut entries[first..first + image.len()];
+                for (e, out) in ents.iter_mut().zip(image) {
+                    *out = DiskEntry { sector, seq: g }.to_bytes();
                     *e = Entry {
                         ob: obk,
                         seq: g,

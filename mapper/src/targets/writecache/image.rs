@@ -21,7 +21,8 @@ use udm_core::AlignedBuf;
 
 use super::meta::{DiskEntry, ENTRIES_PER_MBLOCK, ENTRY_BYTES, MBLOCK_BYTES};
 
-const EB: usize = ENTRY_BYTES as usize;
+/// Bytes per entry.
+pub(crate) const EB: usize = ENTRY_BYTES as usize;
 
 /// A metadata block writers write in place.
 const OPEN: u32 = u32::MAX;
@@ -121,13 +122,14 @@ impl Image {
 
     /// The entries of blocks `b..b + n`, one slice per metadata block they
     /// touch, with the first block's number: for loops that write a run.
-    pub fn for_each_run(&mut self, b: usize, n: usize, mut f: impl FnMut(usize, &mut [u8])) {
+    pub fn for_each_run(&mut self, b: usize, n: usize, mut f: impl FnMut(usize, &mut [[u8; EB]])) {
         let (mut b, end) = (b, b + n);
         while b < end {
             let m = b / ENTRIES_PER_MBLOCK;
             let stop = end.min((m + 1) * ENTRIES_PER_MBLOCK);
             let o = b % ENTRIES_PER_MBLOCK * EB;
-            f(b, &mut self.block_mut(m)[o..o + (stop - b) * EB]);
+            let (entries, _) = self.block_mut(m)[o..o + (stop - b) * EB].as_chunks_mut::<EB>();
+            f(b, entries);
             b = stop;
         }
     }
@@ -185,7 +187,7 @@ mod tests {
         assert_eq!(p as usize % AlignedBuf::ALIGN, 0, "aligned for O_DIRECT");
         // Writers change held blocks and an open one meanwhile.
         im.set(3, e(24, 2));
-        im.for_each_run(5, ENTRIES_PER_MBLOCK, |_, out| out.fill(0xee));
+        im.for_each_run(5, ENTRIES_PER_MBLOCK, |_, out| out.fill([0xee; EB]));
         im.set(ENTRIES_PER_MBLOCK + 1, DiskEntry::FREE);
         im.set(2 * ENTRIES_PER_MBLOCK, e(32, 2));
         // SAFETY: held blocks 0..2 stay valid and unchanged until release.
@@ -227,7 +229,7 @@ mod tests {
         let mut im = Image::new(3);
         let mut seen = Vec::new();
         im.for_each_run(ENTRIES_PER_MBLOCK - 2, ENTRIES_PER_MBLOCK + 4, |b, out| {
-            seen.push((b, out.len() / EB))
+            seen.push((b, out.len()))
         });
         assert_eq!(
             seen,

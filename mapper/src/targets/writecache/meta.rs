@@ -193,6 +193,15 @@ impl DiskEntry {
     /// A free block's entry.
     pub const FREE: DiskEntry = DiskEntry { sector: 0, seq: 0 };
 
+    /// The 16 bytes on disk.
+    #[inline]
+    pub fn to_bytes(&self) -> [u8; 16] {
+        let mut out = [0u8; 16];
+        out[0..8].copy_from_slice(&self.sector.to_le_bytes());
+        out[8..16].copy_from_slice(&self.seq.to_le_bytes());
+        out
+    }
+
     /// Encodes into 16 bytes.
     pub fn encode(&self, out: &mut [u8]) {
         out[0..8].copy_from_slice(&self.sector.to_le_bytes());
