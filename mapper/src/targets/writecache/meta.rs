@@ -195,7 +195,7 @@ impl DiskEntry {
 
     /// The 16 bytes on disk.
     #[inline]
-    pub fn to_bytes(&self) -> [u8; 16] {
+    pub fn to_bytes(self) -> [u8; 16] {
         let mut out = [0u8; 16];
         out[0..8].copy_from_slice(&self.sector.to_le_bytes());
         out[8..16].copy_from_slice(&self.seq.to_le_bytes());
