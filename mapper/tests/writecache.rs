@@ -711,3 +711,61 @@ fn reads_through_the_cache_are_never_lent() {
         assert_sectors_eq(&got.data, &want[a..b], "read through the cache");
     }
 }
+
+/// A device in front of another that reports 4 KiB logical blocks (a
+/// 4Kn SSD).
+struct Sectors4k(Arc<dyn BlockDevice>, &'static str);
+
+impl BlockDevice for Sectors4k {
+    fn name(&self) -> &str {
+        self.1
+    }
+    fn limits(&self) -> udm_core::Limits {
+        let mut l = self.0.limits();
+        l.logical_block_size = 4096;
+        l
+    }
+    fn caps(&self) -> udm_core::Caps {
+        self.0.caps()
+    }
+    fn open(
+        self: Arc<Self>,
+        r: &udm_core::Reactor,
+    ) -> Result<std::rc::Rc<dyn udm_core::Channel>, udm_core::Error> {
+        self.0.clone().open(r)
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// As dm-writecache: a cache block smaller than either device's logical
+/// block, or metadata that does not start on one of the cache's, could
+/// not be written, so the table is refused, naming the device; 4 KiB
+/// blocks on a 4Kn cache work.
+#[test]
+fn blocks_smaller_than_a_devices_logical_block_are_refused() {
+    let mut d = setup();
+    d.add(Arc::new(Sectors4k(d.get("cache"), "cache4k")));
+    d.add(Arc::new(Sectors4k(d.get("origin"), "origin4k")));
+    let e = d.table_err("0 16384 writecache s origin cache4k 512 0");
+    assert!(
+        e.contains("block size 512 is smaller than the logical block size of the cache 'cache4k' (4096 bytes)"),
+        "{e}"
+    );
+    let e = d.table_err("0 16384 writecache s origin4k cache 2048 0");
+    assert!(e.contains("of the origin 'origin4k' (4096 bytes)"), "{e}");
+    let e = d.table_err("0 16384 writecache s origin cache4k 4096 2 start_sector 4");
+    assert!(
+        e.contains("invalid start_sector '4': not a multiple of the cache 'cache4k''s logical block size (8 sectors)"),
+        "{e}"
+    );
+    let md = d.mapped(
+        "wc",
+        "0 16384 writecache s origin4k cache4k 4096 2 start_sector 8",
+    );
+    let dev = as_dev(&md);
+    let t = Tester::new();
+    t.write(&dev, 64, pattern(9, 64, 16));
+    assert_sectors_eq(&t.read(&dev, 64, 16), &pattern(9, 64, 16), "4Kn cache");
+}

@@ -10,8 +10,9 @@
 //! - `s`: SSD mode (the only mode; `p`, persistent memory, is refused);
 //! - `origin`: the device being cached; `cache`: the fast device holding
 //!   the superblock, the entry array and the data blocks;
-//! - `block size`: bytes per cache block, a power of two from 512 to 65536;
-//!   it is the device's logical block size;
+//! - `block size`: bytes per cache block, a power of two from 512 to 65536,
+//!   at least both devices' logical block size; it is the device's logical
+//!   block size;
 //! - features (a feature with a value counts as two arguments):
 //!   `start_sector n` (cache sectors to skip, default 0),
 //!   `high_watermark n` (percent used that starts writeback, default 50),
@@ -238,6 +239,25 @@ fn writecache_ctr(ctx: &CtrCtx<'_>, argv: &[&str]) -> Result<Box<dyn Target>, Er
             "origin '{}' is too small: {olen} sectors for a target of {}",
             cfg.origin.name(),
             ctx.len
+        )));
+    }
+    // As dm: every cache block, and the metadata, must be I/O both devices
+    // take (a 512-byte block on a 4 KiB-sector SSD could not be written).
+    for (what, dev) in [("origin", &cfg.origin), ("cache", &cfg.cache)] {
+        let lbs = dev.limits().logical_block_size;
+        if bs < lbs {
+            return Err(bad(format!(
+                "block size {bs} is smaller than the logical block size of the {what} '{}' ({lbs} bytes)",
+                dev.name()
+            )));
+        }
+    }
+    let clbs = (cfg.cache.limits().logical_block_size as u64 >> SECTOR_SHIFT).max(1);
+    if !cfg.start_sector.is_multiple_of(clbs) {
+        return Err(bad(format!(
+            "invalid start_sector '{}': not a multiple of the cache '{}''s logical block size ({clbs} sectors)",
+            cfg.start_sector,
+            cfg.cache.name()
         )));
     }
     let clen = cfg.cache.limits().sectors;
