@@ -75,10 +75,11 @@ enum FastMap {
     /// area starts are the target's `chan_ptrs` and `starts`. No call to
     /// the target.
     Stripes(Stripes),
-    /// [`Target::map_sector`]: one call that returns the device and sector.
-    Sector,
-    /// [`Target::map`], and what it returns dispatched.
-    Map,
+    /// A call to the target: [`Target::map_sector`] (true), which returns
+    /// the device and sector, or [`Target::map`] (false), whose result is
+    /// dispatched. (Three variants, not four: the match over them is
+    /// compares, which put linear's case first, not a jump table.)
+    Call(bool),
 }
 
 impl TargetIo {
@@ -172,8 +173,7 @@ impl TableIo {
                                 cmask: (1 << cs) - 1,
                             })
                         }
-                        _ if t.sector_map => FastMap::Sector,
-                        _ => FastMap::Map,
+                        _ => FastMap::Call(t.sector_map),
                     },
                     starts: t.target.devices().iter().map(|a| a.start).collect(),
                     target_ptr: Arc::as_ptr(&t.target),
@@ -463,11 +463,11 @@ impl MapperChannel {
                                 _ => bad_device(bio),
                             }
                         }
-                        FastMap::Sector => {
+                        FastMap::Call(true) => {
                             bio.sector = rel;
                             map_sector(t, ti, bio)
                         }
-                        FastMap::Map => {
+                        FastMap::Call(false) => {
                             bio.sector = rel;
                             self.map_fast(tio, ti, bio)
                         }
