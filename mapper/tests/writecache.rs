@@ -598,26 +598,47 @@ fn a_write_over_a_blocks_first_write_in_flight_lands_on_top() {
     assert_sectors_eq(&t.read(&as_dev(&md), 8, 24), &want, "after a restart");
 }
 
-/// A device in front of another that does not take DISCARD.
-struct NoDiscard(Arc<dyn BlockDevice>);
+/// A device in front of another, under another name, that reports other
+/// capabilities or logical block size: a device without DISCARD, a 4Kn SSD.
+struct Shaped {
+    dev: Arc<dyn BlockDevice>,
+    name: &'static str,
+    no_caps: udm_core::Caps,
+    lbs: Option<u32>,
+}
 
-impl BlockDevice for NoDiscard {
+impl Shaped {
+    fn new(dev: Arc<dyn BlockDevice>, name: &'static str) -> Shaped {
+        Shaped {
+            dev,
+            name,
+            no_caps: udm_core::Caps::NONE,
+            lbs: None,
+        }
+    }
+}
+
+impl BlockDevice for Shaped {
     fn name(&self) -> &str {
-        "origin"
+        self.name
     }
     fn limits(&self) -> udm_core::Limits {
-        self.0.limits()
+        let mut l = self.dev.limits();
+        if let Some(lbs) = self.lbs {
+            l.logical_block_size = lbs;
+        }
+        l
     }
     fn caps(&self) -> udm_core::Caps {
-        let mut c = self.0.caps();
-        c.remove(udm_core::Caps::DISCARD);
+        let mut c = self.dev.caps();
+        c.remove(self.no_caps);
         c
     }
     fn open(
         self: Arc<Self>,
         r: &udm_core::Reactor,
     ) -> Result<std::rc::Rc<dyn udm_core::Channel>, udm_core::Error> {
-        self.0.clone().open(r)
+        self.dev.clone().open(r)
     }
     fn as_any(&self) -> &dyn std::any::Any {
         self
@@ -678,7 +699,10 @@ fn discard_is_offered_only_when_the_origin_takes_it() {
     let mut d = Devices::new();
     let ram: Arc<dyn BlockDevice> =
         Arc::new(udm_backends::RamDevice::new("origin-ram", 16384 * 512).unwrap());
-    d.add(Arc::new(NoDiscard(ram)));
+    d.add(Arc::new(Shaped {
+        no_caps: udm_core::Caps::DISCARD,
+        ..Shaped::new(ram, "origin")
+    }));
     d.ram("cache", 4096);
     let md = wc(&d, "0");
     let dev = as_dev(&md);
@@ -712,33 +736,6 @@ fn reads_through_the_cache_are_never_lent() {
     }
 }
 
-/// A device in front of another that reports 4 KiB logical blocks (a
-/// 4Kn SSD).
-struct Sectors4k(Arc<dyn BlockDevice>, &'static str);
-
-impl BlockDevice for Sectors4k {
-    fn name(&self) -> &str {
-        self.1
-    }
-    fn limits(&self) -> udm_core::Limits {
-        let mut l = self.0.limits();
-        l.logical_block_size = 4096;
-        l
-    }
-    fn caps(&self) -> udm_core::Caps {
-        self.0.caps()
-    }
-    fn open(
-        self: Arc<Self>,
-        r: &udm_core::Reactor,
-    ) -> Result<std::rc::Rc<dyn udm_core::Channel>, udm_core::Error> {
-        self.0.clone().open(r)
-    }
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-}
-
 /// As dm-writecache: a cache block smaller than either device's logical
 /// block, or metadata that does not start on one of the cache's, could
 /// not be written, so the table is refused, naming the device; 4 KiB
@@ -746,8 +743,12 @@ impl BlockDevice for Sectors4k {
 #[test]
 fn blocks_smaller_than_a_devices_logical_block_are_refused() {
     let mut d = setup();
-    d.add(Arc::new(Sectors4k(d.get("cache"), "cache4k")));
-    d.add(Arc::new(Sectors4k(d.get("origin"), "origin4k")));
+    for (dev, name) in [("cache", "cache4k"), ("origin", "origin4k")] {
+        d.add(Arc::new(Shaped {
+            lbs: Some(4096),
+            ..Shaped::new(d.get(dev), name)
+        }));
+    }
     let e = d.table_err("0 16384 writecache s origin cache4k 512 0");
     assert!(
         e.contains("block size 512 is smaller than the logical block size of the cache 'cache4k' (4096 bytes)"),
