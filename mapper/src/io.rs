@@ -596,7 +596,8 @@ unsafe fn mapped_tio<'a>(bio: &BioPtr) -> &'a TableIo {
 /// of three, chosen per table ([`TableIo::endio`]), so that none tests
 /// what the table wants.
 fn noclone_endio(mut bio: BioPtr) {
-    // SAFETY: this end_io is only ever pushed by `push_frame`.
+    // SAFETY: this end_io is only ever pushed by `map_in`, with the
+    // TableIo as private.
     let tio = unsafe { mapped_tio(&bio) };
     bio.pop_end_io();
     tio.put();

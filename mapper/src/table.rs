@@ -214,9 +214,17 @@ impl Table {
                 max_io_len: target.max_io_len(),
                 end_io: target.wants_end_io(),
                 remap_offset: target.remap_offset().filter(|_| !dev_index.is_empty()),
-                stripe_shifts: target
-                    .stripe_shifts()
-                    .filter(|&(_, ss)| 1usize.checked_shl(ss) == Some(dev_index.len())),
+                // Trusted only where it cannot send a bio outside the
+                // target's areas: as many devices as stripes, a length of
+                // whole rows, and each area a stripe's width.
+                stripe_shifts: target.stripe_shifts().filter(|&(cs, ss)| {
+                    let areas = target.devices();
+                    let row = 1u64.checked_shl(cs + ss).unwrap_or(0);
+                    1usize.checked_shl(ss) == Some(dev_index.len())
+                        && row != 0
+                        && s.len.is_multiple_of(row)
+                        && areas.iter().all(|a| a.len >= s.len >> ss)
+                }),
                 sector_map: target.sector_map() && !dev_index.is_empty(),
                 dev_index,
                 target: Arc::from(target),

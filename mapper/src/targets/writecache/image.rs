@@ -29,6 +29,9 @@ const OPEN: u32 = u32::MAX;
 /// A metadata block a commit's write reads: writers copy it first.
 const HELD: u32 = u32::MAX - 1;
 
+/// Most copies kept for reuse (256 KiB).
+const MAX_SPARE: usize = 64;
+
 /// The entry array, [`MBLOCK_BYTES`] per metadata block.
 pub(crate) struct Image {
     buf: AlignedBuf,
@@ -139,13 +142,18 @@ impl Image {
     /// [`Image::release`]. Blocks already copied aside are not held (one
     /// commit at a time releases before the next holds).
     pub fn hold(&mut self, m0: usize, m1: usize) -> *const u8 {
-        debug_assert!(
+        // A block held twice, or held while a copy of it is in use, would
+        // lose the copy's changes at `release`: checked always (it is a
+        // few bytes under the lock, once per commit).
+        assert!(
             self.cow[m0..m1].iter().all(|&c| c == OPEN),
             "writecache: a metadata block held twice"
         );
         self.cow[m0..m1].fill(HELD);
         self.held.push((m0 as u32, (m1 - m0) as u32));
-        self.buf[m0 * MBLOCK_BYTES..].as_ptr()
+        // SAFETY: `m0..m1` are blocks of the buffer (`cow` has one entry
+        // per block, indexed above), so the offset is inside it.
+        unsafe { self.buf.as_ptr().add(m0 * MBLOCK_BYTES) }
     }
 
     /// The commit's writes are done: held blocks open again, and blocks
@@ -155,11 +163,18 @@ impl Image {
             for m in m0 as usize..(m0 + n) as usize {
                 let c = std::mem::replace(&mut self.cow[m], OPEN);
                 if c != HELD {
-                    let copy = &self.copies[c as usize];
-                    self.buf[m * MBLOCK_BYTES..(m + 1) * MBLOCK_BYTES].copy_from_slice(copy);
+                    let i = c as usize;
+                    // Open again: `block_mut` gives the image's own bytes.
+                    let copy = std::mem::take(&mut self.copies[i]);
+                    self.block_mut(m).copy_from_slice(&copy);
+                    self.copies[i] = copy;
                 }
             }
         }
+        // Kept for the next commit's races, up to a bound: random writes
+        // racing a large commit can copy many blocks once.
+        self.copies
+            .truncate(MAX_SPARE.saturating_sub(self.spare.len()));
         self.spare.append(&mut self.copies);
     }
 
@@ -167,6 +182,16 @@ impl Image {
     #[cfg(test)]
     pub fn is_held(&self) -> bool {
         !self.held.is_empty()
+    }
+}
+
+impl Drop for Image {
+    /// Memory a commit's write may still read is never freed: the worker
+    /// drains its I/O before the state goes, so this is a last resort.
+    fn drop(&mut self) {
+        if !self.held.is_empty() {
+            std::mem::forget(std::mem::take(&mut self.buf));
+        }
     }
 }
 

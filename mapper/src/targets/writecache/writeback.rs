@@ -137,8 +137,9 @@ impl Worker {
     /// the worker owns.
     ///
     /// # Safety
-    /// `data..data + len` stays valid and untouched by anyone else until
-    /// `done` runs.
+    /// `data..data + len` stays valid until `done` runs, and nobody else
+    /// writes it meanwhile (for a write; for a read, nobody else touches
+    /// it).
     unsafe fn io_at(
         self: &Rc<Self>,
         cache: bool,
@@ -437,7 +438,7 @@ impl Worker {
     /// the cache and the origin, then the superblock with FUA.
     fn start_commit(self: &Rc<Self>, then: Then) {
         let sh = &*self.shared;
-        debug_assert!(!self.commit_busy.get(), "writecache: two commits at once");
+        assert!(!self.commit_busy.get(), "writecache: two commits at once");
         self.commit_busy.set(true);
         // The dirty metadata blocks, merged into runs, are written from the
         // image itself: holding them (see `image`) freezes them for this
