@@ -2,7 +2,8 @@
 # Two (or more) udm builds side by side on seed 000's hardest row: 512 B
 # sequential reads at QD1, 2 jobs (pinned), through TARGET (lin or str) over
 # RAM, against the raw RAM device. Each round runs raw (with the first
-# build), then every build, in turn; the report gives per build the median
+# build) and every build, in turn, in an order that reverses every round;
+# the report gives per build the median
 # IOPS, the median of its per-round ratios to raw (pairing each run with the
 # raw run beside it cancels some of this VM's drift) and in how many rounds
 # it beat the build before it.
@@ -19,12 +20,26 @@ S512=(--rw read --bs 512 --iodepth 1 --jobs 2 --cpus 0,1 --runtime 2 --prefill -
 iops() { grep -o '"iops":[0-9.]*' | cut -d: -f2; }
 OUT=$(mktemp)
 trap 'rm -f "$OUT"' EXIT
+# One run: "raw" (the raw device, with the first build) or a build.
+one() {
+    if [ "$1" = raw ]; then
+        "$RAW_UDM" bench --json "${RAM[@]}" --target ram0 "${S512[@]}" | iops
+    else
+        "$1" bench --json "${RAM[@]}" --target "$TARGET" "${S512[@]}" | iops
+    fi
+}
+RAW_UDM=$1
+# The order reverses every round (raw A B, B A raw, …): a run's place in
+# a round changes what it measures on this VM (the later runs of a round
+# were up to 9% slower), and alternating cancels that.
+ORDER=(raw "$@")
 for r in $(seq "$ROUNDS"); do
     echo "round $r/$ROUNDS" >&2
-    line="raw $("$1" bench --json "${RAM[@]}" --target ram0 "${S512[@]}" | iops)"
-    for b in "$@"; do
-        line+=" $b $("$b" bench --json "${RAM[@]}" --target "$TARGET" "${S512[@]}" | iops)"
-    done
+    declare -A V=()
+    if (( r % 2 )); then seq_=("${ORDER[@]}"); else seq_=($(printf '%s\n' "${ORDER[@]}" | tac)); fi
+    for k in "${seq_[@]}"; do V[$k]=$(one "$k"); done
+    line=""
+    for k in "${ORDER[@]}"; do line+="$k ${V[$k]} "; done
     echo "$line" >>"$OUT"
 done
 python3 "$(dirname "$0")/ab-report.py" "$OUT" IOPS "512 B seq read QD1, 2 jobs, $TARGET over RAM"

@@ -2,7 +2,8 @@
 # Two (or more) udm builds side by side on one row of seed 001's table:
 # 512 KiB random writes at QD32 over 400 MiB through writecache on RAM
 # devices, at one cache block size, against the raw cache device. Each
-# round runs raw, then every build, in turn; the report gives per build the
+# round runs raw and every build, in an order that reverses every round;
+# the report gives per build the
 # median MiB/s and the median of its per-round ratios to raw (the rounds are
 # ~50 ms each, so pairing each run with the raw run beside it cancels some
 # of this VM's drift) and in how many rounds each build beat the one
@@ -18,13 +19,25 @@ TABLE=(--rw randwrite --bs 512k --iodepth 32 --size 400M)
 mib() { grep -o '"mib_per_s":[0-9.]*' | cut -d: -f2; }
 OUT=$(mktemp)
 trap 'rm -f "$OUT"' EXIT
+# One run: "raw" (the raw cache device, with the first build) or a build.
+one() {
+    if [ "$1" = raw ]; then
+        "$RAW_UDM" bench --json --dev c=ram:1G,prealloc --target c "${TABLE[@]}" | mib
+    else
+        "$1" bench --json --dev o=ram:1G --dev c=ram:1G,prealloc \
+            --dev "wc=0 2097152 writecache s o c $BS 0" --target wc "${TABLE[@]}" | mib
+    fi
+}
+# The order reverses every round (raw A B, B A raw, …): a run's place in
+# a round changes what it measures on this VM, and alternating cancels it.
+ORDER=(raw "$@")
 for r in $(seq "$ROUNDS"); do
     echo "round $r/$ROUNDS" >&2
-    line="raw $("$RAW_UDM" bench --json --dev c=ram:1G,prealloc --target c "${TABLE[@]}" | mib)"
-    for b in "$@"; do
-        line+=" $b $("$b" bench --json --dev o=ram:1G --dev c=ram:1G,prealloc \
-            --dev "wc=0 2097152 writecache s o c $BS 0" --target wc "${TABLE[@]}" | mib)"
-    done
+    declare -A V=()
+    if (( r % 2 )); then seq_=("${ORDER[@]}"); else seq_=($(printf '%s\n' "${ORDER[@]}" | tac)); fi
+    for k in "${seq_[@]}"; do V[$k]=$(one "$k"); done
+    line=""
+    for k in "${ORDER[@]}"; do line+="$k ${V[$k]} "; done
     echo "$line" >>"$OUT"
 done
 python3 "$(dirname "$0")/ab-report.py" "$OUT" MiB/s "512k randwrite QD32, 400 MiB, cache block $BS B"
