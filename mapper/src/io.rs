@@ -163,16 +163,14 @@ impl TableIo {
                         (Some(o), _) => {
                             FastMap::Offset(o.wrapping_sub(t.begin), Rc::as_ptr(&chans[0]))
                         }
-                        // The window check (max_io_len is the chunk) keeps
-                        // a bio inside one chunk.
-                        (None, Some((cs, ss))) if cs < 64 && ss < 64 && t.max_io_len == 1 << cs => {
-                            FastMap::Stripes(Stripes {
-                                cs,
-                                ss,
-                                smask: (1 << ss) - 1,
-                                cmask: (1 << cs) - 1,
-                            })
-                        }
+                        // Checked when the table was built (whole rows,
+                        // max_io_len the chunk: see Table::build).
+                        (None, Some((cs, ss))) => FastMap::Stripes(Stripes {
+                            cs,
+                            ss,
+                            smask: (1 << ss) - 1,
+                            cmask: (1 << cs) - 1,
+                        }),
                         _ => FastMap::Call(t.sector_map),
                     },
                     starts: t.target.devices().iter().map(|a| a.start).collect(),

@@ -216,7 +216,8 @@ impl Table {
                 remap_offset: target.remap_offset().filter(|_| !dev_index.is_empty()),
                 // Trusted only where it cannot send a bio outside the
                 // target's areas: as many devices as stripes, a length of
-                // whole rows, and each area a stripe's width.
+                // whole rows, each area a stripe's width, and max_io_len
+                // the chunk (the fast path's window keeps a bio in one).
                 stripe_shifts: target.stripe_shifts().filter(|&(cs, ss)| {
                     let areas = target.devices();
                     let row = 1u64.checked_shl(cs + ss).unwrap_or(0);
@@ -224,6 +225,7 @@ impl Table {
                         && row != 0
                         && s.len.is_multiple_of(row)
                         && areas.iter().all(|a| a.len >= s.len >> ss)
+                        && target.max_io_len() == 1 << cs
                 }),
                 sector_map: target.sector_map() && !dev_index.is_empty(),
                 dev_index,

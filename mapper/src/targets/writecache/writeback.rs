@@ -264,11 +264,7 @@ impl Worker {
         // In pieces no larger than the cache takes in one I/O (a file caps
         // I/Os at 8 MiB; the array of a 1 GiB cache of 512-byte blocks is
         // 32 MiB), gathered into one buffer.
-        let chunk = (self.shared.cfg.cache.limits().max_io_bytes as usize)
-            .min(MAX_RUN_BYTES as usize)
-            .max(MBLOCK_BYTES)
-            / MBLOCK_BYTES
-            * MBLOCK_BYTES;
+        let chunk = self.max_meta_io();
         let pieces = total.div_ceil(chunk);
         let left = Rc::new(Cell::new(pieces));
         let ok = Rc::new(Cell::new(true));
@@ -514,13 +510,16 @@ impl Worker {
         step(Status::Ok);
     }
 
-    /// The most bytes of metadata one commit write carries: MAX_RUN_BYTES,
-    /// or less if the cache device takes less in one I/O.
+    /// The most bytes of metadata one I/O carries (a commit's write, a
+    /// load's read): MAX_RUN_BYTES, or less if the cache device takes less
+    /// in one I/O, in whole metadata blocks.
     fn max_meta_io(&self) -> usize {
         let l = self.shared.cfg.cache.limits();
         (l.max_io_bytes as usize)
             .min(MAX_RUN_BYTES as usize)
             .max(MBLOCK_BYTES)
+            / MBLOCK_BYTES
+            * MBLOCK_BYTES
     }
 
     fn commit_flush(self: &Rc<Self>, gen: u64, ok: bool, then: Then) {
