@@ -18,8 +18,6 @@ RAM=(--dev ram0=ram:1G --dev ram1=ram:1G
      --dev 'str=0 2097152 striped 2 128 ram0 0 ram1 0')
 S512=(--rw read --bs 512 --iodepth 1 --jobs 2 --cpus 0,1 --runtime 2 --prefill --size 256M)
 iops() { grep -o '"iops":[0-9.]*' | cut -d: -f2; }
-OUT=$(mktemp)
-trap 'rm -f "$OUT"' EXIT
 # One run: "raw" (the raw device, with the first build) or a build.
 one() {
     if [ "$1" = raw ]; then
@@ -29,17 +27,5 @@ one() {
     fi
 }
 RAW_UDM=$1
-# The order reverses every round (raw A B, B A raw, …): a run's place in
-# a round changes what it measures on this VM (the later runs of a round
-# were up to 9% slower), and alternating cancels that.
-ORDER=(raw "$@")
-for r in $(seq "$ROUNDS"); do
-    echo "round $r/$ROUNDS" >&2
-    declare -A V=()
-    if (( r % 2 )); then seq_=("${ORDER[@]}"); else seq_=($(printf '%s\n' "${ORDER[@]}" | tac)); fi
-    for k in "${seq_[@]}"; do V[$k]=$(one "$k"); done
-    line=""
-    for k in "${ORDER[@]}"; do line+="$k ${V[$k]} "; done
-    echo "$line" >>"$OUT"
-done
-python3 "$(dirname "$0")/ab-report.py" "$OUT" IOPS "512 B seq read QD1, 2 jobs, $TARGET over RAM"
+. "$(dirname "$0")/ab-rounds.sh"
+ab_rounds "$ROUNDS" IOPS "512 B seq read QD1, 2 jobs, $TARGET over RAM" "$@"

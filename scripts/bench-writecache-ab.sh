@@ -17,8 +17,6 @@ shift 2
 RAW_UDM=$1
 TABLE=(--rw randwrite --bs 512k --iodepth 32 --size 400M)
 mib() { grep -o '"mib_per_s":[0-9.]*' | cut -d: -f2; }
-OUT=$(mktemp)
-trap 'rm -f "$OUT"' EXIT
 # One run: "raw" (the raw cache device, with the first build) or a build.
 one() {
     if [ "$1" = raw ]; then
@@ -28,16 +26,5 @@ one() {
             --dev "wc=0 2097152 writecache s o c $BS 0" --target wc "${TABLE[@]}" | mib
     fi
 }
-# The order reverses every round (raw A B, B A raw, …): a run's place in
-# a round changes what it measures on this VM, and alternating cancels it.
-ORDER=(raw "$@")
-for r in $(seq "$ROUNDS"); do
-    echo "round $r/$ROUNDS" >&2
-    declare -A V=()
-    if (( r % 2 )); then seq_=("${ORDER[@]}"); else seq_=($(printf '%s\n' "${ORDER[@]}" | tac)); fi
-    for k in "${seq_[@]}"; do V[$k]=$(one "$k"); done
-    line=""
-    for k in "${ORDER[@]}"; do line+="$k ${V[$k]} "; done
-    echo "$line" >>"$OUT"
-done
-python3 "$(dirname "$0")/ab-report.py" "$OUT" MiB/s "512k randwrite QD32, 400 MiB, cache block $BS B"
+. "$(dirname "$0")/ab-rounds.sh"
+ab_rounds "$ROUNDS" MiB/s "512k randwrite QD32, 400 MiB, cache block $BS B" "$@"
