@@ -50,6 +50,7 @@ mod alloc;
 mod cache;
 mod image;
 mod meta;
+mod stream;
 mod writeback;
 
 use std::sync::atomic::Ordering;
