@@ -605,6 +605,25 @@ struct Shaped {
     name: &'static str,
     no_caps: udm_core::Caps,
     lbs: Option<u32>,
+    /// A smaller max I/O, enforced: longer bios fail with EINVAL, as
+    /// a real device's would.
+    max_io: Option<u32>,
+}
+
+/// A channel that refuses bios longer than `max` bytes.
+struct Capped {
+    ch: std::rc::Rc<dyn udm_core::Channel>,
+    max: u32,
+}
+
+impl udm_core::Channel for Capped {
+    fn submit(&self, bio: udm_core::BioPtr) {
+        if bio.len() > self.max {
+            bio.complete(Status::Inval);
+        } else {
+            self.ch.submit(bio);
+        }
+    }
 }
 
 impl Shaped {
@@ -614,6 +633,7 @@ impl Shaped {
             name,
             no_caps: udm_core::Caps::NONE,
             lbs: None,
+            max_io: None,
         }
     }
 }
@@ -627,6 +647,9 @@ impl BlockDevice for Shaped {
         if let Some(lbs) = self.lbs {
             l.logical_block_size = lbs;
         }
+        if let Some(m) = self.max_io {
+            l.max_io_bytes = m;
+        }
         l
     }
     fn caps(&self) -> udm_core::Caps {
@@ -638,7 +661,11 @@ impl BlockDevice for Shaped {
         self: Arc<Self>,
         r: &udm_core::Reactor,
     ) -> Result<std::rc::Rc<dyn udm_core::Channel>, udm_core::Error> {
-        self.dev.clone().open(r)
+        let ch = self.dev.clone().open(r)?;
+        Ok(match self.max_io {
+            Some(max) => std::rc::Rc::new(Capped { ch, max }),
+            None => ch,
+        })
     }
     fn as_any(&self) -> &dyn std::any::Any {
         self
@@ -769,4 +796,39 @@ fn blocks_smaller_than_a_devices_logical_block_are_refused() {
     let t = Tester::new();
     t.write(&dev, 64, pattern(9, 64, 16));
     assert_sectors_eq(&t.read(&dev, 64, 16), &pattern(9, 64, 16), "4Kn cache");
+}
+
+/// The metadata goes out in I/Os the cache device takes: a cache whose
+/// largest I/O is 64 KiB, with an entry array seven times that (512-byte
+/// blocks), formats, caches, commits and loads again.
+#[test]
+fn a_cache_that_takes_only_small_ios_is_formatted_and_loaded_in_pieces() {
+    let mut d = setup();
+    let ram: Arc<dyn BlockDevice> =
+        Arc::new(udm_backends::RamDevice::new("small-ram", 32768 * 512).unwrap());
+    d.add(Arc::new(Shaped {
+        max_io: Some(64 << 10),
+        ..Shaped::new(ram, "small")
+    }));
+    let table = "0 16384 writecache s origin small 512 0";
+    let md = d.mapped("wc", table);
+    let dev = as_dev(&md);
+    let s = status(&md);
+    assert!(s[BLOCKS] * 16 > 7 * (64 << 10), "the array spans many I/Os");
+    assert_eq!(dev.limits().max_io_bytes, 64 << 10, "stacked");
+    let t = Tester::new();
+    for s in (100..400).step_by(128) {
+        let n = 128.min(400 - s);
+        t.write(&dev, s, pattern(5, s, n));
+    }
+    assert_eq!(t.run(&dev, Req::flush()).status, Status::Ok);
+    drop(dev);
+    drop(md);
+    let md = d.mapped("wc", table);
+    assert_eq!(status(&md)[BLOCKS] - status(&md)[FREE], 300, "loaded");
+    let dev = as_dev(&md);
+    for s in (100..400).step_by(128) {
+        let n = 128.min(400 - s);
+        assert_sectors_eq(&t.read(&dev, s, n), &pattern(5, s, n), "after a restart");
+    }
 }

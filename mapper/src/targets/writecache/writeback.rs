@@ -24,6 +24,22 @@ use super::meta::{DiskEntry, Super, MBLOCK_BYTES, SB_BYTES};
 const BATCH_BYTES: u64 = 16 << 20;
 /// Largest origin write writeback issues.
 const MAX_RUN_BYTES: u64 = 1 << 20;
+
+/// Writes of the entry array a format keeps in flight.
+const FORMAT_DEPTH: usize = 4;
+
+/// A format's progress (see [`Worker::format`]).
+struct Format {
+    /// Bytes of the entry array, and the most one write carries.
+    total: u64,
+    chunk: u64,
+    /// Where the next write starts.
+    next: Cell<u64>,
+    /// Writers still running.
+    inflight: Cell<usize>,
+    ok: Cell<bool>,
+    result: Rc<Cell<Option<Result<(), Error>>>>,
+}
 /// Most writeback buffers (each up to MAX_RUN_BYTES) kept for reuse.
 const MAX_SPARE_BUFS: usize = 16;
 
@@ -211,51 +227,83 @@ impl Worker {
         );
     }
 
-    /// A new cache: zero the entry array, then write a superblock.
+    /// A new cache: zero the entry array, then write a superblock. The
+    /// array goes out in writes no larger than the cache takes
+    /// ([`Worker::max_meta_io`]), [`FORMAT_DEPTH`] at a time, each from a
+    /// zeroed buffer it reuses: a large cache's array is gigabytes, and
+    /// allocating it all at once as write buffers could exhaust memory.
     fn format(self: &Rc<Self>, result: Rc<Cell<Option<Result<(), Error>>>>) {
-        let g = self.shared.geo;
-        let total = g.mblocks as u64 * MBLOCK_BYTES as u64;
-        let chunk = 1u64 << 20;
-        let left = Rc::new(Cell::new(total.div_ceil(chunk)));
-        let ok = Rc::new(Cell::new(true));
-        let mut off = 0;
-        while off < total {
-            let n = chunk.min(total - off);
-            let (left, ok, me, result) = (left.clone(), ok.clone(), self.clone(), result.clone());
-            let sector = self.shared.cfg.start_sector + ((SB_BYTES + off) >> SECTOR_SHIFT);
-            self.io(
-                true,
-                Op::Write,
-                BioFlags::NONE,
-                sector,
-                AlignedBuf::new(n as usize),
-                move |s, _| {
-                    ok.set(ok.get() && s.is_ok());
-                    left.set(left.get() - 1);
-                    if left.get() == 0 {
-                        if !ok.get() {
-                            return result.set(Some(Err(Error::new(
-                                ErrorKind::Io,
-                                "writecache: formatting the metadata failed",
-                            ))));
-                        }
-                        let n = me.shared.geo.n_blocks;
-                        me.shared.lock().free.free(0, n);
-                        me.write_super(0, move |s| {
-                            result.set(Some(if s.is_ok() {
-                                Ok(())
-                            } else {
-                                Err(Error::new(
-                                    ErrorKind::Io,
-                                    "writecache: writing the superblock failed",
-                                ))
-                            }))
-                        });
-                    }
-                },
-            );
-            off += n;
+        let total = self.shared.geo.mblocks as u64 * MBLOCK_BYTES as u64;
+        let f = Rc::new(Format {
+            total,
+            chunk: self.max_meta_io() as u64,
+            next: Cell::new(0),
+            inflight: Cell::new(0),
+            ok: Cell::new(true),
+            result,
+        });
+        for _ in 0..FORMAT_DEPTH {
+            if f.next.get() >= total {
+                break;
+            }
+            f.inflight.set(f.inflight.get() + 1);
+            let n = f.chunk.min(total);
+            self.format_next(f.clone(), AlignedBuf::new(n as usize));
         }
+    }
+
+    /// Writes the next piece of the entry array from `buf` (zeroes), or,
+    /// when none is left, retires this writer; the last one writes the
+    /// superblock.
+    fn format_next(self: &Rc<Self>, f: Rc<Format>, mut buf: AlignedBuf) {
+        let off = f.next.get();
+        if off >= f.total || !f.ok.get() {
+            f.inflight.set(f.inflight.get() - 1);
+            if f.inflight.get() == 0 {
+                self.format_done(&f);
+            }
+            return;
+        }
+        let n = f.chunk.min(f.total - off);
+        f.next.set(off + n);
+        buf.resize(n as usize);
+        let sector = self.shared.cfg.start_sector + ((SB_BYTES + off) >> SECTOR_SHIFT);
+        let me = self.clone();
+        self.io(
+            true,
+            Op::Write,
+            BioFlags::NONE,
+            sector,
+            buf,
+            move |s, buf| {
+                if !s.is_ok() {
+                    f.ok.set(false);
+                }
+                me.format_next(f, buf);
+            },
+        );
+    }
+
+    fn format_done(self: &Rc<Self>, f: &Format) {
+        let result = f.result.clone();
+        if !f.ok.get() {
+            return result.set(Some(Err(Error::new(
+                ErrorKind::Io,
+                "writecache: formatting the metadata failed",
+            ))));
+        }
+        let n = self.shared.geo.n_blocks;
+        self.shared.lock().free.free(0, n);
+        self.write_super(0, move |s| {
+            result.set(Some(if s.is_ok() {
+                Ok(())
+            } else {
+                Err(Error::new(
+                    ErrorKind::Io,
+                    "writecache: writing the superblock failed",
+                ))
+            }))
+        });
     }
 
     fn read_entries(self: &Rc<Self>, sb_seq: u64, result: Rc<Cell<Option<Result<(), Error>>>>) {
