@@ -44,11 +44,11 @@ pub(crate) struct TargetIo {
     pub chans: Box<[Rc<dyn Channel>]>,
     /// Their addresses, resolved once (as `target_ptr`).
     chan_ptrs: Box<[*const dyn Channel]>,
-    /// Where each device's area starts ([`DevArea::start`]), for
-    /// [`FastMap::Stripes`].
+    /// Each device's channel address and where its area starts
+    /// ([`DevArea::start`]), together: what [`FastMap::Stripes`] reads.
     ///
     /// [`DevArea::start`]: crate::target::DevArea::start
-    starts: Box<[u64]>,
+    stripes: Box<[(*const dyn Channel, u64)]>,
 }
 
 /// Power-of-two striping, as the fast path computes it (dm's
@@ -72,8 +72,7 @@ enum FastMap {
     /// table-relative sector, and device 0's channel. No call to the target.
     Offset(u64, *const dyn Channel),
     /// [`Target::stripe_shifts`]: the geometry; the stripes' channels and
-    /// area starts are the target's `chan_ptrs` and `starts`. No call to
-    /// the target.
+    /// area starts are the target's `stripes`. No call to the target.
     Stripes(Stripes),
     /// A call to the target: [`Target::map_sector`] (true), which returns
     /// the device and sector, or [`Target::map`] (false), whose result is
@@ -173,7 +172,11 @@ impl TableIo {
                         }),
                         _ => FastMap::Call(t.sector_map),
                     },
-                    starts: t.target.devices().iter().map(|a| a.start).collect(),
+                    stripes: chans
+                        .iter()
+                        .zip(t.target.devices())
+                        .map(|(c, a)| (Rc::as_ptr(c), a.start))
+                        .collect(),
                     target_ptr: Arc::as_ptr(&t.target),
                     _target: t.target.clone(),
                     chan_ptrs: chans.iter().map(Rc::as_ptr).collect(),
@@ -448,14 +451,15 @@ impl MapperChannel {
                         FastMap::Stripes(g) => {
                             let chunk = rel >> g.cs;
                             let d = (chunk & g.smask) as usize;
-                            match (t.chan_ptrs.get(d), t.starts.get(d)) {
-                                (Some(&ch), Some(&start)) => {
+                            match t.stripes.get(d) {
+                                Some(&(ch, start)) => {
                                     bio.sector =
                                         start + ((chunk >> g.ss) << g.cs) + (rel & g.cmask);
                                     // For the target's end_io (on error).
                                     bio.set_ctx(ti as u64 | (d as u64) << 32);
-                                    // SAFETY: as for Offset: `chan_ptrs[d]`
-                                    // points into `t.chans`, which `t` owns.
+                                    // SAFETY: `stripes[d].0` is
+                                    // `Rc::as_ptr(&t.chans[d])`, which `t`
+                                    // owns and never changes.
                                     unsafe { (*ch).submit(bio) }
                                 }
                                 _ => bad_device(bio),
