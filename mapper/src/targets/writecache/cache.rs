@@ -1356,6 +1356,9 @@ fn map_write(
         let tail = st.lru_tail;
         let (g, bss) = (st.pending_gen, sh.cfg.bs_sectors());
         let stm = &mut *st;
+        // Streamed (and fenced inside, before the plain stores to the
+        // run's ends below and the release of the lock that publishes the
+        // run) when long enough.
         if got >= STREAM_MIN_RUN {
             fill_run::<true>(
                 &mut stm.entries,
@@ -1367,9 +1370,6 @@ fn map_write(
                 bss,
                 now,
             );
-            // The streamed stores land before the lock that publishes them
-            // is released (and before the plain stores to the run's ends).
-            stream::fence();
         } else {
             fill_run::<false>(
                 &mut stm.entries,
@@ -1423,7 +1423,7 @@ const STREAM_MIN_RUN: u32 = 64;
 /// their image, in one branch-free pass per metadata block. Every field is
 /// affine in the block's place in the run: counters stepped once per
 /// block, no multiply and no index check in the inner loop. `NT`: with
-/// streaming stores (the caller fences).
+/// streaming stores, fenced before it returns.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn fill_run<const NT: bool>(
@@ -1436,6 +1436,8 @@ fn fill_run<const NT: bool>(
     bss: u64,
     now: u32,
 ) {
+    // Fences on return, and on unwinding: nothing touches the run first.
+    let _fence = NT.then_some(stream::Fence);
     image.for_each_run(start as usize, got as usize, |first, image| {
         let k = first as u32 - start;
         let (mut sector, mut obk, mut nb) = ((ob + k as u64) * bss, ob as u32 + k, first as u32);
@@ -1452,8 +1454,14 @@ fn fill_run<const NT: bool>(
                 ..Entry::FREE
             };
             if NT {
-                stream::bytes16(out, d);
-                stream::entry(e, n);
+                // SAFETY: `_fence` fences before this function returns or
+                // unwinds, and nothing reads the run before then (the loop
+                // writes each entry once; `block_mut` only touches other
+                // metadata blocks, with plain stores).
+                unsafe {
+                    stream::bytes16(out, d);
+                    stream::entry(e, n);
+                }
             } else {
                 *out = d;
                 *e = n;
@@ -1586,7 +1594,6 @@ mod tests {
         let mut entries = vec![Entry::FREE; n];
         let mut image = Image::new(3);
         fill_run::<NT>(&mut entries, &mut image, start, got, 1000, 7, 8, 42);
-        stream::fence();
         let bytes = (0..3).flat_map(|m| image.block(m).to_vec()).collect();
         (entries, bytes)
     }

@@ -8,15 +8,20 @@
 //! nobody reads soon (the worker reads the image at commit; entries wait
 //! for writeback), so streaming them skips the read.
 //!
-//! Streaming stores are weakly ordered: [`fence`] must follow them before
-//! the lock that publishes them is released. Other architectures get plain
-//! stores and a no-op fence.
+//! Streaming stores are weakly ordered, and Rust makes touching their
+//! memory before the storing thread's `sfence` undefined behaviour: the
+//! store functions are `unsafe`, and [`Fence`] (a guard that fences when
+//! dropped, unwinding included) is how callers keep the contract. Other
+//! architectures get plain stores and a no-op fence.
 
 use super::cache::Entry;
 
 /// Writes `e` to `dst` with streaming stores.
+///
+/// # Safety
+/// This thread must [`fence`] before `dst` is accessed again, by any thread.
 #[inline(always)]
-pub(crate) fn entry(dst: &mut Entry, e: Entry) {
+pub(crate) unsafe fn entry(dst: &mut Entry, e: Entry) {
     #[cfg(target_arch = "x86_64")]
     {
         let w = e.to_words();
@@ -24,8 +29,9 @@ pub(crate) fn entry(dst: &mut Entry, e: Entry) {
         // SAFETY: `p` comes from `&mut Entry`, so it is valid for writes of
         // the entry's 32 bytes and 8-byte aligned (Entry holds a u64);
         // `to_words` is the entry's exact in-memory bytes (repr(C), no
-        // padding: see Entry), so `dst` holds `e` afterwards. SSE2 (and so
-        // movnti) is part of x86_64.
+        // padding: see Entry), so `dst` holds `e` once fenced, which the
+        // caller guarantees happens before any access. SSE2 (and so movnti)
+        // is part of x86_64.
         unsafe {
             for (i, &v) in w.iter().enumerate() {
                 std::arch::x86_64::_mm_stream_si64(p.add(i), v as i64);
@@ -41,8 +47,11 @@ pub(crate) fn entry(dst: &mut Entry, e: Entry) {
 /// Writes the 16 bytes `v` (two little-endian words) to `dst` with
 /// streaming stores when `dst` is 8-byte aligned (an image block always
 /// is), with plain stores otherwise.
+///
+/// # Safety
+/// As [`entry`]: this thread must [`fence`] before `dst` is accessed again.
 #[inline(always)]
-pub(crate) fn bytes16(dst: &mut [u8; 16], v: [u8; 16]) {
+pub(crate) unsafe fn bytes16(dst: &mut [u8; 16], v: [u8; 16]) {
     #[cfg(target_arch = "x86_64")]
     {
         let p = dst.as_mut_ptr() as *mut i64;
@@ -51,7 +60,7 @@ pub(crate) fn bytes16(dst: &mut [u8; 16], v: [u8; 16]) {
             let hi = i64::from_ne_bytes([v[8], v[9], v[10], v[11], v[12], v[13], v[14], v[15]]);
             // SAFETY: `p` comes from `&mut [u8; 16]`, valid for 16 bytes of
             // writes, and was just checked to be 8-byte aligned; any bytes
-            // are a valid [u8; 16].
+            // are a valid [u8; 16]; the caller fences before any access.
             unsafe {
                 std::arch::x86_64::_mm_stream_si64(p, lo);
                 std::arch::x86_64::_mm_stream_si64(p.add(1), hi);
@@ -62,7 +71,7 @@ pub(crate) fn bytes16(dst: &mut [u8; 16], v: [u8; 16]) {
     *dst = v;
 }
 
-/// Orders every streaming store before it ahead of every later store (as
+/// Orders every streaming store before it ahead of every later access (as
 /// the release of the lock that publishes them).
 #[inline(always)]
 pub(crate) fn fence() {
@@ -72,6 +81,17 @@ pub(crate) fn fence() {
     unsafe {
         std::arch::x86_64::_mm_sfence()
     };
+}
+
+/// Fences when dropped: held across a batch of streaming stores, it
+/// fences before the batch's memory can be touched, on unwinding too.
+pub(crate) struct Fence;
+
+impl Drop for Fence {
+    #[inline(always)]
+    fn drop(&mut self) {
+        fence();
+    }
 }
 
 #[cfg(test)]
@@ -94,7 +114,8 @@ mod tests {
             ..Entry::FREE
         };
         let mut v = [Entry::FREE; 4];
-        entry(&mut v[1], e);
+        // SAFETY: fenced before `v` is read.
+        unsafe { entry(&mut v[1], e) };
         fence();
         assert_eq!(v[1], e);
         assert_eq!(v[0], Entry::FREE);
@@ -106,7 +127,8 @@ mod tests {
         let mut buf = [[0u8; 16]; 3];
         let v: [u8; 16] = std::array::from_fn(|i| i as u8 + 1);
         for d in buf.iter_mut() {
-            bytes16(d, v);
+            // SAFETY: fenced before `buf` is read.
+            unsafe { bytes16(d, v) };
         }
         fence();
         assert!(buf.iter().all(|d| *d == v));
@@ -114,7 +136,8 @@ mod tests {
         let mut raw = [0u8; 40];
         let at = (raw.as_ptr() as usize).next_multiple_of(8) + 1 - raw.as_ptr() as usize;
         let d: &mut [u8; 16] = (&mut raw[at..at + 16]).try_into().unwrap();
-        bytes16(d, v);
+        // SAFETY: fenced before `raw` is read.
+        unsafe { bytes16(d, v) };
         fence();
         assert_eq!(raw[at..at + 16], v);
     }

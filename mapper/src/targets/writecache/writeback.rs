@@ -40,6 +40,7 @@ struct Format {
     ok: Cell<bool>,
     result: Rc<Cell<Option<Result<(), Error>>>>,
 }
+
 /// Most writeback buffers (each up to MAX_RUN_BYTES) kept for reuse.
 const MAX_SPARE_BUFS: usize = 16;
 
@@ -243,7 +244,7 @@ impl Worker {
             result,
         });
         for _ in 0..FORMAT_DEPTH {
-            if f.next.get() >= total {
+            if f.next.get() >= total || !f.ok.get() {
                 break;
             }
             f.inflight.set(f.inflight.get() + 1);
