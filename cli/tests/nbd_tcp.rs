@@ -29,10 +29,13 @@ fn free_port() -> u16 {
         .port()
 }
 
-/// The local addresses listening on TCP `port`, from /proc/net/tcp.
+/// The local addresses listening on TCP `port`, from /proc/net/tcp, each
+/// once: the kernel builds that file a page at a time, so while other tests
+/// open and close sockets a read can list one socket twice.
 fn listeners_on(port: u16) -> Vec<Ipv4Addr> {
     let t = std::fs::read_to_string("/proc/net/tcp").unwrap();
-    t.lines()
+    let mut v: Vec<Ipv4Addr> = t
+        .lines()
         .skip(1)
         .filter_map(|l| {
             let f: Vec<&str> = l.split_whitespace().collect();
@@ -45,7 +48,10 @@ fn listeners_on(port: u16) -> Vec<Ipv4Addr> {
             let a = u32::from_str_radix(addr, 16).ok()?;
             Some(Ipv4Addr::from(a.swap_bytes()))
         })
-        .collect()
+        .collect();
+    v.sort();
+    v.dedup();
+    v
 }
 
 /// This machine's address on its default route, if it has one.
