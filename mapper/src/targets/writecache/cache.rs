@@ -1354,33 +1354,22 @@ fn map_write(
         // (published now, see `State::unwritten`), in one branch-free pass;
         // the run's ends are linked to the LRU list after it.
         let tail = st.lru_tail;
-        let (g, bss) = (st.pending_gen, sh.cfg.bs_sectors());
+        let run = NewRun {
+            start,
+            got,
+            ob,
+            g: st.pending_gen,
+            bss: sh.cfg.bs_sectors(),
+            now,
+        };
         let stm = &mut *st;
         // Streamed (and fenced inside, before the plain stores to the
         // run's ends below and the release of the lock that publishes the
         // run) when long enough.
         if got >= STREAM_MIN_RUN {
-            fill_run::<true>(
-                &mut stm.entries,
-                &mut stm.image,
-                start,
-                got,
-                ob,
-                g,
-                bss,
-                now,
-            );
+            fill_run::<true>(&mut stm.entries, &mut stm.image, run);
         } else {
-            fill_run::<false>(
-                &mut stm.entries,
-                &mut stm.image,
-                start,
-                got,
-                ob,
-                g,
-                bss,
-                now,
-            );
+            fill_run::<false>(&mut stm.entries, &mut stm.image, run);
         }
         st.image_changed(start, got, got as u64);
         st.set_unwritten(start, got, true);
@@ -1418,24 +1407,34 @@ fn map_write(
 /// a 4 KiB random overwrite a fifth of its rate.
 const STREAM_MIN_RUN: u32 = 64;
 
-/// Writes whole entries for new run `start..start + got` (caching origin
-/// blocks from `ob`, generation `g`), already linked to each other, and
-/// their image, in one branch-free pass per metadata block. Every field is
-/// affine in the block's place in the run: counters stepped once per
-/// block, no multiply and no index check in the inner loop. `NT`: with
-/// streaming stores, fenced before it returns.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-fn fill_run<const NT: bool>(
-    entries: &mut [Entry],
-    image: &mut Image,
+/// A new run, as [`fill_run`] writes it: cache blocks `start..start + got`
+/// caching origin blocks from `ob`, generation `g`, `bss` sectors a block,
+/// cached at `now` (ms).
+#[derive(Clone, Copy)]
+struct NewRun {
     start: u32,
     got: u32,
     ob: u64,
     g: u64,
     bss: u64,
     now: u32,
-) {
+}
+
+/// Writes whole entries for a new run, already linked to each other, and
+/// their image, in one branch-free pass per metadata block. Every field is
+/// affine in the block's place in the run: counters stepped once per
+/// block, no multiply and no index check in the inner loop. `NT`: with
+/// streaming stores, fenced before it returns.
+#[inline(always)]
+fn fill_run<const NT: bool>(entries: &mut [Entry], image: &mut Image, run: NewRun) {
+    let NewRun {
+        start,
+        got,
+        ob,
+        g,
+        bss,
+        now,
+    } = run;
     // Fences on return, and on unwinding: nothing touches the run first.
     let _fence = NT.then_some(stream::Fence);
     image.for_each_run(start as usize, got as usize, |first, image| {
@@ -1593,7 +1592,15 @@ mod tests {
         let n = 3 * ENTRIES_PER_MBLOCK;
         let mut entries = vec![Entry::FREE; n];
         let mut image = Image::new(3);
-        fill_run::<NT>(&mut entries, &mut image, start, got, 1000, 7, 8, 42);
+        let run = NewRun {
+            start,
+            got,
+            ob: 1000,
+            g: 7,
+            bss: 8,
+            now: 42,
+        };
+        fill_run::<NT>(&mut entries, &mut image, run);
         let bytes = (0..3).flat_map(|m| image.block(m).to_vec()).collect();
         (entries, bytes)
     }

@@ -204,8 +204,7 @@ impl DiskEntry {
 
     /// Encodes into 16 bytes.
     pub fn encode(&self, out: &mut [u8]) {
-        out[0..8].copy_from_slice(&self.sector.to_le_bytes());
-        out[8..16].copy_from_slice(&self.seq.to_le_bytes());
+        out[..16].copy_from_slice(&self.to_bytes());
     }
 
     /// Decodes 16 bytes.
