@@ -42,13 +42,12 @@ pub(crate) struct TargetIo {
     _target: Arc<dyn Target>,
     /// Channels to the target's devices, in [`Target::devices`] order.
     pub chans: Box<[Rc<dyn Channel>]>,
-    /// Their addresses, resolved once (as `target_ptr`).
-    chan_ptrs: Box<[*const dyn Channel]>,
-    /// Each device's channel address and where its area starts
-    /// ([`DevArea::start`]), together: what [`FastMap::Stripes`] reads.
+    /// Per device, its channel's address, resolved once (as `target_ptr`),
+    /// and where its area starts ([`DevArea::start`]): together, as
+    /// [`FastMap::Stripes`] reads both.
     ///
     /// [`DevArea::start`]: crate::target::DevArea::start
-    stripes: Box<[(*const dyn Channel, u64)]>,
+    devs: Box<[(*const dyn Channel, u64)]>,
 }
 
 /// Power-of-two striping, as the fast path computes it (dm's
@@ -72,7 +71,7 @@ enum FastMap {
     /// table-relative sector, and device 0's channel. No call to the target.
     Offset(u64, *const dyn Channel),
     /// [`Target::stripe_shifts`]: the geometry; the stripes' channels and
-    /// area starts are the target's `stripes`. No call to the target.
+    /// area starts are the target's `devs`. No call to the target.
     Stripes(Stripes),
     /// A call to the target: [`Target::map_sector`] (true), which returns
     /// the device and sector, or [`Target::map`] (false), whose result is
@@ -172,14 +171,13 @@ impl TableIo {
                         }),
                         _ => FastMap::Call(t.sector_map),
                     },
-                    stripes: chans
+                    devs: chans
                         .iter()
                         .zip(t.target.devices())
                         .map(|(c, a)| (Rc::as_ptr(c), a.start))
                         .collect(),
                     target_ptr: Arc::as_ptr(&t.target),
                     _target: t.target.clone(),
-                    chan_ptrs: chans.iter().map(Rc::as_ptr).collect(),
                     chans,
                 }
             })
@@ -451,13 +449,13 @@ impl MapperChannel {
                         FastMap::Stripes(g) => {
                             let chunk = rel >> g.cs;
                             let d = (chunk & g.smask) as usize;
-                            match t.stripes.get(d) {
+                            match t.devs.get(d) {
                                 Some(&(ch, start)) => {
                                     bio.sector =
                                         start + ((chunk >> g.ss) << g.cs) + (rel & g.cmask);
                                     // For the target's end_io (on error).
                                     bio.set_ctx(ti as u64 | (d as u64) << 32);
-                                    // SAFETY: `stripes[d].0` is
+                                    // SAFETY: `devs[d].0` is
                                     // `Rc::as_ptr(&t.chans[d])`, which `t`
                                     // owns and never changes.
                                     unsafe { (*ch).submit(bio) }
@@ -526,12 +524,12 @@ impl TargetIo {
     /// Submits a bio this target remapped to its device `d`.
     #[inline]
     pub(crate) fn submit_to(&self, ti: usize, mut bio: BioPtr, d: usize) {
-        match self.chan_ptrs.get(d) {
-            Some(&ch) => {
+        match self.devs.get(d) {
+            Some(&(ch, _)) => {
                 if d != 0 {
                     bio.set_ctx(ti as u64 | (d as u64) << 32);
                 }
-                // SAFETY: `chan_ptrs[d]` is `Rc::as_ptr(&self.chans[d])`, and
+                // SAFETY: `devs[d].0` is `Rc::as_ptr(&self.chans[d])`, and
                 // `chans` is owned by this struct and never changed.
                 unsafe { (*ch).submit(bio) }
             }
