@@ -11,12 +11,8 @@
 #   usage: scripts/bench-writecache-ab.sh ROUNDS BLOCK_SIZE UDM_BINARY...
 #   e.g.:  scripts/bench-writecache-ab.sh 15 512 /tmp/udm-before target/release/udm
 set -euo pipefail
-# The job thread is pinned (--cpus 0, CPU=N to move it): unpinned, the raw
-# device's own figure was bimodal on this 2-vCPU VM (5.8-6.0 or 7.0-7.6
-# GiB/s, run by run, 10 runs each way), pinned it held 7.2-7.9 in 6 of 8
-# runs. The writecache's worker thread is left to the scheduler (it takes
-# the other vCPU, as dm-writecache's workqueues take other CPUs).
-CPU=${CPU:-0}
+# The job thread is pinned: see bench-pinned.sh (CPU=N moves it).
+. "$(dirname "$0")/bench-pinned.sh"
 [ $# -ge 3 ] || { sed -n '2,12p' "$0" >&2; exit 2; }
 ROUNDS=$1 BS=$2
 shift 2
@@ -26,9 +22,9 @@ mib() { grep -o '"mib_per_s":[0-9.]*' | cut -d: -f2; }
 # One run: "raw" (the raw cache device, with the first build) or a build.
 one() {
     if [ "$1" = raw ]; then
-        "$RAW_UDM" bench --json --cpus "$CPU" --dev c=ram:1G,prealloc --target c "${TABLE[@]}" | mib
+        bench_pinned "$RAW_UDM" --json --dev c=ram:1G,prealloc --target c "${TABLE[@]}" | mib
     else
-        "$1" bench --json --cpus "$CPU" --dev o=ram:1G --dev c=ram:1G,prealloc \
+        bench_pinned "$1" --json --dev o=ram:1G --dev c=ram:1G,prealloc \
             --dev "wc=0 2097152 writecache s o c $BS 0" --target wc "${TABLE[@]}" | mib
     fi
 }

@@ -30,12 +30,8 @@
 # not in the aged cache: the aged state is what the metadata holds.
 #   usage: scripts/bench-writecache-aged.sh [ROUNDS] [PASSES] [BLOCK SIZES…]
 set -euo pipefail
-# The job thread is pinned (--cpus 0, CPU=N to move it): unpinned, the raw
-# device's own figure was bimodal on this 2-vCPU VM (5.8-6.0 or 7.0-7.6
-# GiB/s, run by run, 10 runs each way), pinned it held 7.2-7.9 in 6 of 8
-# runs. The writecache's worker thread is left to the scheduler (it takes
-# the other vCPU, as dm-writecache's workqueues take other CPUs).
-CPU=${CPU:-0}
+# The job thread is pinned: see bench-pinned.sh (CPU=N moves it).
+. "$(dirname "$0")/bench-pinned.sh"
 cd "$(dirname "$0")/.."
 ROUNDS=${1:-5}
 PASSES=${2:-4}
@@ -66,11 +62,11 @@ for bs in "${SIZES[@]}"; do
     echo "block size $bs: aging ($PASSES passes)" >&2
     fresh "$D/aged"
     devs "$D/aged" "$bs"
-    "$UDM" bench --cpus "$CPU" "${DEVS[@]}" --target wc --rw write --bs 512k --iodepth 32 --size 600M >/dev/null
+    bench_pinned "$UDM" "${DEVS[@]}" --target wc --rw write --bs 512k --iodepth 32 --size 600M >/dev/null
     "$UDM" message "${DEVS[@]}" wc flush 2>/dev/null
     obs=$(( bs > 4096 ? bs : 4096 ))
     for p in $(seq "$PASSES"); do
-        "$UDM" bench --cpus "$CPU" "${DEVS[@]}" --target wc --rw randwrite --bs "$obs" --iodepth 32 \
+        bench_pinned "$UDM" "${DEVS[@]}" --target wc --rw randwrite --bs "$obs" --iodepth 32 \
             --size 256M --runtime 3 >/dev/null
         if [ "$p" -lt "$PASSES" ] || [ "${KEEP_LAST:-0}" != 1 ]; then
             "$UDM" message "${DEVS[@]}" wc flush 2>/dev/null
@@ -82,10 +78,10 @@ for bs in "${SIZES[@]}"; do
         rm -f "$D/run"
         cp --sparse=never "$D/aged" "$D/run"
         devs "$D/run" "$bs"
-        R[aged $bs]+="$("$UDM" bench --json --cpus "$CPU" "${DEVS[@]}" --target wc "${TABLE[@]}" | mib) "
+        R[aged $bs]+="$(bench_pinned "$UDM" --json "${DEVS[@]}" --target wc "${TABLE[@]}" | mib) "
         fresh "$D/run"
         devs "$D/run" "$bs"
-        R[fresh $bs]+="$("$UDM" bench --json --cpus "$CPU" "${DEVS[@]}" --target wc "${TABLE[@]}" | mib) "
+        R[fresh $bs]+="$(bench_pinned "$UDM" --json "${DEVS[@]}" --target wc "${TABLE[@]}" | mib) "
     done
 done
 printf '\n512k randwrite QD32, 400 MiB, on /dev/shm files, MiB/s (median of %s)\n' "$ROUNDS"

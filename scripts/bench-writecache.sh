@@ -14,12 +14,8 @@
 # so lazy devices measure page faults, not the data path.
 #   usage: scripts/bench-writecache.sh [ROUNDS]
 set -euo pipefail
-# The job thread is pinned (--cpus 0, CPU=N to move it): unpinned, the raw
-# device's own figure was bimodal on this 2-vCPU VM (5.8-6.0 or 7.0-7.6
-# GiB/s, run by run, 10 runs each way), pinned it held 7.2-7.9 in 6 of 8
-# runs. The writecache's worker thread is left to the scheduler (it takes
-# the other vCPU, as dm-writecache's workqueues take other CPUs).
-CPU=${CPU:-0}
+# The job thread is pinned: see bench-pinned.sh (CPU=N moves it).
+. "$(dirname "$0")/bench-pinned.sh"
 cd "$(dirname "$0")/.."
 ROUNDS=${1:-5}
 cargo build --release -q -p udm
@@ -41,19 +37,19 @@ wc() { # block-size features... -> WC=(device specs)
 for r in $(seq "$ROUNDS"); do
     echo "round $r/$ROUNDS" >&2
     for bs in 512 1024 2048 4096 8192 16384 32768 65536; do
-        R[raw $bs]+="$("$UDM" bench --json --cpus "$CPU" --dev c=$RAM --target c "${TABLE[@]}" | mib) "
+        R[raw $bs]+="$(bench_pinned "$UDM" --json --dev c=$RAM --target c "${TABLE[@]}" | mib) "
         wc "$bs" 1 nocoalesce
-        R[off $bs]+="$("$UDM" bench --json --cpus "$CPU" "${WC[@]}" --target wc "${TABLE[@]}" | mib) "
+        R[off $bs]+="$(bench_pinned "$UDM" --json "${WC[@]}" --target wc "${TABLE[@]}" | mib) "
         wc "$bs" 0
-        R[on $bs]+="$("$UDM" bench --json --cpus "$CPU" "${WC[@]}" --target wc "${TABLE[@]}" | mib) "
+        R[on $bs]+="$(bench_pinned "$UDM" --json "${WC[@]}" --target wc "${TABLE[@]}" | mib) "
     done
     # 4 KiB hits: the region is written first (--prefill), so every I/O hits.
     HIT=(--bs 4k --iodepth 32 --size 256M --runtime 2 --prefill)
-    R[raw 4k randwrite]+="$("$UDM" bench --json --cpus "$CPU" --dev c=$RAM --target c --rw randwrite "${HIT[@]}" | iops) "
+    R[raw 4k randwrite]+="$(bench_pinned "$UDM" --json --dev c=$RAM --target c --rw randwrite "${HIT[@]}" | iops) "
     wc 4096 0
-    R[wc 4k randwrite]+="$("$UDM" bench --json --cpus "$CPU" "${WC[@]}" --target wc --rw randwrite "${HIT[@]}" | iops) "
-    R[raw 4k randread]+="$("$UDM" bench --json --cpus "$CPU" --dev c=$RAM --target c --rw randread "${HIT[@]}" | iops) "
-    R[wc 4k randread]+="$("$UDM" bench --json --cpus "$CPU" "${WC[@]}" --target wc --rw randread "${HIT[@]}" | iops) "
+    R[wc 4k randwrite]+="$(bench_pinned "$UDM" --json "${WC[@]}" --target wc --rw randwrite "${HIT[@]}" | iops) "
+    R[raw 4k randread]+="$(bench_pinned "$UDM" --json --dev c=$RAM --target c --rw randread "${HIT[@]}" | iops) "
+    R[wc 4k randread]+="$(bench_pinned "$UDM" --json "${WC[@]}" --target wc --rw randread "${HIT[@]}" | iops) "
 done
 printf '\n512k randwrite QD32, 400 MiB, MiB/s (median of %s; ratios: median of per-round ratios)\n' "$ROUNDS"
 printf '%-8s %9s %9s %9s %9s %9s\n' "block" "raw" "off" "on" "on/off" "on/raw"
