@@ -608,6 +608,16 @@ impl Bio {
         c
     }
 
+    /// The sector saved by the last [`BioPtr::push_end_io`]: where the bio
+    /// was before the layer that pushed remapped it (an end_io that needs
+    /// the mapping, on a rare path, recomputes it from this rather than
+    /// every bio storing it). `None` with no frame saved.
+    #[inline]
+    pub fn pushed_sector(&self) -> Option<u64> {
+        let d = (self.depth as usize).checked_sub(1)?;
+        self.frames.get(d).map(|f| f.sector)
+    }
+
     /// Restores the completion saved by the last [`BioPtr::push_end_io`]:
     /// end_io, private, ctx and the sector as it was when pushed.
     #[inline]

@@ -95,13 +95,15 @@ fn linear_maps_relative_to_its_start_in_the_table() {
 /// Writes a striped target's whole range through the mapped device with
 /// I/Os of varied lengths that cross chunk and stripe boundaries, then
 /// checks every sector of every stripe device against dm's formula, and
-/// reads the range back with a different split.
-fn check_striped_placement(stripes: u64, chunk: u64, rows: u64) {
+/// reads the range back with a different split. Stripe `i`'s area starts
+/// at `step * i + 1` on its device: every stripe at the same offset with
+/// `step` 0 (the fast path's shift-and-mask case), otherwise apart.
+fn check_striped_placement(stripes: u64, chunk: u64, rows: u64, step: u64) {
     let width = chunk * rows;
     let len = stripes * width;
     let mut devs = Devices::new();
-    // Different offsets and some room after each area, which must stay zero.
-    let offsets: Vec<u64> = (0..stripes).map(|i| 3 * i + 1).collect();
+    // Offsets, and some room after each area, which must stay zero.
+    let offsets: Vec<u64> = (0..stripes).map(|i| step * i + 1).collect();
     let rams: Vec<_> = (0..stripes)
         .map(|i| devs.ram(&format!("s{i}"), offsets[i as usize] + width + 5))
         .collect();
@@ -168,23 +170,26 @@ fn check_striped_placement(stripes: u64, chunk: u64, rows: u64) {
 }
 
 /// Chunk `c` of a striped range lives on stripe `c % n` at row `c / n`, for
-/// power-of-two chunk sizes and stripe counts.
+/// power-of-two chunk sizes and stripe counts, with the stripes at
+/// different offsets or all at one.
 #[test]
 fn striped_places_chunks_round_robin_power_of_two() {
-    check_striped_placement(2, 8, 4);
-    check_striped_placement(4, 16, 2);
+    check_striped_placement(2, 8, 4, 3);
+    check_striped_placement(4, 16, 2, 3);
+    check_striped_placement(2, 8, 4, 0);
+    check_striped_placement(4, 16, 2, 0);
 }
 
 /// The same placement rule holds when the chunk size or the stripe count
 /// is not a power of two (dm allows both).
 #[test]
 fn striped_places_chunks_round_robin_non_power_of_two() {
-    check_striped_placement(3, 6, 3);
-    check_striped_placement(5, 3, 2);
-    check_striped_placement(3, 8, 2);
-    check_striped_placement(2, 5, 3);
-    check_striped_placement(1, 7, 3);
-    check_striped_placement(3, 1, 4);
+    check_striped_placement(3, 6, 3, 3);
+    check_striped_placement(5, 3, 2, 3);
+    check_striped_placement(3, 8, 2, 3);
+    check_striped_placement(2, 5, 3, 3);
+    check_striped_placement(1, 7, 3, 3);
+    check_striped_placement(3, 1, 4, 3);
 }
 
 /// A stripe device that fails I/O is marked `D` in the status line (the
@@ -223,6 +228,35 @@ fn striped_status_marks_a_failing_stripe_until_errors_are_cleared() {
     );
     let e = md.message(0, &["bogus"]).unwrap_err().to_string();
     assert!(e.contains("unknown message 'bogus'"), "{e}");
+}
+
+/// The failing stripe is found from the bio's own place in the table, also
+/// when the striped target does not start at sector 0: an error on the
+/// table's second target marks that target's second stripe, not its first.
+#[test]
+fn striped_error_marks_the_right_stripe_of_a_later_target() {
+    let mut devs = Devices::new();
+    devs.ram("r0", 64);
+    let bad = devs.mapped("bad", "0 64 error");
+    devs.add(as_dev(&bad));
+    // Sector 16 of the table is the striped target's chunk 1 (of 8 sectors)
+    // only if its start (8, itself a chunk's worth) is subtracted first;
+    // otherwise it would be chunk 2, back on stripe 0.
+    let md = devs.mapped("st", "0 8 zero\n8 64 striped 2 8 r0 0 bad 0");
+    let dev = as_dev(&md);
+    let t = Tester::new();
+    assert_eq!(
+        t.run(&dev, Req::write(8, pattern(1, 8, 8))).status,
+        Status::Ok
+    );
+    assert_eq!(
+        t.run(&dev, Req::write(16, pattern(1, 16, 8))).status,
+        Status::IoErr
+    );
+    assert_eq!(
+        md.table().status_lines(),
+        vec!["0 8 zero", "8 64 striped 2 r0 bad 1 AD"]
+    );
 }
 
 /// Each bad striped argument is rejected with a message naming the
