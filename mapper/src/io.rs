@@ -87,7 +87,10 @@ impl Stripes {
 #[derive(Clone, Copy)]
 enum FastMap {
     /// A pure offset remap ([`Target::remap_offset`]): what to add to the
-    /// table-relative sector, and device 0's channel. No call to the target.
+    /// target-relative sector, and device 0's channel. No call to the
+    /// target. (Added to the relative sector, which the range check left in
+    /// a register, not to the bio's: the device's sector is then ready a
+    /// load earlier, and at QD1 the device waits for it.)
     Offset(u64, *const dyn Channel),
     /// [`Target::stripe_shifts`], every stripe at the same offset on its
     /// device (as in most striped tables): the geometry; the stripes'
@@ -178,9 +181,7 @@ impl TableIo {
                     max_io_len: t.max_io_len,
                     end_io: t.end_io,
                     fast: match (t.remap_offset, t.stripe_shifts) {
-                        (Some(o), _) => {
-                            FastMap::Offset(o.wrapping_sub(t.begin), Rc::as_ptr(&chans[0]))
-                        }
+                        (Some(o), _) => FastMap::Offset(o, Rc::as_ptr(&chans[0])),
                         // Checked when the table was built (whole rows,
                         // max_io_len the chunk: see Table::build). Stripes
                         // at different offsets map through the target.
@@ -467,8 +468,8 @@ impl MapperChannel {
                         bio.push_end_io_ctx(tio.endio, tio as *const TableIo as *mut (), ti as u64);
                     tio.get();
                     return match t.fast {
-                        FastMap::Offset(delta, ch) => {
-                            bio.sector = bio.sector.wrapping_add(delta);
+                        FastMap::Offset(start, ch) => {
+                            bio.sector = rel.wrapping_add(start);
                             // SAFETY: `ch` is `Rc::as_ptr(&t.chans[0])`, which
                             // `t` owns and never changes.
                             unsafe { (*ch).submit(bio) }
