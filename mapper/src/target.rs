@@ -149,8 +149,10 @@ pub trait Target: Send + Sync {
     /// the target goes to device `c & (n - 1)`, at chunk `c >> stripe_shift`
     /// of that device's area (from its [`DevArea::start`]), where
     /// n = `1 << stripe_shift` is the number of [`Target::devices`]: the
-    /// shifts. The fast path then maps with shifts and masks itself and
-    /// calls nothing. Only meaningful with [`Target::no_clone`].
+    /// shifts. When every device's area starts at the same sector, the fast
+    /// path then maps with shifts and masks itself and calls nothing
+    /// (otherwise it calls [`Target::map_sector`], if the target has it).
+    /// Only meaningful with [`Target::no_clone`].
     fn stripe_shifts(&self) -> Option<(u32, u32)> {
         None
     }
