@@ -180,27 +180,19 @@ impl TableIo {
                     len: t.len,
                     max_io_len: t.max_io_len,
                     end_io: t.end_io,
-                    fast: match (t.remap_offset, t.stripe_shifts) {
+                    fast: match (t.remap_offset, t.fast_stripes) {
                         (Some(o), _) => FastMap::Offset(o, Rc::as_ptr(&chans[0])),
-                        // Checked when the table was built (whole rows,
-                        // max_io_len the chunk: see Table::build). Stripes
-                        // at different offsets map through the target.
-                        (None, Some((cs, ss))) => match t.target.devices() {
-                            [first, rest @ ..]
-                                if chans.len() == 1 << ss
-                                    && rest.iter().all(|a| a.start == first.start) =>
-                            {
-                                FastMap::Stripes(Stripes {
-                                    cs,
-                                    ss,
-                                    smask: (1 << ss) - 1,
-                                    cmask: (1 << cs) - 1,
-                                    rmask: !((1 << cs) - 1),
-                                    start: first.start,
-                                })
-                            }
-                            _ => FastMap::Call(t.sector_map),
-                        },
+                        // Checked when the table was built (one device per
+                        // stripe, whole rows, max_io_len the chunk, one
+                        // start: see Table::build).
+                        (None, Some((cs, ss, start))) => FastMap::Stripes(Stripes {
+                            cs,
+                            ss,
+                            smask: (1 << ss) - 1,
+                            cmask: (1 << cs) - 1,
+                            rmask: !((1 << cs) - 1),
+                            start,
+                        }),
                         _ => FastMap::Call(t.sector_map),
                     },
                     devs: chans.iter().map(Rc::as_ptr).collect(),
@@ -477,7 +469,8 @@ impl MapperChannel {
                         FastMap::Stripes(g) => {
                             let d = g.dev(rel);
                             // SAFETY: `dev` masks with `smask`, and `devs`
-                            // has `smask + 1` entries (checked at open).
+                            // has `smask + 1` entries: one per stripe
+                            // (Table::build trusts the shifts only then).
                             let ch = unsafe { *t.devs.get_unchecked(d) };
                             bio.sector = g.start + g.dev_sector(rel);
                             // The device index is not stored for end_io:

@@ -106,8 +106,10 @@ pub struct TableTarget {
     pub end_io: EndIoWhen,
     /// [`Target::remap_offset`], cached.
     pub remap_offset: Option<u64>,
-    /// [`Target::stripe_shifts`], cached (when they fit the devices).
-    pub stripe_shifts: Option<(u32, u32)>,
+    /// [`Target::stripe_shifts`] and the one sector every stripe's area
+    /// starts at, when the fast path may stripe the target itself (see
+    /// `build`): (log2 chunk, log2 stripes, start).
+    pub fast_stripes: Option<(u32, u32, u64)>,
     /// [`Target::sector_map`], cached.
     pub sector_map: bool,
     /// For each of the target's devices, its index in [`Table::devices`].
@@ -218,14 +220,20 @@ impl Table {
                 // target's areas: as many devices as stripes, a length of
                 // whole rows, each area a stripe's width, and max_io_len
                 // the chunk (the fast path's window keeps a bio in one).
-                stripe_shifts: target.stripe_shifts().filter(|&(cs, ss)| {
+                // And only with every area at one start, which the fast
+                // path adds: stripes at different offsets map through the
+                // target.
+                fast_stripes: target.stripe_shifts().and_then(|(cs, ss)| {
                     let areas = target.devices();
+                    let start = areas.first()?.start;
                     let row = 1u64.checked_shl(cs + ss).unwrap_or(0);
-                    1usize.checked_shl(ss) == Some(dev_index.len())
+                    (1usize.checked_shl(ss) == Some(dev_index.len())
                         && row != 0
                         && s.len.is_multiple_of(row)
                         && areas.iter().all(|a| a.len >= s.len >> ss)
-                        && target.max_io_len() == 1 << cs
+                        && areas.iter().all(|a| a.start == start)
+                        && target.max_io_len() == 1 << cs)
+                        .then_some((cs, ss, start))
                 }),
                 sector_map: target.sector_map() && !dev_index.is_empty(),
                 dev_index,
