@@ -192,15 +192,21 @@ fn striped_places_chunks_round_robin_non_power_of_two() {
     check_striped_placement(3, 1, 4, 3);
 }
 
-/// A stripe device that fails I/O is marked `D` in the status line (the
-/// others stay `A`), and the `clear_errors` message resets the marks.
-#[test]
-fn striped_status_marks_a_failing_stripe_until_errors_are_cleared() {
+/// Table `text`, named `st`, over `r0`, a 64-sector RAM device, and `bad`,
+/// a device that fails every I/O: for the striped error tests.
+fn over_a_failing_device(text: &str) -> Arc<MappedDevice> {
     let mut devs = Devices::new();
     devs.ram("r0", 64);
     let bad = devs.mapped("bad", "0 64 error");
     devs.add(as_dev(&bad));
-    let md = devs.mapped("st", "0 64 striped 2 8 r0 0 bad 0");
+    devs.mapped("st", text)
+}
+
+/// A stripe device that fails I/O is marked `D` in the status line (the
+/// others stay `A`), and the `clear_errors` message resets the marks.
+#[test]
+fn striped_status_marks_a_failing_stripe_until_errors_are_cleared() {
+    let md = over_a_failing_device("0 64 striped 2 8 r0 0 bad 0");
     let dev = as_dev(&md);
     let t = Tester::new();
 
@@ -235,14 +241,10 @@ fn striped_status_marks_a_failing_stripe_until_errors_are_cleared() {
 /// table's second target marks that target's second stripe, not its first.
 #[test]
 fn striped_error_marks_the_right_stripe_of_a_later_target() {
-    let mut devs = Devices::new();
-    devs.ram("r0", 64);
-    let bad = devs.mapped("bad", "0 64 error");
-    devs.add(as_dev(&bad));
     // Sector 16 of the table is the striped target's chunk 1 (of 8 sectors)
     // only if its start (8, itself a chunk's worth) is subtracted first;
     // otherwise it would be chunk 2, back on stripe 0.
-    let md = devs.mapped("st", "0 8 zero\n8 64 striped 2 8 r0 0 bad 0");
+    let md = over_a_failing_device("0 8 zero\n8 64 striped 2 8 r0 0 bad 0");
     let dev = as_dev(&md);
     let t = Tester::new();
     assert_eq!(
