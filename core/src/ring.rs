@@ -90,6 +90,11 @@ pub struct RingKind {
     pub iopoll: bool,
 }
 
+/// A sleeping reactor confined to one CPU waits for a quarter of its bios
+/// in flight, at most this many, before it wakes (see
+/// [`Ring::submit_and_wait`]).
+const WAIT_BATCH_MAX: u32 = 8;
+
 /// Size of the registered file and buffer tables (sparse, filled on demand).
 const REGISTERED_SLOTS: u32 = 64;
 
@@ -108,6 +113,11 @@ pub struct Ring {
     kind: RingKind,
     /// Operations submitted or queued whose CQE has not arrived.
     inflight: Cell<u32>,
+    /// Bios among them: device I/O, which completes without the reactor's
+    /// help (unlike a socket's receive), so a wait may count on it.
+    bios: Cell<u32>,
+    /// The most bio completions a wait gathers before it wakes (1: wake for each).
+    wait_batch: u32,
     /// Entries the SQ had no room for: pushed, in order, on the next submit.
     /// The flag marks an entry linked to the one after it: the two enter the
     /// SQ together, since a link cut at a submission boundary is no link.
@@ -161,6 +171,12 @@ impl Ring {
             ring: UnsafeCell::new(ring),
             kind,
             inflight: Cell::new(0),
+            bios: Cell::new(0),
+            wait_batch: if confined_to_one_cpu() {
+                WAIT_BATCH_MAX
+            } else {
+                1
+            },
             backlog: UnsafeCell::new(VecDeque::new()),
             next_file: Cell::new(0),
             fixed_buffers: Cell::new(fixed_buffers),
@@ -379,6 +395,7 @@ impl Ring {
                     .build()
             }),
         };
+        self.bios.set(self.bios.get() + 1);
         e.user_data(bio.into_raw() as u64)
     }
 
@@ -445,17 +462,37 @@ impl Ring {
         self.ring().submitter().submit().unwrap_or(0)
     }
 
-    /// Submits and waits for at least one completion, or `timeout`.
+    /// Submits and waits for a completion, or `timeout`. A ring made on a
+    /// thread confined to one CPU waits for a quarter of its bios in flight
+    /// (at least one, at most [`WAIT_BATCH_MAX`]).
+    ///
+    /// Why only there: io-wq workers, which complete what a file cannot do
+    /// without blocking (every O_DIRECT I/O to tmpfs), inherit the
+    /// submitter's CPUs. Confined to the reactor's one CPU, each wake-up for
+    /// a completion is a context switch the worker pays for, and at depth
+    /// that is the largest cost there is (4 KiB random writes to a tmpfs
+    /// file at QD32: 0.87x fio waking for each, 1.2x gathering). With a CPU
+    /// of its own the reactor's wake-ups cost the worker nothing, and
+    /// refilling the queue at once wins (random reads, unpinned: 10% fewer
+    /// IOPS gathering).
+    ///
+    /// Only bios count towards the batch: they complete on their own, while
+    /// a socket's receive may never, so the wait always ends. The rest stay
+    /// queued at the device, which never idles while the reactor sleeps; a
+    /// reactor below depth 8 still wakes for each completion. No timer caps
+    /// the batch: arming one per wait cost more than gathering won (timer
+    /// reprogramming traps to the hypervisor), and the bios bound it already.
     pub fn submit_and_wait(&self, timeout: Option<Duration>) {
         self.drain_backlog();
+        let want = wait_target(self.bios.get(), self.wait_batch);
         let sub = self.ring().submitter();
         let r = match timeout {
             Some(t) => {
                 let ts = types::Timespec::from(t);
                 let args = types::SubmitArgs::new().timespec(&ts);
-                sub.submit_with_args(1, &args)
+                sub.submit_with_args(want, &args)
             }
-            None => sub.submit_and_wait(1),
+            None => sub.submit_and_wait(want),
         };
         // ETIME (timeout) and EINTR just end the wait; the loop reaps what came.
         let _ = r;
@@ -544,6 +581,7 @@ impl Ring {
                 }
                 _ => {
                     self.inflight.set(self.inflight.get() - 1);
+                    self.bios.set(self.bios.get() - 1);
                     // SAFETY: every other user_data is a bio pointer that
                     // submit_bio made with into_raw, completed exactly once.
                     let mut bio = unsafe { BioPtr::from_raw(ud as *mut Bio) };
@@ -561,6 +599,24 @@ impl Ring {
             }
         }
     }
+}
+
+/// How many completions a wait gathers with `bios` in flight and a batch of
+/// at most `batch`: a quarter of them, so that three quarters stay queued at
+/// the device while the reactor sleeps.
+fn wait_target(bios: u32, batch: u32) -> usize {
+    (bios / 4).clamp(1, batch.max(1)) as usize
+}
+
+/// Whether the calling thread may run on one CPU only.
+fn confined_to_one_cpu() -> bool {
+    // SAFETY: cpu_set_t is plain data, for which all zeroes is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a live cpu_set_t of the size passed; the kernel
+    // writes at most that many bytes.
+    let r = unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
+    // SAFETY: CPU_COUNT only reads the set.
+    r == 0 && unsafe { libc::CPU_COUNT(&set) } == 1
 }
 
 #[cfg(test)]
@@ -622,6 +678,57 @@ mod tests {
         for fd in fds {
             // SAFETY: closing the descriptors made above.
             unsafe { libc::close(fd) };
+        }
+    }
+
+    #[test]
+    fn a_wait_gathers_a_quarter_of_the_bios_in_flight_up_to_the_batch() {
+        // Shallow queues wake for every completion...
+        for bios in 0..8 {
+            assert_eq!(wait_target(bios, WAIT_BATCH_MAX), 1, "{bios} in flight");
+        }
+        // ...deeper ones for a quarter of what is in flight, at most 8.
+        assert_eq!(wait_target(8, WAIT_BATCH_MAX), 2);
+        assert_eq!(wait_target(31, WAIT_BATCH_MAX), 7);
+        assert_eq!(wait_target(32, WAIT_BATCH_MAX), 8);
+        assert_eq!(wait_target(1024, WAIT_BATCH_MAX), 8);
+        // A ring that is not confined to one CPU always wakes for each.
+        assert_eq!(wait_target(1024, 1), 1);
+    }
+
+    /// Runs `f` on a thread allowed only the CPUs in `cpus`.
+    fn on_cpus<T: Send>(cpus: &[usize], f: impl FnOnce() -> T + Send) -> T {
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                // SAFETY: all zeroes is the empty set; CPU_SET writes inside it.
+                let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+                for &c in cpus {
+                    // SAFETY: as above; c < CPU_SETSIZE on any test machine.
+                    unsafe { libc::CPU_SET(c, &mut set) };
+                }
+                // SAFETY: `set` is a live cpu_set_t of the size passed.
+                let rc = unsafe {
+                    libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+                };
+                assert_eq!(rc, 0, "sched_setaffinity: {}", io::Error::last_os_error());
+                f()
+            })
+            .join()
+            .unwrap()
+        })
+    }
+
+    #[test]
+    fn only_a_ring_made_on_a_thread_confined_to_one_cpu_gathers() {
+        let batch = |cpus: &[usize]| {
+            on_cpus(cpus, || {
+                Ring::new(8, RingKind::default()).unwrap().wait_batch
+            })
+        };
+        assert_eq!(batch(&[0]), WAIT_BATCH_MAX);
+        let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if n >= 2 {
+            assert_eq!(batch(&[0, 1]), 1);
         }
     }
 

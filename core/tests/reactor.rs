@@ -1298,3 +1298,98 @@ fn a_sleeping_reactor_wakes_for_the_deadline_of_queued_work() {
         "slept until the deadline, not spun"
     );
 }
+
+// ---------------------------------------------------------------------------
+// Gathering completions.
+
+/// A receive that stays pending until its socket is shut down.
+#[repr(C)]
+struct IdleRecv {
+    op: udm_core::RingOp,
+    buf: [u8; 8],
+    done: Cell<bool>,
+}
+
+fn idle_recv_done(op: *mut udm_core::RingOp, _res: i32, _flags: u32) {
+    // SAFETY: every op pushed with this callback is the first field of a
+    // live, #[repr(C)] IdleRecv.
+    unsafe { (*(op as *const IdleRecv)).done.set(true) };
+}
+
+#[test]
+fn a_reactor_confined_to_one_cpu_never_waits_on_receives_for_its_batch() {
+    // A reactor pinned to one CPU gathers several bio completions per wait.
+    // Sockets' receives must not count towards that batch: forty idle
+    // connections and one read in flight must wake it for the read.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let worker = std::thread::spawn(move || {
+        // SAFETY: sched_getcpu takes no arguments.
+        let cpu = unsafe { libc::sched_getcpu() }.max(0) as usize;
+        // SAFETY: all zeroes is the empty set; CPU_SET writes inside it.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        unsafe { libc::CPU_SET(cpu, &mut set) };
+        // SAFETY: `set` is a live cpu_set_t of the size passed.
+        let rc =
+            unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+        assert_eq!(rc, 0);
+        let r = reactor(CompletionMode::Interrupt, DEFAULT_CACHE_SIZE);
+        let mut socks = Vec::new();
+        let mut recvs: Vec<Box<IdleRecv>> = Vec::new();
+        for _ in 0..40 {
+            let mut fds = [0; 2];
+            // SAFETY: socketpair fills the two-element array.
+            let rc =
+                unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM, 0, fds.as_mut_ptr()) };
+            assert_eq!(rc, 0);
+            let mut rv = Box::new(IdleRecv {
+                op: udm_core::RingOp {
+                    complete: idle_recv_done,
+                },
+                buf: [0; 8],
+                done: Cell::new(false),
+            });
+            let e = udm_core::io_uring::opcode::Recv::new(
+                udm_core::io_uring::types::Fd(fds[0]),
+                rv.buf.as_mut_ptr(),
+                8,
+            )
+            .build();
+            // SAFETY: the box (op and buffer) lives until the recv's CQE,
+            // which the drain below waits for.
+            unsafe { r.ring().push_op(e, &mut rv.op) };
+            recvs.push(rv);
+            socks.push(fds);
+        }
+        let dev = MemfdDev::new(1 << 20);
+        let ch = dev.clone().open(&r).unwrap();
+        let mut buf = vec![0u8; BS];
+        let done = Done::default();
+        let mut bio = r.alloc_bio();
+        bio.op = Op::Read;
+        // SAFETY: `buf` outlives the bio's completion, waited for below.
+        unsafe { bio.add_seg(buf.as_mut_ptr(), BS) };
+        bio.set_end_io(record, private_of(&done));
+        ch.submit(bio);
+        r.run_until(|| done.calls.get() > 0);
+        tx.send(done.status.get()).unwrap();
+        // Shutting the sockets down completes the receives.
+        for fds in &socks {
+            // SAFETY: our own descriptors.
+            unsafe { libc::shutdown(fds[0], libc::SHUT_RDWR) };
+        }
+        r.run_until(|| recvs.iter().all(|rv| rv.done.get()));
+        for fds in socks {
+            for fd in fds {
+                // SAFETY: our own descriptors, closed once.
+                unsafe { libc::close(fd) };
+            }
+        }
+        drop(buf);
+    });
+    match rx.recv_timeout(TIMEOUT) {
+        Ok(status) => assert_eq!(status, Some(Status::Ok)),
+        Err(_) => timed_out("a read behind forty idle receives"),
+    }
+    worker.join().unwrap();
+}
