@@ -33,7 +33,9 @@ pub const DEFAULT_CACHE_SIZE: usize = 256;
 /// How a reactor waits for completions when it has nothing else to do.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum CompletionMode {
-    /// Sleep in `io_uring_enter` until a completion, a timer or a message.
+    /// Sleep in `io_uring_enter` until a completion, a timer or a message
+    /// (on a reactor confined to one CPU, until a batch of completions: see
+    /// [`crate::Ring::submit_and_wait`]).
     #[default]
     Interrupt,
     /// Never sleep: spin on completions (lowest latency, one busy core).
