@@ -464,7 +464,7 @@ impl Ring {
 
     /// Submits and waits for a completion, or `timeout`. A ring made on a
     /// thread confined to one CPU waits for a quarter of its bios in flight
-    /// (at least one, at most [`WAIT_BATCH_MAX`]).
+    /// (at least one, at most 8).
     ///
     /// Why only there: io-wq workers, which complete what a file cannot do
     /// without blocking (every O_DIRECT I/O to tmpfs), inherit the
