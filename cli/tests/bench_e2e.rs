@@ -269,6 +269,73 @@ fn table_prints_dmsetup_lines() {
     );
 }
 
+/// Pinned jobs own their CPUs: a device's worker thread (here the
+/// writecache's) runs on the others.
+#[test]
+fn with_cpus_the_devices_workers_keep_off_the_jobs_cpus() {
+    let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if n < 2 {
+        eprintln!("skipped: one CPU, nowhere else to put the worker");
+        return;
+    }
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_udm"))
+        .args([
+            "bench",
+            "--dev",
+            "o=ram:64M",
+            "--dev",
+            "c=ram:16M",
+            "--dev",
+            "wc=0 131072 writecache s o c 4096 0",
+            "--target",
+            "wc",
+            "--rw",
+            "randread",
+            "--runtime",
+            "2",
+            "--cpus",
+            "0",
+            "--json",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run udm");
+    let child = common::KillOnDrop(Some(child));
+    let pid = child.0.as_ref().expect("running").id();
+    let allowed = |comm: &str| -> Option<String> {
+        for t in std::fs::read_dir(format!("/proc/{pid}/task"))
+            .ok()?
+            .flatten()
+        {
+            let c = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+            if c.trim() == comm {
+                let st = std::fs::read_to_string(t.path().join("status")).ok()?;
+                return st
+                    .lines()
+                    .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+                    .map(|v| v.trim().to_string());
+            }
+        }
+        None
+    };
+    let t0 = std::time::Instant::now();
+    let (job, worker) = loop {
+        if let (Some(j), Some(w)) = (allowed("udm-job0"), allowed("writecache")) {
+            break (j, w);
+        }
+        assert!(t0.elapsed().as_secs() < 20, "no job or worker thread seen");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let out = child.wait_with_output();
+    assert_eq!(job, "0", "{out}");
+    assert!(
+        !worker.split(',').any(|r| r.split('-').next() == Some("0")),
+        "the worker may run on the job's CPU 0: {worker}"
+    );
+    assert!(out.contains("\"errors\":0"), "{out}");
+}
+
 /// `--cpus` pins jobs round-robin; two jobs on one CPU still finish.
 #[test]
 fn jobs_pinned_with_cpus_run() {
