@@ -1319,20 +1319,11 @@ fn idle_recv_done(op: *mut udm_core::RingOp, _res: i32, _flags: u32) {
 #[test]
 fn a_reactor_confined_to_one_cpu_never_waits_on_receives_for_its_batch() {
     // A reactor pinned to one CPU gathers several bio completions per wait.
-    // Sockets' receives must not count towards that batch: forty idle
-    // connections and one read in flight must wake it for the read.
+    // Sockets' receives must not count towards that batch: with forty idle
+    // connections and one read in flight, the read wakes it.
     let (tx, rx) = std::sync::mpsc::channel();
     let worker = std::thread::spawn(move || {
-        // SAFETY: sched_getcpu takes no arguments.
-        let cpu = unsafe { libc::sched_getcpu() }.max(0) as usize;
-        // SAFETY: all zeroes is the empty set; CPU_SET writes inside it.
-        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        unsafe { libc::CPU_SET(cpu, &mut set) };
-        // SAFETY: `set` is a live cpu_set_t of the size passed.
-        let rc =
-            unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
-        assert_eq!(rc, 0);
+        pin_here();
         let r = reactor(CompletionMode::Interrupt, DEFAULT_CACHE_SIZE);
         let mut socks = Vec::new();
         let mut recvs: Vec<Box<IdleRecv>> = Vec::new();
@@ -1364,15 +1355,22 @@ fn a_reactor_confined_to_one_cpu_never_waits_on_receives_for_its_batch() {
         let dev = MemfdDev::new(1 << 20);
         let ch = dev.clone().open(&r).unwrap();
         let mut buf = vec![0u8; BS];
-        let done = Done::default();
-        let mut bio = r.alloc_bio();
-        bio.op = Op::Read;
-        // SAFETY: `buf` outlives the bio's completion, waited for below.
-        unsafe { bio.add_seg(buf.as_mut_ptr(), BS) };
-        bio.set_end_io(record, private_of(&done));
-        ch.submit(bio);
-        r.run_until(|| done.calls.get() > 0);
-        tx.send(done.status.get()).unwrap();
+        // One read at a time: each must wake the reactor at once, not after
+        // the 10 ms a batch may wait for completions that do not come.
+        let t0 = Instant::now();
+        let mut status = Vec::new();
+        for _ in 0..20 {
+            let done = Done::default();
+            let mut bio = r.alloc_bio();
+            bio.op = Op::Read;
+            // SAFETY: `buf` outlives the bio's completion, waited for below.
+            unsafe { bio.add_seg(buf.as_mut_ptr(), BS) };
+            bio.set_end_io(record, private_of(&done));
+            ch.submit(bio);
+            r.run_until(|| done.calls.get() > 0);
+            status.push(done.status.get());
+        }
+        tx.send((status, t0.elapsed())).unwrap();
         // Shutting the sockets down completes the receives.
         for fds in &socks {
             // SAFETY: our own descriptors.
@@ -1388,8 +1386,78 @@ fn a_reactor_confined_to_one_cpu_never_waits_on_receives_for_its_batch() {
         drop(buf);
     });
     match rx.recv_timeout(TIMEOUT) {
-        Ok(status) => assert_eq!(status, Some(Status::Ok)),
-        Err(_) => timed_out("a read behind forty idle receives"),
+        Ok((status, took)) => {
+            assert!(status.iter().all(|s| *s == Some(Status::Ok)), "{status:?}");
+            // Waiting for a batch each time would take 200 ms at least.
+            assert!(took < Duration::from_millis(100), "20 reads took {took:?}");
+        }
+        Err(_) => timed_out("reads behind forty idle receives"),
+    }
+    worker.join().unwrap();
+}
+
+/// Pins the calling thread to the CPU it runs on.
+fn pin_here() {
+    // SAFETY: sched_getcpu takes no arguments.
+    let cpu = unsafe { libc::sched_getcpu() }.max(0) as usize;
+    // SAFETY: all zeroes is the empty set; CPU_SET writes inside it.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    unsafe { libc::CPU_SET(cpu, &mut set) };
+    // SAFETY: `set` is a live cpu_set_t of the size passed.
+    let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+    assert_eq!(rc, 0);
+}
+
+/// Set by the message of the test below, on the reactor's thread.
+static BATCH_MESSAGE_RAN: AtomicBool = AtomicBool::new(false);
+
+#[test]
+fn a_batch_that_does_not_come_still_lets_messages_run() {
+    // Bios may need their own reactor to complete (a device this process
+    // serves through the kernel). Here 32 reads wait on an empty pipe, so
+    // the batch of 8 a reactor pinned to one CPU waits for never comes; a
+    // message must still run.
+    const N: usize = 32;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (htx, hrx) = std::sync::mpsc::channel();
+    let worker = std::thread::spawn(move || {
+        pin_here();
+        let r = reactor(CompletionMode::Interrupt, DEFAULT_CACHE_SIZE);
+        let mut fds = [0; 2];
+        // SAFETY: pipe fills the two-element array.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        let mut buf = vec![0u8; N * 8];
+        let dones: Vec<Done> = (0..N).map(|_| Done::default()).collect();
+        for (i, d) in dones.iter().enumerate() {
+            let mut bio = r.alloc_bio();
+            bio.op = Op::Read;
+            // SAFETY: `buf` outlives the reads, drained below.
+            unsafe { bio.add_seg(buf.as_mut_ptr().add(i * 8), 8) };
+            bio.set_end_io(record, private_of(d));
+            r.ring()
+                .submit_bio(RingFd::Raw(fds[0]), bio, 0, false, false);
+        }
+        htx.send(r.handle()).unwrap();
+        r.run_until(|| BATCH_MESSAGE_RAN.load(Ordering::Acquire));
+        tx.send(()).unwrap();
+        // Feed the pipe: every read completes.
+        let data = vec![7u8; N * 8];
+        // SAFETY: writing from a live buffer to our own pipe.
+        let n = unsafe { libc::write(fds[1], data.as_ptr().cast(), data.len()) };
+        assert_eq!(n, data.len() as isize);
+        r.run_until(|| dones.iter().all(|d| d.calls.get() == 1));
+        assert!(dones.iter().all(|d| d.status.get() == Some(Status::Ok)));
+        assert!(buf.iter().all(|&b| b == 7));
+        for fd in fds {
+            // SAFETY: our own descriptors, closed once.
+            unsafe { libc::close(fd) };
+        }
+    });
+    let h: ReactorHandle = hrx.recv_timeout(TIMEOUT).unwrap();
+    assert!(h.send(|_| BATCH_MESSAGE_RAN.store(true, Ordering::Release)));
+    if rx.recv_timeout(TIMEOUT).is_err() {
+        timed_out("a message behind a batch that never comes");
     }
     worker.join().unwrap();
 }
