@@ -119,8 +119,8 @@ pub struct Ring {
     kind: RingKind,
     /// Operations submitted or queued whose CQE has not arrived.
     inflight: Cell<u32>,
-    /// Bios among them: device I/O, which completes without the reactor's
-    /// help (unlike a socket's receive), so a wait may count on it.
+    /// Bios among them: device I/O, which normally completes without the
+    /// reactor's help (a socket's receive may never), so a wait may gather it.
     bios: Cell<u32>,
     /// The most bio completions a wait gathers before it wakes (1: wake for each).
     wait_batch: u32,
@@ -490,7 +490,7 @@ impl Ring {
     /// still gets its turn. The cap is long on purpose: a timer that is the
     /// CPU's next event is reprogrammed on every wait, which traps to the
     /// hypervisor (a 1 ms cap cost 9% of the randwrite figure above, 10 ms
-    /// 1.5%).
+    /// 2%).
     pub fn submit_and_wait(&self, timeout: Option<Duration>) {
         self.drain_backlog();
         let want = wait_target(self.bios.get(), self.wait_batch);
