@@ -7,7 +7,8 @@
 # median MiB/s and the median of its per-round ratios to raw (the rounds are
 # ~50 ms each, so pairing each run with the raw run beside it cancels some
 # of this VM's drift) and in how many rounds each build beat the one
-# before it (scripts/ab-report.py).
+# before it (scripts/ab-report.py). Raw runs with the first build only: for
+# a build's own ratio to raw (the goal's), give it alone or first.
 #   usage: scripts/bench-writecache-ab.sh ROUNDS BLOCK_SIZE UDM_BINARY...
 #   e.g.:  scripts/bench-writecache-ab.sh 15 512 /tmp/udm-before target/release/udm
 set -euo pipefail
