@@ -16,6 +16,7 @@
 
 #![deny(missing_docs)]
 
+pub mod affinity;
 pub mod bio;
 pub mod buf;
 pub mod device;

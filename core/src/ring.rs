@@ -624,13 +624,7 @@ fn wait_target(bios: u32, batch: u32) -> usize {
 
 /// Whether the calling thread may run on one CPU only.
 fn confined_to_one_cpu() -> bool {
-    // SAFETY: cpu_set_t is plain data, for which all zeroes is the empty set.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: `set` is a live cpu_set_t of the size passed; the kernel
-    // writes at most that many bytes.
-    let r = unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) };
-    // SAFETY: CPU_COUNT only reads the set.
-    r == 0 && unsafe { libc::CPU_COUNT(&set) } == 1
+    crate::affinity::allowed_cpus().is_ok_and(|c| c.len() == 1)
 }
 
 #[cfg(test)]
@@ -714,17 +708,7 @@ mod tests {
     fn on_cpus<T: Send>(cpus: &[usize], f: impl FnOnce() -> T + Send) -> T {
         std::thread::scope(|s| {
             s.spawn(|| {
-                // SAFETY: all zeroes is the empty set; CPU_SET writes inside it.
-                let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-                for &c in cpus {
-                    // SAFETY: as above; c < CPU_SETSIZE on any test machine.
-                    unsafe { libc::CPU_SET(c, &mut set) };
-                }
-                // SAFETY: `set` is a live cpu_set_t of the size passed.
-                let rc = unsafe {
-                    libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
-                };
-                assert_eq!(rc, 0, "sched_setaffinity: {}", io::Error::last_os_error());
+                crate::affinity::set_allowed_cpus(cpus).unwrap();
                 f()
             })
             .join()

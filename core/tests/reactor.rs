@@ -1400,13 +1400,7 @@ fn a_reactor_confined_to_one_cpu_never_waits_on_receives_for_its_batch() {
 fn pin_here() {
     // SAFETY: sched_getcpu takes no arguments.
     let cpu = unsafe { libc::sched_getcpu() }.max(0) as usize;
-    // SAFETY: all zeroes is the empty set; CPU_SET writes inside it.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    unsafe { libc::CPU_SET(cpu, &mut set) };
-    // SAFETY: `set` is a live cpu_set_t of the size passed.
-    let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
-    assert_eq!(rc, 0);
+    udm_core::affinity::set_allowed_cpus(&[cpu]).unwrap();
 }
 
 /// Set by the message of the test below, on the reactor's thread.

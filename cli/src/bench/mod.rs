@@ -9,7 +9,7 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
-use udm_core::{BlockDevice, CompletionMode, Error, ReactorConfig, SECTOR_SHIFT};
+use udm_core::{affinity, BlockDevice, CompletionMode, Error, ReactorConfig, SECTOR_SHIFT};
 use udm_mapper::MappedDevice;
 
 use crate::args::Args;
@@ -504,7 +504,7 @@ fn parse_cpus(s: &str) -> Result<Vec<usize>, Error> {
             c.trim()
                 .parse::<usize>()
                 .ok()
-                .filter(|&n| n < libc::CPU_SETSIZE as usize)
+                .filter(|&n| n < affinity::MAX_CPUS)
                 .ok_or_else(|| Error::invalid(format!("--cpus '{s}': '{c}' is not a CPU number")))
         })
         .collect()
@@ -520,43 +520,20 @@ fn keep_off(cpus: &[usize]) -> Result<(), Error> {
     if cpus.is_empty() {
         return Ok(());
     }
-    // SAFETY: cpu_set_t is plain data, valid when zeroed; the calls read
-    // and write only the set passed, of the size passed; CPU_CLR stays
-    // inside it because parse_cpus bounded every CPU by CPU_SETSIZE.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        let size = std::mem::size_of::<libc::cpu_set_t>();
-        if libc::sched_getaffinity(0, size, &mut set) != 0 {
-            return Ok(()); // nothing to narrow: leave it to the scheduler
-        }
-        for &c in cpus {
-            libc::CPU_CLR(c, &mut set);
-        }
-        if libc::CPU_COUNT(&set) > 0 && libc::sched_setaffinity(0, size, &set) != 0 {
-            return Err(Error::os(
-                "--cpus: keeping the other threads off the jobs' CPUs",
-                std::io::Error::last_os_error(),
-            ));
-        }
+    // Unknown: nothing to narrow, leave it to the scheduler.
+    let Ok(mut others) = affinity::allowed_cpus() else {
+        return Ok(());
+    };
+    others.retain(|c| !cpus.contains(c));
+    if others.is_empty() {
+        return Ok(());
     }
-    Ok(())
+    affinity::set_allowed_cpus(&others)
+        .map_err(|e| Error::os("--cpus: keeping the other threads off the jobs' CPUs", e))
 }
 
 /// Pins the calling thread to `cpu`.
 fn pin_to(cpu: usize) -> Result<(), Error> {
-    // SAFETY: cpu_set_t is plain data, valid when zeroed; CPU_SET stays
-    // inside it because parse_cpus bounded `cpu` by CPU_SETSIZE; the call
-    // reads the set we pass and changes only this thread's affinity.
-    let r = unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(cpu, &mut set);
-        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
-    };
-    if r != 0 {
-        return Err(Error::os(
-            format!("--cpus: pinning to CPU {cpu}"),
-            std::io::Error::last_os_error(),
-        ));
-    }
-    Ok(())
+    affinity::set_allowed_cpus(&[cpu])
+        .map_err(|e| Error::os(format!("--cpus: pinning to CPU {cpu}"), e))
 }
