@@ -235,9 +235,14 @@ struct FileChannel {
 impl Channel for FileChannel {
     #[inline]
     fn submit(&self, bio: BioPtr) {
-        let Some(bio) = check_bio(bio, &self.dev.limits, self.dev.caps) else {
-            return;
-        };
+        if let Some(bio) = check_bio(bio, &self.dev.limits, self.dev.caps) {
+            // SAFETY: just checked.
+            unsafe { self.submit_nocheck(bio) }
+        }
+    }
+
+    #[inline]
+    unsafe fn submit_nocheck(&self, bio: BioPtr) {
         let preflush = bio.flags.contains(BioFlags::PREFLUSH);
         let fua = bio.flags.contains(BioFlags::FUA);
         let (ring, fd) = match &self.fast {

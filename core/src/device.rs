@@ -192,6 +192,20 @@ pub trait Channel {
     /// Submits `bio`; the device takes ownership and completes it exactly once,
     /// through its end_io, never from inside this call (see [`BioPtr::complete`]).
     fn submit(&self, bio: BioPtr);
+
+    /// Submits a bio whose caller has already checked it against this
+    /// device's limits and capabilities, so the device skips its own check
+    /// (the kernel's `submit_bio_noacct_nocheck`). The mapper's fast path
+    /// uses it for a bio it remapped inside a target that the table checked
+    /// against the device when it was built. The default checks anyway.
+    ///
+    /// # Safety
+    /// `bio` must pass [`check_bio`] with this device's limits and
+    /// capabilities: a device may address its memory by the bio's sector and
+    /// length without another check.
+    unsafe fn submit_nocheck(&self, bio: BioPtr) {
+        self.submit(bio)
+    }
 }
 
 /// Completes `bio` with `Inval` if it breaks `limits` or names an op `caps`

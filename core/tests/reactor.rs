@@ -661,6 +661,55 @@ fn push_and_pop_end_io_save_and_restore_every_frame() {
 // Messages and wake-ups.
 
 #[test]
+fn remappable_means_a_read_or_write_without_preflush_with_a_free_frame() {
+    // The one-load test must agree with the rule spelled out, for every op,
+    // every flag byte, every status and every depth a bio can have.
+    let r = reactor(CompletionMode::Interrupt, 4);
+    let ops = [Op::Read, Op::Write, Op::Flush, Op::Discard, Op::WriteZeroes];
+    let statuses = [Status::Ok, Status::IoErr, Status::NoMem];
+    let mut bio = r.alloc_bio();
+    for depth in 0..=MAX_STACK {
+        for &op in &ops {
+            for bits in 0..=127u8 {
+                let flags = [
+                    udm_core::BioFlags::PREFLUSH,
+                    udm_core::BioFlags::FUA,
+                    udm_core::BioFlags::NOWAIT,
+                    udm_core::BioFlags::POLLED,
+                    udm_core::BioFlags::NOUNMAP_FAST,
+                    udm_core::BioFlags::MAY_LEND,
+                    udm_core::BioFlags::LENT,
+                ]
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| bits & (1 << i) != 0)
+                .fold(udm_core::BioFlags::NONE, |a, (_, &f)| a | f);
+                for &st in &statuses {
+                    bio.op = op;
+                    bio.flags = flags;
+                    bio.set_status(st);
+                    let want = matches!(op, Op::Read | Op::Write)
+                        && !flags.contains(udm_core::BioFlags::PREFLUSH)
+                        && depth < MAX_STACK;
+                    assert_eq!(
+                        bio.remappable(),
+                        want,
+                        "{op:?} {flags:?} {st:?} at depth {depth}"
+                    );
+                    assert!(!want || bio.can_push());
+                }
+            }
+        }
+        if depth < MAX_STACK {
+            assert!(bio.push_end_io(record, std::ptr::null_mut()));
+        }
+    }
+    while bio.depth() > 0 {
+        bio.pop_end_io();
+    }
+}
+
+#[test]
 fn send_runs_on_the_reactor_thread_and_wakes_a_sleeping_reactor() {
     let r = reactor(CompletionMode::Interrupt, DEFAULT_CACHE_SIZE);
     let dog = Watchdog::new(r.handle());

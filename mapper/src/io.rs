@@ -18,8 +18,8 @@ use std::rc::{Rc, Weak};
 use std::sync::Arc;
 
 use udm_core::{
-    check_bio, BioFlags, BioPtr, BlockDevice, Channel, EndIo, Error, Op, Poller, Reactor, Status,
-    WorkQueue, SECTOR_SHIFT,
+    check_bio, Bio, BioFlags, BioPtr, BlockDevice, Caps, Channel, EndIo, Error, Poller, Reactor,
+    Status, WorkQueue, SECTOR_SHIFT,
 };
 
 use crate::clone;
@@ -101,6 +101,142 @@ enum FastMap {
     /// dispatched. (Three variants, not four: the match over them is
     /// compares, which put linear's case first, not a jump table.)
     Call(bool),
+}
+
+/// What the channel does with a new bio, fixed whenever the table, the
+/// suspension or the fast-path switch changes ([`MapperChannel::refresh`]),
+/// so that the hot path reads one word to choose. The two one-target plans
+/// are seed 000's case (a linear or striped device) with everything they
+/// read in one place; the rest go through [`MapperChannel::map_in`].
+#[derive(Clone, Copy)]
+enum Plan {
+    /// A table of one target remapped by an offset (linear), with no
+    /// max_io_len.
+    Offset(OffsetPlan),
+    /// A table of one target the fast path stripes itself (striped).
+    Stripes(StripesPlan),
+    /// Any other table: with `fast`, find the target and map by its
+    /// [`FastMap`]; without (suspended, switched off, or a target did not
+    /// opt in), the slow path. (Three variants, not four: the match over
+    /// them is compares, not a jump table.)
+    Other {
+        /// Whether the fast path is on.
+        fast: bool,
+    },
+}
+
+/// What a one-target plan checks a bio against: the target's range and the
+/// table's limits. Table::build stacked those limits from the devices' and
+/// checked the target's areas against their sizes, and [`TableIo::plan`]
+/// checked the remap keeps a bio aligned, so a bio admitted here passes its
+/// device's own check, and goes down with [`Channel::submit_nocheck`].
+#[derive(Clone, Copy)]
+struct Window {
+    /// The TableIo the plan was made from (the frame's private).
+    tio: *const TableIo,
+    begin: u64,
+    len: u64,
+    /// The table's logical block size in bytes, minus one.
+    align: u64,
+    max_bytes: u32,
+    max_segs: u32,
+}
+
+impl Window {
+    /// Where a bio the fast path may take lies in the target (its first
+    /// sector and one past its last, target-relative): remappable
+    /// ([`Bio::remappable`]), non-empty, inside the target, aligned, and
+    /// within the table's length and segment limits.
+    #[inline(always)]
+    fn admit(&self, bio: &Bio) -> Option<(u64, u64)> {
+        let rel = bio.sector.wrapping_sub(self.begin);
+        let end = rel.wrapping_add(bio.sectors());
+        let len = bio.len();
+        // `rel < end` rules out an empty bio and one that wraps.
+        (bio.remappable()
+            && rel < end
+            && end <= self.len
+            && ((bio.sector << SECTOR_SHIFT) | len as u64) & self.align == 0
+            && len <= self.max_bytes
+            && bio.nr_segs() <= self.max_segs as usize)
+            .then_some((rel, end))
+    }
+
+    /// Saves the caller's completion in the bio's frame and counts the bio
+    /// in flight on the table.
+    #[inline(always)]
+    fn push(&self, bio: &mut BioPtr) {
+        // SAFETY: the plan is current (refresh runs on every switch), so
+        // `tio` is `current`'s TableIo, which `current` keeps alive.
+        let tio = unsafe { &*self.tio };
+        // Cannot fail: admit() saw a free frame.
+        let _ = bio.push_end_io_ctx(tio.endio, self.tio as *mut (), 0);
+        tio.get();
+    }
+}
+
+/// [`Plan::Offset`]: the target, and where it starts on its device.
+#[derive(Clone, Copy)]
+struct OffsetPlan {
+    w: Window,
+    start: u64,
+    /// The target's device's channel (as [`FastMap::Offset`]'s).
+    ch: *const dyn Channel,
+}
+
+/// [`Plan::Stripes`]: the target, its geometry and its stripes.
+#[derive(Clone, Copy)]
+struct StripesPlan {
+    w: Window,
+    g: Stripes,
+    /// The target's `devs`, one per stripe.
+    devs: *const *const dyn Channel,
+}
+
+impl OffsetPlan {
+    /// Linear's fast path in full: a bio inside the target is remapped and
+    /// passed down; anything else goes to `submit_slow`.
+    #[inline(always)]
+    fn map(&self, mut bio: BioPtr, ch: &MapperChannel) {
+        let Some((rel, _)) = self.w.admit(&bio) else {
+            return ch.submit_slow(bio);
+        };
+        self.w.push(&mut bio);
+        bio.sector = rel.wrapping_add(self.start);
+        // SAFETY: `ch` is the current TableIo's channel to the device, and
+        // the bio passes the device's check (see Window).
+        unsafe { (*self.ch).submit_nocheck(bio) }
+    }
+}
+
+impl StripesPlan {
+    /// Striped's fast path in full: a bio inside one chunk of the target
+    /// goes to its stripe; anything else goes to `submit_slow`.
+    #[inline(always)]
+    fn map(&self, mut bio: BioPtr, ch: &MapperChannel) {
+        let g = self.g;
+        // Inside one chunk: the first and last sectors share their row and
+        // stripe bits.
+        let Some((rel, _)) = self
+            .w
+            .admit(&bio)
+            .filter(|&(rel, end)| (rel ^ (end - 1)) & g.rmask == 0)
+        else {
+            return ch.submit_slow(bio);
+        };
+        // SAFETY: `dev` masks with `smask`, and `devs` has `smask + 1`
+        // entries, one per stripe (Table::build trusts the shifts only
+        // then), owned by the current TableIo.
+        let dch = unsafe { *self.devs.add(g.dev(rel)) };
+        let sector = g.start + g.dev_sector(rel);
+        self.w.push(&mut bio);
+        bio.sector = sector;
+        // The device index is not stored for end_io: `target_end_io`
+        // recomputes it from the saved sector, on the rare bio that needs it.
+        // SAFETY: `dch` is the current TableIo's channel to the stripe's
+        // device, and the bio passes the device's check (see Window).
+        unsafe { (*dch).submit_nocheck(bio) }
+    }
 }
 
 impl TargetIo {
@@ -222,6 +358,57 @@ impl TableIo {
         })
     }
 
+    /// The plan for new bios on this table, when the fast path is on.
+    /// `tio` is this TableIo's address in its Rc.
+    fn plan(&self, tio: *const TableIo) -> Plan {
+        let table = &self.table;
+        if !table.no_clone {
+            return Plan::Other { fast: false };
+        }
+        let general = Plan::Other { fast: true };
+        let [t] = &self.targets[..] else {
+            return general;
+        };
+        let l = &table.limits;
+        let lbs = l.logical_block_size;
+        // The one-target plans pass bios down unchecked, so only where
+        // their own checks imply the device's: writes allowed everywhere
+        // (a read-only device refuses them), and the table's block size a
+        // multiple of every device's.
+        if table.caps.contains(Caps::READ_ONLY)
+            || !lbs.is_power_of_two()
+            || !table
+                .devices
+                .iter()
+                .all(|d| lbs.is_multiple_of(d.limits().logical_block_size))
+        {
+            return general;
+        }
+        let w = Window {
+            tio,
+            begin: t.begin,
+            len: t.len,
+            align: lbs as u64 - 1,
+            max_bytes: l.max_io_bytes,
+            max_segs: l.max_segments,
+        };
+        // And the remapped sector must stay aligned: the device's start is.
+        let aligned = |start: u64| start & self.lbs_mask == 0;
+        match t.fast {
+            FastMap::Offset(start, ch) if t.max_io_len == 0 && aligned(start) => {
+                Plan::Offset(OffsetPlan { w, start, ch })
+            }
+            // Table::build checked the window is the chunk, a multiple of
+            // the block size.
+            FastMap::Stripes(g) if aligned(g.start) => Plan::Stripes(StripesPlan {
+                w,
+                g,
+                devs: t.devs.as_ptr(),
+            }),
+            _ => general,
+        }
+    }
+
     #[inline]
     pub fn get(&self) {
         self.inflight.set(self.inflight.get() + 1);
@@ -294,9 +481,9 @@ impl ChanState {
 
 /// A mapped device's channel on one reactor.
 pub struct MapperChannel {
-    /// Whether new bios may take the fast path at all: not suspended, fast
-    /// path on, every target opted in. One flag for the hot path to test.
-    fast: Cell<bool>,
+    /// What new bios take: the current table's plan ([`TableIo::plan`])
+    /// when not suspended and the fast path is on, else the slow path.
+    plan: Cell<Plan>,
     /// `current`'s address, so the hot path reads a pointer, not a RefCell.
     cur: Cell<*const TableIo>,
     current: RefCell<Rc<TableIo>>,
@@ -325,7 +512,7 @@ impl MapperChannel {
         });
         let tio = Rc::new(TableIo::open(table, reactor, state.clone())?);
         let ch = MapperChannel {
-            fast: Cell::new(false),
+            plan: Cell::new(Plan::Other { fast: false }),
             cur: Cell::new(Rc::as_ptr(&tio)),
             current: RefCell::new(tio),
             state,
@@ -337,10 +524,14 @@ impl MapperChannel {
         Ok(ch)
     }
 
+    /// Makes the plan again; called whenever what it depends on changes.
     fn refresh(&self) {
         let st = &self.state;
-        self.fast
-            .set(!st.suspended.get() && st.fast_path.get() && self.tio().table.no_clone);
+        self.plan.set(if !st.suspended.get() && st.fast_path.get() {
+            self.tio().plan(self.cur.get())
+        } else {
+            Plan::Other { fast: false }
+        });
     }
 
     /// Holds (or, with false, releases the hold on) new I/O.
@@ -416,6 +607,24 @@ impl Channel for MapperChannel {
     /// costs a few dozen instructions.
     #[inline]
     fn submit(&self, bio: BioPtr) {
+        // Read in place, not copied out of the Cell: each plan loads only
+        // the fields it uses.
+        // SAFETY: the plan changes only in `refresh`, which runs from a
+        // reactor message or a completion, never while a submit holds this
+        // reference.
+        match unsafe { &*self.plan.as_ptr() } {
+            Plan::Offset(p) => p.map(bio, self),
+            Plan::Stripes(p) => p.map(bio, self),
+            Plan::Other { fast: true } => self.map_targets(bio),
+            Plan::Other { fast: false } => self.submit_slow(bio),
+        }
+    }
+}
+
+impl MapperChannel {
+    /// The fast path on a table [`Plan::Targets`] covers.
+    #[inline(never)]
+    fn map_targets(&self, bio: BioPtr) {
         let tio = self.tio();
         if tio.targets.len() == 1 {
             self.map_in::<false>(tio, 0, bio)
@@ -423,21 +632,16 @@ impl Channel for MapperChannel {
             self.map_search(tio, bio)
         }
     }
-}
 
-impl MapperChannel {
     /// The fast path's body for target `ti`: when it takes the bio (see the
     /// module docs), pushes the completion frame and remaps; anything else
     /// goes to `submit_slow`. `DIV`: the target's max_io_len window is not a
     /// power of two, so finding the bio's place in it takes a division.
     #[inline(always)]
     fn map_in<const DIV: bool>(&self, tio: &TableIo, ti: usize, mut bio: BioPtr) {
-        // Read or write (ops 0 and 1), no PREFLUSH, a free frame.
-        if self.fast.get()
-            && (bio.op as u8) <= Op::Write as u8
-            && !bio.flags.contains(BioFlags::PREFLUSH)
-            && bio.can_push()
-        {
+        // Read or write, no PREFLUSH, a free frame. (The plan says the
+        // fast path is on.)
+        if bio.remappable() {
             let t = &tio.targets[ti];
             let rel = bio.sector.wrapping_sub(t.begin);
             let n = bio.sectors();

@@ -5,12 +5,16 @@
 
 mod common;
 
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use common::{
     as_dev, assert_sectors_eq, pattern, sector_pattern, Devices, Req, Rng, Tester, SECTOR,
 };
-use udm_core::{BioFlags, BlockDevice, Op, Status};
+use udm_core::{
+    check_bio, BioFlags, BioPtr, BlockDevice, Caps, Channel, Limits, Op, Reactor, Status,
+};
 use udm_mapper::MappedDevice;
 
 /// Where dm's striped target puts target-relative sector `rel`: chunk `c`
@@ -652,6 +656,172 @@ fn misaligned_and_empty_bios_are_invalid() {
         d.assert_returned_intact();
     }
     assert!(t.read_all(&ram).iter().all(|&b| b == 0));
+}
+
+/// A RAM device with the limits and capabilities a test gives it. Bios that
+/// reach it through `submit_nocheck` are counted, and checked anyway: one
+/// that breaks the limits is counted as bad and failed, never served.
+struct Strict {
+    name: &'static str,
+    ram: Arc<dyn BlockDevice>,
+    limits: Limits,
+    caps: Caps,
+    unchecked: Arc<AtomicU64>,
+    bad: Arc<AtomicU64>,
+}
+
+struct StrictChannel {
+    ch: Rc<dyn Channel>,
+    limits: Limits,
+    caps: Caps,
+    unchecked: Arc<AtomicU64>,
+    bad: Arc<AtomicU64>,
+}
+
+impl BlockDevice for Strict {
+    fn name(&self) -> &str {
+        self.name
+    }
+    fn limits(&self) -> Limits {
+        self.limits
+    }
+    fn caps(&self) -> Caps {
+        self.caps
+    }
+    fn open(self: Arc<Self>, r: &Reactor) -> Result<Rc<dyn Channel>, udm_core::Error> {
+        Ok(Rc::new(StrictChannel {
+            ch: self.ram.clone().open(r)?,
+            limits: self.limits,
+            caps: self.caps,
+            unchecked: self.unchecked.clone(),
+            bad: self.bad.clone(),
+        }))
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+impl Channel for StrictChannel {
+    fn submit(&self, bio: BioPtr) {
+        if let Some(bio) = check_bio(bio, &self.limits, self.caps) {
+            self.ch.submit(bio);
+        }
+    }
+    unsafe fn submit_nocheck(&self, bio: BioPtr) {
+        self.unchecked.fetch_add(1, Ordering::Relaxed);
+        let ok = self.limits.check(&bio).is_ok()
+            && self.caps.supports(bio.op)
+            && !(bio.op.is_write() && self.caps.contains(Caps::READ_ONLY));
+        if !ok {
+            self.bad.fetch_add(1, Ordering::Relaxed);
+        }
+        self.submit(bio)
+    }
+}
+
+/// Two strict devices, s0 and s1, of 128 sectors with 4 KiB blocks, at
+/// most 8 KiB and 2 segments per bio; read-only with `read_only`. Returns
+/// them with their (unchecked, bad) counters.
+fn strict_devices(read_only: bool) -> (Devices, Arc<AtomicU64>, Arc<AtomicU64>) {
+    let mut devs = Devices::new();
+    let (unchecked, bad) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    for name in ["s0", "s1"] {
+        let ram = devs.ram(&format!("{name}-ram"), 128);
+        let mut limits = ram.limits();
+        limits.logical_block_size = 4096;
+        limits.physical_block_size = 4096;
+        limits.max_io_bytes = 8192;
+        limits.max_segments = 2;
+        let mut caps = ram.caps();
+        if read_only {
+            caps.insert(Caps::READ_ONLY);
+        }
+        devs.add(Arc::new(Strict {
+            name,
+            ram,
+            limits,
+            caps,
+            unchecked: unchecked.clone(),
+            bad: bad.clone(),
+        }));
+    }
+    (devs, unchecked, bad)
+}
+
+/// A table of one linear or striped target passes the bios it maps down
+/// unchecked (`Channel::submit_nocheck`), so its own checks must cover the
+/// device's: a bio that breaks the device's block size, length or segment
+/// limits, or lies outside the target, is failed with Inval by the mapper
+/// and never reaches the device unchecked. Valid bios are served, and
+/// through the unchecked entry.
+#[test]
+fn one_target_tables_pass_down_unchecked_only_what_the_device_accepts() {
+    for text in ["0 64 linear s0 16", "0 64 striped 2 8 s0 16 s1 16"] {
+        let (devs, unchecked, bad) = strict_devices(false);
+        let dev = as_dev(&devs.mapped("m", text));
+        let t = Tester::new();
+        for req in [
+            Req::write(0, pattern(1, 0, 8)),
+            Req::read(0, 8),
+            Req::write(56, pattern(2, 56, 8)),
+            Req::bytes(Op::Read, 8, 4096).segs(2),
+            // Two chunks of the striped target: split, then served.
+            Req::bytes(Op::Read, 16, 8192),
+        ] {
+            let d = t.run(&dev, req.clone());
+            assert_eq!(d.status, Status::Ok, "{text}: {req:?}");
+        }
+        assert!(
+            unchecked.load(Ordering::Relaxed) >= 4,
+            "{text}: the one-target plan was not used"
+        );
+        for req in [
+            Req::bytes(Op::Read, 0, 512),
+            Req::bytes(Op::Write, 0, 4096 + 512),
+            Req::bytes(Op::Read, 1, 4096),
+            Req::bytes(Op::Read, 0, 16384),
+            Req::bytes(Op::Read, 0, 8192).segs(3),
+            Req::bytes(Op::Read, 0, 0),
+            Req::read(64, 8),
+            Req::read(56, 16),
+            Req::bytes(Op::Read, u64::MAX - 7, 4096),
+        ] {
+            let d = t.run(&dev, req.clone());
+            assert_eq!(d.status, Status::Inval, "{text}: {req:?}");
+            d.assert_returned_intact();
+        }
+        assert_eq!(
+            bad.load(Ordering::Relaxed),
+            0,
+            "{text}: bad bios passed down"
+        );
+    }
+}
+
+/// Where the table's checks would not cover the device's, the bios go down
+/// checked: a read-only device (writes must be refused by the device's
+/// rule) and a device offset off the block size (the remapped bio would be
+/// misaligned).
+#[test]
+fn tables_whose_checks_do_not_cover_the_device_pass_nothing_down_unchecked() {
+    let (devs, unchecked, bad) = strict_devices(true);
+    let dev = as_dev(&devs.mapped("ro", "0 64 linear s0 16"));
+    let t = Tester::new();
+    assert_eq!(t.run(&dev, Req::read(0, 8)).status, Status::Ok);
+    let d = t.run(&dev, Req::write(0, pattern(1, 0, 8)));
+    assert_eq!(d.status, Status::Inval);
+    d.assert_returned_intact();
+
+    let (devs, unchecked2, bad2) = strict_devices(false);
+    let dev = as_dev(&devs.mapped("off", "0 64 linear s0 4"));
+    let d = t.run(&dev, Req::read(0, 8));
+    assert_eq!(d.status, Status::Inval, "sector 4 of a 4 KiB-block device");
+    d.assert_returned_intact();
+    for (u, b) in [(unchecked, bad), (unchecked2, bad2)] {
+        assert_eq!(u.load(Ordering::Relaxed), 0);
+        assert_eq!(b.load(Ordering::Relaxed), 0);
+    }
 }
 
 // ---------------------------------------------------------------------------
