@@ -7,6 +7,14 @@
 //! the bio, so the path allocates nothing and copies nothing; [`noclone_endio`]
 //! restores it. Everything else goes to [`crate::clone`].
 //!
+//! Which way a new bio goes is the channel's [`Plan`], made again whenever
+//! the table, a suspend or the fast-path switch changes. A table of one
+//! linear or one power-of-two striped target (seed 000's devices) has a plan
+//! of its own that holds all its path reads and admits only bios that pass
+//! the device's own check, so they go down unchecked
+//! ([`Channel::submit_nocheck`]); other tables find their target and map by
+//! its [`FastMap`].
+//!
 //! A read whose caller allows lending ([`BioFlags::MAY_LEND`]) keeps that
 //! flag only through pure remaps (linear's offset, striped's sector), where
 //! the device's memory is exactly the caller's data; a target's own `map`
