@@ -219,8 +219,9 @@ impl OffsetPlan {
 
 impl StripesPlan {
     /// Striped's fast path in full: a bio inside one chunk of the target
-    /// goes to its stripe; anything else goes to `submit_slow`.
-    #[inline(always)]
+    /// goes to its stripe; anything else goes to `submit_slow`. (Out of
+    /// line: inlined, its registers would cost linear's path six saves.)
+    #[inline(never)]
     fn map(&self, mut bio: BioPtr, ch: &MapperChannel) {
         let g = self.g;
         // Inside one chunk: the first and last sectors share their row and
@@ -232,13 +233,12 @@ impl StripesPlan {
         else {
             return ch.submit_slow(bio);
         };
+        self.w.push(&mut bio);
+        bio.sector = g.start + g.dev_sector(rel);
         // SAFETY: `dev` masks with `smask`, and `devs` has `smask + 1`
         // entries, one per stripe (Table::build trusts the shifts only
         // then), owned by the current TableIo.
         let dch = unsafe { *self.devs.add(g.dev(rel)) };
-        let sector = g.start + g.dev_sector(rel);
-        self.w.push(&mut bio);
-        bio.sector = sector;
         // The device index is not stored for end_io: `target_end_io`
         // recomputes it from the saved sector, on the rare bio that needs it.
         // SAFETY: `dch` is the current TableIo's channel to the stripe's
