@@ -617,9 +617,10 @@ impl Channel for MapperChannel {
     fn submit(&self, bio: BioPtr) {
         // Read in place, not copied out of the Cell: each plan loads only
         // the fields it uses.
-        // SAFETY: the plan changes only in `refresh`, which runs from a
-        // reactor message or a completion, never while a submit holds this
-        // reference.
+        // SAFETY: the plan changes only in `refresh`, which runs from the
+        // control messages (switch, suspend, the fast-path switch) a reactor
+        // runs between submits, never inside one: nothing below a submit
+        // turns the reactor.
         match unsafe { &*self.plan.as_ptr() } {
             Plan::Offset(p) => p.map(bio, self),
             Plan::Stripes(p) => p.map(bio, self),
@@ -630,7 +631,7 @@ impl Channel for MapperChannel {
 }
 
 impl MapperChannel {
-    /// The fast path on a table [`Plan::Targets`] covers.
+    /// The fast path on a table of [`Plan::Other`] (with `fast`).
     #[inline(never)]
     fn map_targets(&self, bio: BioPtr) {
         let tio = self.tio();
