@@ -208,22 +208,31 @@ pub trait Channel {
     }
 }
 
-/// Completes `bio` with `Inval` if it breaks `limits` or names an op `caps`
-/// lacks; the common entry check of every device's submit. Returns the bio back
-/// when it is fine.
+/// Why `bio` may not go to a device with `limits` and `caps`: `Inval` if it
+/// breaks the limits or writes a read-only device, `NotSupp` if it names an
+/// op the device lacks. The rule [`check_bio`] applies.
 #[inline]
-pub fn check_bio(bio: BioPtr, limits: &Limits, caps: Caps) -> Option<BioPtr> {
-    if let Err(s) = limits.check(&bio) {
-        bio.complete(s);
-        return None;
-    }
+pub fn bio_status(bio: &Bio, limits: &Limits, caps: Caps) -> Result<(), Status> {
+    limits.check(bio)?;
     if !caps.supports(bio.op) {
-        bio.complete(Status::NotSupp);
-        return None;
+        return Err(Status::NotSupp);
     }
     if bio.op.is_write() && caps.contains(Caps::READ_ONLY) {
-        bio.complete(Status::Inval);
-        return None;
+        return Err(Status::Inval);
     }
-    Some(bio)
+    Ok(())
+}
+
+/// Completes `bio` with the status [`bio_status`] gives if it may not go to
+/// a device with `limits` and `caps`; the common entry check of every
+/// device's submit. Returns the bio back when it is fine.
+#[inline]
+pub fn check_bio(bio: BioPtr, limits: &Limits, caps: Caps) -> Option<BioPtr> {
+    match bio_status(&bio, limits, caps) {
+        Ok(()) => Some(bio),
+        Err(s) => {
+            bio.complete(s);
+            None
+        }
+    }
 }

@@ -13,7 +13,8 @@ use common::{
     as_dev, assert_sectors_eq, pattern, sector_pattern, Devices, Req, Rng, Tester, SECTOR,
 };
 use udm_core::{
-    check_bio, BioFlags, BioPtr, BlockDevice, Caps, Channel, Limits, Op, Reactor, Status,
+    bio_status, check_bio, BioFlags, BioPtr, BlockDevice, Caps, Channel, Limits, Op, Reactor,
+    Status,
 };
 use udm_mapper::MappedDevice;
 
@@ -710,10 +711,7 @@ impl Channel for StrictChannel {
     }
     unsafe fn submit_nocheck(&self, bio: BioPtr) {
         self.unchecked.fetch_add(1, Ordering::Relaxed);
-        let ok = self.limits.check(&bio).is_ok()
-            && self.caps.supports(bio.op)
-            && !(bio.op.is_write() && self.caps.contains(Caps::READ_ONLY));
-        if !ok {
+        if bio_status(&bio, &self.limits, self.caps).is_err() {
             self.bad.fetch_add(1, Ordering::Relaxed);
         }
         self.submit(bio)
