@@ -42,15 +42,27 @@
 //! `flush_on_suspend` (do that at the next suspend), `cleaner` (switch the
 //! cleaner on), `clear_stats`.
 //!
-//! How it is built: [`cache`] (the data path and shared state), [`alloc`]
-//! (free space as extents), [`meta`] (on-disk format and why commits are
-//! crash-safe), [`writeback`] (the worker: load, commit, writeback).
+//! How it is built: [`state`] (the shared state behind the lock),
+//! [`channel`] (the engine as a device, its channel on each reactor),
+//! [`map`] (how a bio becomes sub-I/Os), [`discard`], [`entry`] and
+//! [`alloc`] (a block's entry, free space as extents), [`meta`] and
+//! [`image`] (on-disk format and why commits are crash-safe),
+//! the worker: [`worker`] (its state and I/O), [`load`], [`commit`],
+//! [`clean`] (writing blocks back) and [`writeback`] (when it does what).
 
 mod alloc;
-mod cache;
+mod channel;
+mod clean;
+mod commit;
+mod discard;
+mod entry;
 mod image;
+mod load;
+mod map;
 mod meta;
+mod state;
 mod stream;
+mod worker;
 mod writeback;
 
 use std::sync::atomic::Ordering;
@@ -61,8 +73,9 @@ use std::time::Duration;
 use udm_core::{BioPtr, BlockDevice, Error, ErrorKind, SECTOR_SHIFT};
 
 use crate::target::{CtrCtx, DevArea, Map, MapCtx, StatusType, Target, TargetType};
-use cache::{Config, Shared, WcDev};
+use channel::WcDev;
 use meta::Geometry;
+use state::{Config, Shared};
 
 /// The `writecache` target type.
 pub const WRITECACHE: TargetType = TargetType {
@@ -290,7 +303,7 @@ fn writecache_ctr(ctx: &CtrCtx<'_>, argv: &[&str]) -> Result<Box<dyn Target>, Er
 
 impl Writecache {
     /// Waits (on a control thread) until `done` holds, poking the worker.
-    fn wait(&self, mut done: impl FnMut(&cache::State) -> bool) -> Result<(), Error> {
+    fn wait(&self, mut done: impl FnMut(&state::State) -> bool) -> Result<(), Error> {
         let sh = &*self.shared;
         let mut st = sh.lock();
         loop {

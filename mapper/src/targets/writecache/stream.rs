@@ -14,7 +14,7 @@
 //! dropped, unwinding included) is how callers keep the contract. Other
 //! architectures get plain stores and a no-op fence.
 
-use super::cache::Entry;
+use super::entry::Entry;
 
 /// Writes `e` to `dst` with streaming stores.
 ///
@@ -96,8 +96,8 @@ impl Drop for Fence {
 
 #[cfg(test)]
 mod tests {
+    use super::super::entry::St;
     use super::*;
-    use crate::targets::writecache::cache::St;
 
     #[test]
     fn a_streamed_entry_reads_back_as_written() {
