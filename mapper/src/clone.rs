@@ -11,7 +11,7 @@
 
 use udm_core::{Bio, BioFlags, BioPtr, Op, Status, SECTOR_SHIFT};
 
-use crate::io::{ctx_target_dev, TableIo};
+use crate::table_io::{ctx_target_dev, TableIo};
 use crate::target::MapCtx;
 
 /// Parent stage, kept in the parent's context word.

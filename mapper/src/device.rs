@@ -14,7 +14,7 @@
 use std::any::Any;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use udm_core::{
     BioPtr, BlockDevice, Caps, Channel, Error, ErrorKind, Limits, Op, Reactor, ReactorHandle,
@@ -22,6 +22,7 @@ use udm_core::{
 
 use crate::io::MapperChannel;
 use crate::table::Table;
+use crate::waiter::{lock, Guard, Waiter};
 
 static NEXT_KEY: AtomicU64 = AtomicU64::new(1 << 40);
 
@@ -39,10 +40,6 @@ pub struct MappedDevice {
     /// Key of this device's channel in each reactor's locals.
     key: u64,
     ctl: Mutex<Control>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl MappedDevice {
@@ -257,65 +254,5 @@ impl BlockDevice for MappedDevice {
 
     fn as_any(&self) -> &dyn Any {
         self
-    }
-}
-
-/// Counts the reactors a control operation waits for.
-struct Waiter {
-    inner: Arc<WaitInner>,
-}
-
-struct WaitInner {
-    state: Mutex<(usize, Option<Error>)>,
-    cv: Condvar,
-}
-
-/// One reactor's share of a control operation: dropping it reports done.
-pub(crate) struct Guard(Arc<WaitInner>);
-
-impl Guard {
-    /// Reports an error (the first one wins) and done.
-    fn fail(self, e: Error) {
-        let mut s = lock(&self.0.state);
-        if s.1.is_none() {
-            s.1 = Some(e);
-        }
-    }
-}
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        let mut s = lock(&self.0.state);
-        s.0 -= 1;
-        if s.0 == 0 {
-            self.0.cv.notify_all();
-        }
-    }
-}
-
-impl Waiter {
-    fn new() -> Waiter {
-        Waiter {
-            inner: Arc::new(WaitInner {
-                state: Mutex::new((0, None)),
-                cv: Condvar::new(),
-            }),
-        }
-    }
-
-    fn guard(&self) -> Guard {
-        lock(&self.inner.state).0 += 1;
-        Guard(self.inner.clone())
-    }
-
-    fn wait(self) -> Result<(), Error> {
-        let mut s = lock(&self.inner.state);
-        while s.0 > 0 {
-            s = self.inner.cv.wait(s).unwrap_or_else(|p| p.into_inner());
-        }
-        match s.1.take() {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
     }
 }

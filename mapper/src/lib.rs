@@ -17,8 +17,10 @@ mod clone;
 pub mod device;
 mod io;
 pub mod table;
+mod table_io;
 pub mod target;
 pub mod targets;
+mod waiter;
 
 pub use device::MappedDevice;
 pub use io::MapperChannel;

@@ -36,7 +36,7 @@
 //!
 //! DISCARD (offered when the origin takes it) drops the cached blocks of
 //! its range and is passed on to the origin, as dm's; see
-//! `WcChannel::discard` and rule 4 in [`meta`] for the crash-safe order.
+//! `Discarder::discard` and rule 4 in [`meta`] for the crash-safe order.
 //!
 //! Messages: `flush` (commit, write everything back, return when done),
 //! `flush_on_suspend` (do that at the next suspend), `cleaner` (switch the
