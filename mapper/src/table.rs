@@ -88,6 +88,13 @@ impl Registry {
     pub fn names(&self) -> Vec<&'static str> {
         self.types.iter().map(|t| t.name).collect()
     }
+
+    /// All types, sorted by name.
+    pub fn types(&self) -> Vec<&TargetType> {
+        let mut v: Vec<&TargetType> = self.types.iter().collect();
+        v.sort_by_key(|t| t.name);
+        v
+    }
 }
 
 /// A constructed target in a table.
@@ -175,6 +182,8 @@ impl Table {
                 resolver,
             };
             let args: Vec<&str> = s.args.iter().map(String::as_str).collect();
+            tt.check_args(args.len())
+                .map_err(|e| e.context(format!("table line {}", i + 1)))?;
             let target =
                 (tt.ctr)(&ctx, &args).map_err(|e| e.context(format!("table line {}", i + 1)))?;
             if target.per_io_data_size() > udm_core::bio::PER_IO_DATA {
@@ -400,9 +409,9 @@ mod tests {
         assert!(e("8 8 zero").contains("gap or overlap"));
         assert!(e("0 0 zero").contains("zero-length"));
         assert!(e("0 8 mirror x").contains("unknown target type 'mirror'"));
-        assert!(e("0 8 zero extra").contains("takes no arguments"));
+        assert!(e("0 8 zero extra").contains("zero: too many arguments (1): expected no arguments"));
         assert!(e("0 8 linear ram9 0").contains("no device 'ram9'"));
-        assert!(e("0 8 linear ram9").contains("invalid argument count"));
+        assert!(e("0 8 linear ram9").contains("linear: not enough arguments (1): expected 2"));
     }
 
     #[test]

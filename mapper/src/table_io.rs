@@ -142,6 +142,8 @@ pub(crate) struct TableIo {
     pub inflight: Cell<u64>,
     /// The owning channel's state (for retries from completion context).
     pub state: Rc<ChanState>,
+    /// The reactor it is open on ([`Target::reactor_close`] gets it).
+    reactor_id: usize,
 }
 
 impl TableIo {
@@ -191,7 +193,13 @@ impl TableIo {
                 }
             })
             .collect();
+        // Every channel opened: from here on the table is open on this
+        // reactor, and closed (Drop) exactly once.
+        for t in &table.targets {
+            t.target.reactor_open(reactor);
+        }
         Ok(TableIo {
+            reactor_id: reactor.id(),
             endio: match table
                 .targets
                 .iter()
@@ -237,6 +245,16 @@ impl TableIo {
                 None
             }
             Map::Requeue(bio) => Some(bio),
+        }
+    }
+}
+
+impl Drop for TableIo {
+    /// The table is closed on this reactor: its last bio here completed
+    /// (or none ran) and nothing maps through it any more.
+    fn drop(&mut self) {
+        for t in &self.table.targets {
+            t.target.reactor_close(self.reactor_id);
         }
     }
 }

@@ -10,7 +10,7 @@
 use std::rc::Rc;
 use std::sync::Arc;
 
-use udm_core::{Bio, BioPtr, BlockDevice, Caps, Channel, Error, Limits, Status};
+use udm_core::{Bio, BioPtr, BlockDevice, Caps, Channel, Error, Limits, Reactor, Status};
 
 /// What [`Target::map`] did with the bio (dm's `DM_MAPIO_*`).
 pub enum Map {
@@ -186,6 +186,20 @@ pub trait Target: Send + Sync {
     fn postsuspend(&self) -> Result<(), Error> {
         Ok(())
     }
+
+    /// Called on `reactor`'s thread when a table holding this target is
+    /// opened there (a device's channel opened on the reactor, or a new
+    /// table swapped in on it), before any bio is mapped through it there:
+    /// where a target sets up per-reactor state (a timer wheel, a queue).
+    fn reactor_open(&self, _reactor: &Reactor) {}
+
+    /// The match of [`Target::reactor_open`]: the table is closed on the
+    /// reactor whose [`Reactor::id`] is `reactor_id` (an old table once its
+    /// I/O there has finished after a reload, or the channel dropped). No
+    /// bio of the table is in flight there any more. Called on that
+    /// reactor's thread, possibly while the reactor itself is being
+    /// dropped, so it gets the reactor's id, not the reactor.
+    fn reactor_close(&self, _reactor_id: usize) {}
 }
 
 /// Resolves a device named in a table: another udm device, or a path.
@@ -219,17 +233,66 @@ impl CtrCtx<'_> {
     }
 }
 
-/// A target constructor: arguments in, target (or an error naming the bad argument) out.
+/// A target constructor: arguments in, target (or an error naming the bad
+/// argument) out. The core calls it only with a count of arguments its
+/// [`TargetType`] admits ([`TargetType::check_args`]).
 pub type Ctr = fn(&CtrCtx<'_>, &[&str]) -> Result<Box<dyn Target>, Error>;
 
-/// A target type: its name and constructor (dm's `target_type` registration).
+/// A target type: what it is, what it takes, and its constructor (dm's
+/// `target_type` registration). Everything but `ctr` is data, so that tools
+/// can describe a target (`udm targets`) and the core and control library
+/// can check a table line without constructing it.
 pub struct TargetType {
     /// The name used in table lines.
     pub name: &'static str,
     /// Version, as dm reports it.
     pub version: [u32; 3],
+    /// One line: what the target does.
+    pub summary: &'static str,
+    /// The table-line arguments after the type name, as dm documents them
+    /// (e.g. `<dev> <offset>`); empty for a target that takes none.
+    pub usage: &'static str,
+    /// Fewest arguments a table line gives.
+    pub min_args: usize,
+    /// Most arguments, or `None` for no limit.
+    pub max_args: Option<usize>,
+    /// Whether the target may split I/O at boundaries of its own
+    /// ([`Target::max_io_len`]: chunks, windows) besides target boundaries.
+    pub splits: bool,
+    /// Positions (0-based, among the arguments after the type name) of the
+    /// arguments naming devices the target claims exclusively: no other
+    /// target may use them while it does (a writecache's cache device).
+    pub exclusive_args: &'static [usize],
     /// Builds a target from its arguments; the error names the bad argument.
     pub ctr: Ctr,
+}
+
+impl TargetType {
+    /// Checks an argument count against `min_args`/`max_args`; the error
+    /// is one line naming the target, the count given and the count (and
+    /// arguments) it takes.
+    pub fn check_args(&self, n: usize) -> Result<(), Error> {
+        let (few, many) = (n < self.min_args, self.max_args.is_some_and(|m| n > m));
+        if !few && !many {
+            return Ok(());
+        }
+        let want = match self.max_args {
+            Some(0) => "no arguments".to_string(),
+            Some(m) if m == self.min_args => format!("{m}"),
+            Some(m) => format!("{} to {m}", self.min_args),
+            None => format!("at least {}", self.min_args),
+        };
+        let usage = if self.usage.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", self.usage)
+        };
+        Err(Error::invalid(format!(
+            "{}: {} arguments ({n}): expected {want}{usage}",
+            self.name,
+            if few { "not enough" } else { "too many" },
+        )))
+    }
 }
 
 /// Parses a sector count or offset argument, naming it in the error.

@@ -1049,6 +1049,12 @@ fn requeued_bios_are_mapped_again_and_complete_once() {
     reg.register(udm_mapper::TargetType {
         name: "busy",
         version: [1, 0, 0],
+        summary: "remaps, after asking for a retry every other time",
+        usage: "<dev>",
+        min_args: 1,
+        max_args: Some(1),
+        splits: false,
+        exclusive_args: &[],
         ctr: busy_ctr,
     });
     let resolve = |name: &str| Ok(devs.get(name));

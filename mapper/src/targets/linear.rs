@@ -12,6 +12,12 @@ use crate::target::{parse_sector, CtrCtx, DevArea, Map, MapCtx, StatusType, Targ
 pub const LINEAR: TargetType = TargetType {
     name: "linear",
     version: [1, 4, 0],
+    summary: "maps the range onto a contiguous area of another device",
+    usage: "<dev> <offset>",
+    min_args: 2,
+    max_args: Some(2),
+    splits: false,
+    exclusive_args: &[],
     ctr: linear_ctr,
 };
 
@@ -20,12 +26,8 @@ struct Linear {
 }
 
 fn linear_ctr(ctx: &CtrCtx<'_>, argv: &[&str]) -> Result<Box<dyn Target>, Error> {
-    let [dev, offset] = argv else {
-        return Err(Error::invalid(format!(
-            "linear: invalid argument count {} (expected <dev> <offset>)",
-            argv.len()
-        )));
-    };
+    // Two arguments: the core checked the count (LINEAR.max_args).
+    let (dev, offset) = (argv[0], argv[1]);
     let start = parse_sector("device sector", offset).map_err(|e| e.context("linear"))?;
     let dev = ctx.get_device(dev).map_err(|e| e.context("linear"))?;
     Ok(Box::new(Linear {

@@ -22,6 +22,12 @@ use crate::target::{
 pub const STRIPED: TargetType = TargetType {
     name: "striped",
     version: [1, 6, 0],
+    summary: "spreads the range over several devices in chunks (RAID 0)",
+    usage: "<#stripes> <chunk sectors> <dev> <offset> [<dev> <offset>]...",
+    min_args: 2,
+    max_args: None,
+    splits: true,
+    exclusive_args: &[],
     ctr: striped_ctr,
 };
 
@@ -42,11 +48,6 @@ fn pow2_shifts(chunk: u64, stripes: u64) -> Option<(u32, u32)> {
 
 fn striped_ctr(ctx: &CtrCtx<'_>, argv: &[&str]) -> Result<Box<dyn Target>, Error> {
     let e = |m: String| Error::invalid(format!("striped: {m}"));
-    if argv.len() < 2 {
-        return Err(e(
-            "not enough arguments (expected <#stripes> <chunk sectors> <dev> <offset>…)".into(),
-        ));
-    }
     let stripes = parse_count("stripe count", argv[0]).map_err(|x| x.context("striped"))?;
     if stripes == 0 {
         return Err(e(format!(

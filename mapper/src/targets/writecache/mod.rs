@@ -81,6 +81,13 @@ use state::{Config, Shared};
 pub const WRITECACHE: TargetType = TargetType {
     name: "writecache",
     version: [1, 6, 0],
+    summary: "a persistent write cache on a fast device (SSD mode)",
+    usage: "s <origin> <cache> <block size> <#features> [features...]",
+    min_args: 5,
+    max_args: None,
+    splits: false,
+    // The cache device: its superblock and entries are this target's.
+    exclusive_args: &[2],
     ctr: writecache_ctr,
 };
 
@@ -105,12 +112,6 @@ fn num<T: std::str::FromStr>(what: &str, v: Option<&&str>) -> Result<T, Error> {
 }
 
 fn writecache_ctr(ctx: &CtrCtx<'_>, argv: &[&str]) -> Result<Box<dyn Target>, Error> {
-    if argv.len() < 5 {
-        return Err(bad(format!(
-            "not enough arguments ({}): expected s <origin> <cache> <block size> <#features> [features…]",
-            argv.len()
-        )));
-    }
     match argv[0] {
         "s" => {}
         "p" => {
