@@ -15,6 +15,8 @@
 
 mod clone;
 pub mod device;
+#[doc(hidden)]
+pub mod fuzzing;
 mod io;
 pub mod table;
 mod table_io;

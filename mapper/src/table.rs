@@ -169,6 +169,14 @@ impl Table {
             if s.len == 0 {
                 return Err(line("zero-length target".into()));
             }
+            let Some(end) = s.start.checked_add(s.len) else {
+                return Err(line(format!(
+                    "target of {} sectors from {} ends past the last sector ({})",
+                    s.len,
+                    s.start,
+                    u64::MAX
+                )));
+            };
             let Some(tt) = reg.get(&s.ty) else {
                 return Err(line(format!(
                     "unknown target type '{}' (known: {})",
@@ -217,7 +225,7 @@ impl Table {
                 };
                 dev_index.push(idx);
             }
-            next = s.start + s.len;
+            next = end;
             targets.push(TableTarget {
                 begin: s.start,
                 len: s.len,

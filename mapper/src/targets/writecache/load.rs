@@ -7,7 +7,8 @@ use std::rc::Rc;
 use udm_core::{AlignedBuf, BioFlags, Error, ErrorKind, Op, SECTOR_SHIFT};
 
 use super::entry::{Entry, St, NONE};
-use super::meta::{DiskEntry, Super, MBLOCK_BYTES, SB_BYTES};
+use super::meta::{DiskEntry, Geometry, Super, MBLOCK_BYTES, SB_BYTES};
+use super::state::State;
 use super::worker::Worker;
 
 /// Writes of the entry array a format keeps in flight.
@@ -44,25 +45,10 @@ impl Worker {
                         format!("writecache: reading the superblock failed: {s}"),
                     ))));
                 }
-                match Super::decode(&buf) {
+                match check_super(&sh.geo, &buf) {
                     Err(e) => result.set(Some(Err(e))),
                     Ok(None) => me.format(result),
-                    Ok(Some(sb)) => {
-                        let g = &sh.geo;
-                        if sb.block_size != g.block_size {
-                            return result.set(Some(Err(Error::invalid(format!(
-                                "writecache: block size {} does not match the cache's ({})",
-                                g.block_size, sb.block_size
-                            )))));
-                        }
-                        if sb.n_blocks != g.n_blocks {
-                            return result.set(Some(Err(Error::invalid(format!(
-                                "writecache: the cache holds {} blocks but this table gives it {}",
-                                sb.n_blocks, g.n_blocks
-                            )))));
-                        }
-                        me.read_entries(sb.seq, result);
-                    }
+                    Ok(Some(sb)) => me.read_entries(sb.seq, result),
                 }
             },
         );
@@ -210,76 +196,108 @@ impl Worker {
         }
     }
 
-    /// Rebuilds the in-memory state from the entry array: for each origin
-    /// block the committed entry with the highest seq wins; everything else
-    /// is free.
+    /// Rebuilds the in-memory state from the entry array (see [`rebuild`]).
     fn rebuild(&self, sb_seq: u64, buf: &[u8]) {
         let sh = &*self.shared;
-        let bs = sh.cfg.bs_sectors();
-        let n = sh.geo.n_blocks;
-        let mut st = sh.lock();
-        st.committed = sb_seq;
-        st.pending_gen = sb_seq + 1;
-        let mut winners: Vec<(u64, u32)> = Vec::new();
-        for b in 0..n {
-            let o = b as usize * 16;
-            let e = DiskEntry::decode(&buf[o..o + 16]);
-            let valid = e.seq != 0
-                && e.seq <= sb_seq
-                && e.sector.is_multiple_of(bs)
-                && e.sector / bs < sh.origin_blocks;
-            // Entries start free (State::new): a loser or a leftover only
-            // needs its free marker written.
-            if !valid {
-                if e != DiskEntry::FREE {
-                    st.mark_free(b);
-                }
+        rebuild(
+            &mut sh.lock(),
+            sb_seq,
+            buf,
+            sh.cfg.bs_sectors(),
+            sh.origin_blocks,
+        );
+    }
+}
+
+/// Decodes the superblock read from the cache and checks it against the
+/// table's geometry: `Ok(None)` for a cache with none (to be formatted).
+pub(crate) fn check_super(g: &Geometry, buf: &[u8]) -> Result<Option<Super>, Error> {
+    let Some(sb) = Super::decode(buf)? else {
+        return Ok(None);
+    };
+    if sb.block_size != g.block_size {
+        return Err(Error::invalid(format!(
+            "writecache: block size {} does not match the cache's ({})",
+            g.block_size, sb.block_size
+        )));
+    }
+    if sb.n_blocks != g.n_blocks {
+        return Err(Error::invalid(format!(
+            "writecache: the cache holds {} blocks but this table gives it {}",
+            sb.n_blocks, g.n_blocks
+        )));
+    }
+    Ok(Some(sb))
+}
+
+/// Rebuilds `st` (new, as `State::new` made it) from the entry array `buf`
+/// (whole metadata blocks) of a cache whose last commit was `sb_seq`, with
+/// blocks of `bs` sectors over `origin_blocks` origin blocks: for each
+/// origin block the committed entry with the highest seq wins; everything
+/// else is free, and entries that are neither free nor a winner get a free
+/// marker in the next commit.
+pub(crate) fn rebuild(st: &mut State, sb_seq: u64, buf: &[u8], bs: u64, origin_blocks: u64) {
+    let n = st.entries.len() as u32;
+    st.committed = sb_seq;
+    st.pending_gen = sb_seq + 1;
+    let mut winners: Vec<(u64, u32)> = Vec::new();
+    for b in 0..n {
+        let o = b as usize * 16;
+        let e = DiskEntry::decode(&buf[o..o + 16]);
+        let valid = e.seq != 0
+            && e.seq <= sb_seq
+            && e.sector.is_multiple_of(bs)
+            && e.sector / bs < origin_blocks;
+        // Entries start free (State::new): a loser or a leftover only
+        // needs its free marker written.
+        if !valid {
+            if e != DiskEntry::FREE {
+                st.mark_free(b);
+            }
+            continue;
+        }
+        let ob = e.sector / bs;
+        let cur = st.map[ob as usize];
+        if cur != NONE {
+            if st.entries[cur as usize].seq >= e.seq {
+                st.mark_free(b);
                 continue;
             }
-            let ob = e.sector / bs;
-            let cur = st.map[ob as usize];
-            if cur != NONE {
-                if st.entries[cur as usize].seq >= e.seq {
-                    st.mark_free(b);
-                    continue;
-                }
-                st.entries[cur as usize] = Entry::FREE;
-                st.mark_free(cur);
-            }
-            st.map[ob as usize] = b;
-            let en = &mut st.entries[b as usize];
-            en.ob = ob as u32;
-            en.seq = e.seq;
-            en.st = St::Live;
-            winners.push((e.seq, b));
+            st.entries[cur as usize] = Entry::FREE;
+            st.mark_free(cur);
         }
-        // The image, from the rebuilt states (the markers above are in it
-        // already; the winners are not).
-        for &(_, b) in &winners {
-            let e = st.disk_entry(b as usize, bs);
-            st.set_image(b, e);
+        st.map[ob as usize] = b;
+        let en = &mut st.entries[b as usize];
+        en.ob = ob as u32;
+        en.seq = e.seq;
+        en.st = St::Live;
+        winners.push((e.seq, b));
+    }
+    // The image, from the rebuilt states (the markers above are in it
+    // already; the winners are not).
+    for &(_, b) in &winners {
+        let e = st.disk_entry(b as usize, bs);
+        st.set_image(b, e);
+    }
+    // Oldest first in the writeback order.
+    winners.sort_unstable();
+    for &(_, b) in &winners {
+        if st.entries[b as usize].st == St::Live && st.map[st.entries[b as usize].ob as usize] == b
+        {
+            st.lru_push(b);
+            st.live += 1;
         }
-        // Oldest first in the writeback order.
-        winners.sort_unstable();
-        for &(_, b) in &winners {
-            if st.entries[b as usize].st == St::Live
-                && st.map[st.entries[b as usize].ob as usize] == b
-            {
-                st.lru_push(b);
-                st.live += 1;
-            }
-        }
-        let mut b = 0;
-        while b < n {
-            if st.entries[b as usize].st == St::Free {
-                let s = b;
-                while b < n && st.entries[b as usize].st == St::Free {
-                    b += 1;
-                }
-                st.free.free(s, b - s);
-            } else {
+    }
+    let mut b = 0;
+    while b < n {
+        if st.entries[b as usize].st == St::Free {
+            let s = b;
+            while b < n && st.entries[b as usize].st == St::Free {
                 b += 1;
             }
+            st.free.free(s, b - s);
+        } else {
+            b += 1;
         }
     }
 }

@@ -98,7 +98,8 @@ impl Geometry {
         Ok(Geometry::with_blocks(n as u32, block_size))
     }
 
-    fn with_blocks(n: u32, block_size: u32) -> Geometry {
+    /// The geometry of a cache of `n` blocks of `block_size` bytes.
+    pub fn with_blocks(n: u32, block_size: u32) -> Geometry {
         let bs = block_size as u64;
         let mblocks = (n as u64).div_ceil(ENTRIES_PER_MBLOCK as u64);
         let meta_end = SB_BYTES + mblocks * MBLOCK_BYTES as u64;
@@ -171,10 +172,17 @@ impl Super {
                 u32_at(8)
             )));
         }
+        let seq = u64_at(24);
+        if seq == u64::MAX {
+            // The next commit's generation would not fit.
+            return Err(Error::invalid(
+                "writecache: superblock generation out of range",
+            ));
+        }
         Ok(Some(Super {
             block_size: u32_at(12),
             n_blocks: u32_at(16),
-            seq: u64_at(24),
+            seq,
         }))
     }
 }

@@ -56,6 +56,7 @@ mod clean;
 mod commit;
 mod discard;
 mod entry;
+mod fuzzing;
 mod image;
 mod load;
 mod map;
@@ -75,6 +76,8 @@ use udm_core::{BioPtr, BlockDevice, Error, ErrorKind, SECTOR_SHIFT};
 use crate::target::{CtrCtx, DevArea, Map, MapCtx, StatusType, Target, TargetType};
 use channel::WcDev;
 use meta::Geometry;
+
+pub(crate) use fuzzing::fuzz_load;
 use state::{Config, Shared};
 
 /// The `writecache` target type.
