@@ -82,7 +82,9 @@ impl Worker {
                 {
                     // Fail the cache (all I/O errors) rather than panic the
                     // worker, which would leave I/O hanging.
-                    eprintln!("writecache: the metadata image differs from the entries in metadata blocks {m0}..{m1}");
+                    tracing::error!(
+                        "writecache: the metadata image differs from the entries in metadata blocks {m0}..{m1}"
+                    );
                     self.fail(&mut st);
                 }
                 runs.push((start, st.image.hold(m0, m1), (m1 - m0) * MBLOCK_BYTES));
