@@ -9,7 +9,7 @@
 //!
 //! Control never locks the data path: it messages every reactor that has a
 //! channel to the device (SPDK's `for_each_channel`) and waits for each to
-//! answer by dropping a [`Guard`].
+//! answer by dropping a guard (`waiter.rs`).
 
 use std::any::Any;
 use std::rc::Rc;

@@ -36,19 +36,19 @@
 //!
 //! DISCARD (offered when the origin takes it) drops the cached blocks of
 //! its range and is passed on to the origin, as dm's; see
-//! `Discarder::discard` and rule 4 in [`meta`] for the crash-safe order.
+//! `Discarder::discard` and rule 4 in `meta.rs` for the crash-safe order.
 //!
 //! Messages: `flush` (commit, write everything back, return when done),
 //! `flush_on_suspend` (do that at the next suspend), `cleaner` (switch the
 //! cleaner on), `clear_stats`.
 //!
-//! How it is built: [`state`] (the shared state behind the lock),
-//! [`channel`] (the engine as a device, its channel on each reactor),
-//! [`map`] (how a bio becomes sub-I/Os), [`discard`], [`entry`] and
-//! [`alloc`] (a block's entry, free space as extents), [`meta`] and
-//! [`image`] (on-disk format and why commits are crash-safe),
-//! the worker: [`worker`] (its state and I/O), [`load`], [`commit`],
-//! [`clean`] (writing blocks back) and [`writeback`] (when it does what).
+//! How it is built: `state.rs` (the shared state behind the lock),
+//! `channel.rs` (the engine as a device, its channel on each reactor),
+//! `map.rs` (how a bio becomes sub-I/Os), `discard.rs`, `entry.rs` and
+//! `alloc.rs` (a block's entry, free space as extents), `meta.rs` and
+//! `image.rs` (on-disk format and why commits are crash-safe), and the
+//! worker: `worker.rs` (its state and I/O), `load.rs`, `commit.rs`,
+//! `clean.rs` (writing blocks back) and `writeback.rs` (when it does what).
 
 mod alloc;
 mod channel;
