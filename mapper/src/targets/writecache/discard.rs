@@ -198,13 +198,13 @@ fn discard_origin_done(mut bio: BioPtr) {
     // SAFETY: the private of the engine's frame is the Discarder that
     // pushed it, inside its channel, kept alive by its table while I/O is
     // in flight.
-    let ch = unsafe { &*(bio.private() as *const Discarder) };
+    let d = unsafe { &*(bio.private() as *const Discarder) };
     if !bio.status().is_ok() || bio.ctx() & DISCARD_PASS != 0 {
         bio.pop_end_io();
         return bio.endio();
     }
-    if !ch.shared.cfg.origin.caps().contains(Caps::FLUSH) {
-        return ch.finish_discard(bio, true);
+    if !d.shared.cfg.origin.caps().contains(Caps::FLUSH) {
+        return d.finish_discard(bio, true);
     }
     // Flush the origin before any block of the range is marked free, so
     // that a crash cannot lose the discard but keep the markers.
@@ -212,7 +212,7 @@ fn discard_origin_done(mut bio: BioPtr) {
     f.flags = udm_core::BioFlags::NONE;
     f.set_dataless(Op::Flush, 0, 0);
     f.set_end_io(discard_flush_done, bio.into_raw().cast());
-    ch.origin.submit(f);
+    d.origin.submit(f);
 }
 
 fn discard_flush_done(f: BioPtr) {
@@ -222,11 +222,11 @@ fn discard_flush_done(f: BioPtr) {
     let s = f.status();
     drop(f);
     // SAFETY: as in discard_origin_done: the discard's frame is ours.
-    let ch = unsafe { &*(bio.private() as *const Discarder) };
+    let d = unsafe { &*(bio.private() as *const Discarder) };
     if !s.is_ok() {
         bio.set_status(s);
         bio.pop_end_io();
         return bio.endio();
     }
-    ch.finish_discard(bio, true);
+    d.finish_discard(bio, true);
 }
