@@ -520,6 +520,20 @@ impl MapperChannel {
     }
 }
 
+impl Drop for MapperChannel {
+    /// Retired tables hold the channel's state, which holds them: let go of
+    /// the idle ones here, so that they are freed (and closed on this
+    /// reactor, see [`crate::Target::reactor_close`]) with the channel. One
+    /// still in use (a bio that never completed) stays, as its bio's frame
+    /// points at it.
+    fn drop(&mut self) {
+        self.state
+            .retired
+            .borrow_mut()
+            .retain(|t| t.inflight.get() > 0);
+    }
+}
+
 impl Poller for MapperChannel {
     /// Slow work, once per reactor turn while there is some (the channel is
     /// on the reactor's work queue only then): retries, freeing retired
