@@ -255,6 +255,12 @@ impl Channel for PcChannel {
                     let mut st = lock(&dev.st);
                     let id = st.next_id;
                     st.next_id += 1;
+                    if bio.flags.contains(BioFlags::PREFLUSH) {
+                        // The write's preflush covers what completed before
+                        // it, as a flush would.
+                        let covered = completed_writes(&st);
+                        st.flushes.insert(id, covered);
+                    }
                     st.window.push(Pending {
                         id,
                         sector: bio.sector,
@@ -273,12 +279,7 @@ impl Channel for PcChannel {
             Op::Flush => {
                 let id = {
                     let mut st = lock(&dev.st);
-                    let covered = st
-                        .window
-                        .iter()
-                        .filter(|p| p.completed)
-                        .map(|p| p.id)
-                        .collect();
+                    let covered = completed_writes(&st);
                     let id = st.next_id;
                     st.next_id += 1;
                     st.flushes.insert(id, covered);
@@ -300,13 +301,26 @@ impl Channel for PcChannel {
     }
 }
 
+/// The writes a flush submitted now covers: those completed.
+fn completed_writes(st: &State) -> Vec<u64> {
+    st.window
+        .iter()
+        .filter(|p| p.completed)
+        .map(|p| p.id)
+        .collect()
+}
+
 fn write_done(mut bio: BioPtr) {
     // SAFETY: private is the PowerCut the channel submitted through; its
     // channel (which holds an Arc to it) outlives the bio.
     let dev = unsafe { &*(bio.private() as *const PowerCut) };
     let id = bio.ctx();
+    let mut st = lock(&dev.st);
+    let preflushed = st.flushes.remove(&id).unwrap_or_default();
     if bio.status().is_ok() {
-        let mut st = lock(&dev.st);
+        for w in preflushed {
+            st.make_durable(w);
+        }
         if let Some(p) = st.window.iter_mut().find(|p| p.id == id) {
             p.completed = true;
         }
@@ -314,6 +328,8 @@ fn write_done(mut bio: BioPtr) {
             st.make_durable(id);
         }
     }
+    // Not held into the completion, which may submit to this device again.
+    drop(st);
     bio.pop_end_io();
     bio.endio();
 }

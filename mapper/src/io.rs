@@ -462,6 +462,14 @@ impl MapperChannel {
     /// what that returned.
     #[inline(never)]
     fn map_fast(&self, tio: &TableIo, ti: usize, mut bio: BioPtr) {
+        // The fast path's admission checks sectors, not bytes, length or
+        // segments: a remap leaves those to the device below, but a target
+        // that maps itself may complete the bio or change its status, so
+        // the table's limits are checked here (the frame is pushed: the
+        // completion unwinds it, as for a bio the target kills).
+        if let Err(s) = tio.table.limits.check(&bio) {
+            return bio.complete(s);
+        }
         let t = &tio.targets[ti];
         // Only a pure remap (offset or sector) may let a device below lend
         // its memory to the caller: a target that maps itself may cache,

@@ -138,7 +138,7 @@ fn run(sh: Arc<Shared>, tx: mpsc::Sender<Result<(), Error>>) {
     // UDM_WC_WORKER_POLL=1 makes the worker spin instead of sleeping in
     // io_uring_enter: valgrind (3.19) holds its big lock across that call,
     // so a sleeping worker would stop every other thread under callgrind
-    // (scripts/instr-per-io.sh sets it and counts the other threads only).
+    // (scripts/bench/instr-per-io.sh sets it and counts the other threads only).
     let mut rc = ReactorConfig::default();
     if std::env::var_os("UDM_WC_WORKER_POLL").is_some_and(|v| v == "1") {
         rc.mode = udm_core::CompletionMode::Poll;

@@ -28,11 +28,11 @@
 # page allocation the other does not. A `udm bench` process does not commit
 # at exit, so what the last pass wrote after its last autocommit (1 s) is
 # not in the aged cache: the aged state is what the metadata holds.
-#   usage: scripts/bench-writecache-aged.sh [ROUNDS] [PASSES] [BLOCK SIZES…]
+#   usage: scripts/bench/writecache-aged.sh [ROUNDS] [PASSES] [BLOCK SIZES…]
 set -euo pipefail
-# The job thread is pinned: see bench-pinned.sh (CPU=N moves it).
-. "$(dirname "$0")/bench-pinned.sh"
-cd "$(dirname "$0")/.."
+# The job thread is pinned: see pinned.sh (CPU=N moves it).
+. "$(dirname "$0")/pinned.sh"
+cd "$(dirname "$0")/../.."
 ROUNDS=${1:-5}
 PASSES=${2:-4}
 shift $(( $# > 2 ? 2 : $# ))

@@ -3,8 +3,8 @@
 # between a run over SMALL and one over LARGE bytes (same command otherwise),
 # so start-up and tear-down cancel out.
 #
-#   scripts/instr-per-io.sh [bench options...]
-#   e.g. scripts/instr-per-io.sh --target lin --rw read --bs 512 --iodepth 1
+#   scripts/bench/instr-per-io.sh [bench options...]
+#   e.g. scripts/bench/instr-per-io.sh --target lin --rw read --bs 512 --iodepth 1
 #
 # Env: SMALL (default 4M), LARGE (default 12M), UDM (binary; default builds
 # target/release/udm). Prints "<instructions per I/O> <I/Os in the slope>".
@@ -14,7 +14,7 @@
 # holds its lock across a sleeping io_uring_enter) are left out: the figure
 # is the cost on the threads that submit and complete the I/O.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 SMALL=${SMALL:-4M}
 LARGE=${LARGE:-12M}
 if [ -z "${UDM:-}" ]; then

@@ -9,7 +9,7 @@
 # Each round starts every server in turn (a different one first each round)
 # and runs every job on it; the report gives the median over rounds.
 #
-# usage: scripts/bench-nbd.sh [ROUNDS=3] [RUNTIME_S=4]
+# usage: scripts/bench/nbd.sh [ROUNDS=3] [RUNTIME_S=4]
 #   SERVERS="udm udm-null nbdkit-null" JOBS="randwrite-4k-qd32" picks a subset
 #   (udm-null: udm over the null backend, the server's cost without storing data;
 #   udm-b: the udm binary at $UDM_B, to compare two builds side by side;
@@ -31,11 +31,11 @@
 set -euo pipefail
 ROUNDS=${1:-3}
 RUNTIME=${2:-4}
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 UDM=$ROOT/target/release/udm
 (cd "$ROOT" && cargo build --release -q -p udm)
 for t in fio nbdkit qemu-nbd qemu-storage-daemon; do
-    command -v $t >/dev/null || { echo "bench-nbd: $t missing (scripts/setup.sh installs it)" >&2; exit 2; }
+    command -v $t >/dev/null || { echo "bench/nbd: $t missing (scripts/setup.sh installs it)" >&2; exit 2; }
 done
 W=$(mktemp -d /tmp/udm-bench-nbd.XXXXXX)
 IMG=/dev/shm/udm-bench-nbd-$$.raw
@@ -52,7 +52,7 @@ case ${PIN:-} in
 "") SPIN=(); CPIN=() ;;
 same) SPIN=(taskset -c 0); CPIN=(taskset -c 0) ;;
 split) SPIN=(taskset -c 1); CPIN=(taskset -c 0) ;;
-*) echo "bench-nbd: PIN=same or PIN=split" >&2; exit 2 ;;
+*) echo "bench/nbd: PIN=same or PIN=split" >&2; exit 2 ;;
 esac
 JOBS=${JOBS:-"randread-4k-qd1 randread-4k-qd32 randwrite-4k-qd32 read-128k-qd8"}
 
@@ -106,7 +106,7 @@ start() { # server -> sets PID and URI
     esac
     PID=$!
     for _ in $(seq 200); do [ -S "$sock" ] && return 0; sleep 0.05; done
-    echo "bench-nbd: $s did not start:" >&2; cat "$W/$s.log" >&2; exit 1
+    echo "bench/nbd: $s did not start:" >&2; cat "$W/$s.log" >&2; exit 1
 }
 
 stop() { kill "$PID" 2>/dev/null; wait "$PID" 2>/dev/null || true; PID=; }
@@ -161,7 +161,7 @@ PY
         echo -e "$s\t$r\t$(python3 -c "print(f'{($c1 - $c0) / $TCK / ${IDLE_S:-2} * 100:.1f}')")" >>"$W/idle.tsv"
         stop
     done
-    echo "bench-nbd: round $r of $ROUNDS done" >&2
+    echo "bench/nbd: round $r of $ROUNDS done" >&2
 done
 
 python3 - "$RES" "$SERVERS" "$JOBS" "$W/idle.tsv" <<'PY'

@@ -7,13 +7,13 @@
 # median MiB/s and the median of its per-round ratios to raw (the rounds are
 # ~50 ms each, so pairing each run with the raw run beside it cancels some
 # of this VM's drift) and in how many rounds each build beat the one
-# before it (scripts/ab-report.py). Raw runs with the first build only: for
+# before it (scripts/bench/ab-report.py). Raw runs with the first build only: for
 # a build's own ratio to raw (the goal's), give it alone or first.
-#   usage: scripts/bench-writecache-ab.sh ROUNDS BLOCK_SIZE UDM_BINARY...
-#   e.g.:  scripts/bench-writecache-ab.sh 15 512 /tmp/udm-before target/release/udm
+#   usage: scripts/bench/writecache-ab.sh ROUNDS BLOCK_SIZE UDM_BINARY...
+#   e.g.:  scripts/bench/writecache-ab.sh 15 512 /tmp/udm-before target/release/udm
 set -euo pipefail
-# The job thread is pinned: see bench-pinned.sh (CPU=N moves it).
-. "$(dirname "$0")/bench-pinned.sh"
+# The job thread is pinned: see pinned.sh (CPU=N moves it).
+. "$(dirname "$0")/pinned.sh"
 [ $# -ge 3 ] || { sed -n '2,12p' "$0" >&2; exit 2; }
 ROUNDS=$1 BS=$2
 shift 2

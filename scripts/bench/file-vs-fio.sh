@@ -11,15 +11,15 @@
 # vCPU and is woken back: two cross-CPU wakeups, which in this VM cost ten
 # times the I/O (30k IOPS against 350k pinned), so the figure would measure
 # where the scheduler put the threads, not udm or fio.
-#   usage: scripts/bench-file-vs-fio.sh [ROUNDS] [RUNTIME_S]
+#   usage: scripts/bench/file-vs-fio.sh [ROUNDS] [RUNTIME_S]
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 ROUNDS=${1:-5}
 RT=${2:-3}
 CPU=${CPU-0}
 UDM_PIN=() FIO_PIN=()
 if [ -n "$CPU" ]; then UDM_PIN=(--cpus "$CPU"); FIO_PIN=(--cpus_allowed="$CPU"); fi
-command -v fio >/dev/null || { echo "bench-file-vs-fio: fio is not installed (scripts/setup.sh)" >&2; exit 2; }
+command -v fio >/dev/null || { echo "bench/file-vs-fio: fio is not installed (scripts/setup.sh)" >&2; exit 2; }
 cargo build --release -q -p udm
 UDM=./target/release/udm
 IMG=${IMG:-/dev/shm/udm-bench-fio.img}

@@ -10,8 +10,8 @@
 # Raw runs with the FIRST build only, so the "x raw" of a later build is not
 # its own ratio: code layout moves raw by up to 6% from build to build with
 # its code unchanged. For a build's own ratio (seed 000's goal), give it alone.
-#   usage: scripts/bench-seed000-ab.sh ROUNDS TARGET UDM_BINARY...
-#   e.g.:  scripts/bench-seed000-ab.sh 11 lin /tmp/udm-before target/release/udm
+#   usage: scripts/bench/seed000-ab.sh ROUNDS TARGET UDM_BINARY...
+#   e.g.:  scripts/bench/seed000-ab.sh 11 lin /tmp/udm-before target/release/udm
 set -euo pipefail
 [ $# -ge 3 ] || { sed -n '2,13p' "$0" >&2; exit 2; }
 ROUNDS=$1 TARGET=$2

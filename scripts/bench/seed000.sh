@@ -3,9 +3,9 @@
 # with the no-clone fast path and without (the clone path), plus the
 # descriptor cache on/off and null-backend throughput. Runs are interleaved
 # (A B C … A B C …) and each figure is the median of ROUNDS runs.
-#   usage: scripts/bench-seed000.sh [ROUNDS] [RUNTIME_S]
+#   usage: scripts/bench/seed000.sh [ROUNDS] [RUNTIME_S]
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 ROUNDS=${1:-5}
 RT=${2:-2}
 cargo build --release -q -p udm
@@ -58,7 +58,7 @@ done
 # CALLGRIND=0 skips this part.
 if [ "${CALLGRIND:-1}" != 0 ] && command -v valgrind >/dev/null; then
     printf '\n%-22s %12s\n' "case" "instr/IO"
-    ipi() { UDM=$UDM scripts/instr-per-io.sh "$@" | cut -d' ' -f1; }
+    ipi() { UDM=$UDM scripts/bench/instr-per-io.sh "$@" | cut -d' ' -f1; }
     Q1=(--rw read --bs 512 --iodepth 1)
     printf '%-22s %12s\n' "S512 raw" "$(ipi "${RAM[@]}" --target ram0 "${Q1[@]}")"
     printf '%-22s %12s\n' "S512 lin" "$(ipi "${RAM[@]}" --target lin "${Q1[@]}")"

@@ -12,11 +12,11 @@
 # larger part of the cost, and a log-structured cache touches all of its
 # fresh space while random writes to the raw device revisit ~37% of theirs,
 # so lazy devices measure page faults, not the data path.
-#   usage: scripts/bench-writecache.sh [ROUNDS]
+#   usage: scripts/bench/writecache.sh [ROUNDS]
 set -euo pipefail
-# The job thread is pinned: see bench-pinned.sh (CPU=N moves it).
-. "$(dirname "$0")/bench-pinned.sh"
-cd "$(dirname "$0")/.."
+# The job thread is pinned: see pinned.sh (CPU=N moves it).
+. "$(dirname "$0")/pinned.sh"
+cd "$(dirname "$0")/../.."
 ROUNDS=${1:-5}
 cargo build --release -q -p udm
 UDM=./target/release/udm
