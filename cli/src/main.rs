@@ -181,7 +181,9 @@ mod tests {
 
     #[test]
     fn parse_errors_are_one_line_naming_the_offender() {
-        let e = Cli::try_parse_from(["udm", "bench", "--frob"]).err().unwrap();
+        let e = Cli::try_parse_from(["udm", "bench", "--frob"])
+            .err()
+            .unwrap();
         assert_eq!(
             one_line(&e, Some("bench")),
             "unknown option '--frob' (see 'udm bench --help')"
