@@ -128,11 +128,7 @@ pub struct MessageArgs {
     device: String,
     /// [SECTOR] MESSAGE...: the target holding SECTOR (default 0) gets the
     /// message's words.
-    #[arg(
-        value_name = "WORDS",
-        allow_hyphen_values = true,
-        trailing_var_arg = true
-    )]
+    #[arg(value_name = "WORDS")]
     words: Vec<String>,
 }
 
