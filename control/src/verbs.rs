@@ -437,6 +437,15 @@ mod tests {
     }
 
     #[test]
+    fn build_takes_name_spec_pairs_and_names_the_bad_one() {
+        let err = |defs: &[&str]| Control::build(defs).err().unwrap().to_string();
+        assert!(err(&["ram0"]).contains("--dev 'ram0': expected NAME=SPEC"));
+        assert!(err(&["a=ram:1G", "a=ram:1G"]).contains("device 'a': device 'a' already exists"));
+        assert!(err(&["a=disk:1G"]).contains("unknown backend 'disk:'"));
+        assert!(err(&["r=ram:4k", "l=0 16 linear r 0"]).starts_with("device 'l': "));
+    }
+
+    #[test]
     fn after_close_changes_are_refused_and_reads_go_on() {
         let c = stack();
         c.close();
