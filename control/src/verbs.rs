@@ -4,9 +4,10 @@
 //! Concurrency: changes (create, remove, load, suspend, resume, reload,
 //! clear) run one at a time; reads (info, ls, table, status, deps) and
 //! messages run beside them and each other, so a status poll is answered
-//! while a long `message … flush` runs. The registry's lock is held only to
-//! look up and to change the registry, never across I/O (a suspend's drain,
-//! a message).
+//! while a long `message … flush` runs. The registry's lock is held to look
+//! up, and to build and add a device (a create or load: a writecache's
+//! constructor reads its metadata), never across a suspend's drain or a
+//! message.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
