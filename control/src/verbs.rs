@@ -447,6 +447,28 @@ mod tests {
     }
 
     #[test]
+    fn close_waits_for_a_change_in_progress() {
+        let c = Arc::new(stack());
+        let (tx, rx) = std::sync::mpsc::channel();
+        let c2 = c.clone();
+        let t = std::thread::spawn(move || {
+            let g = c2.change().unwrap();
+            tx.send(()).unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            drop(g);
+        });
+        rx.recv().unwrap();
+        let t0 = std::time::Instant::now();
+        c.close();
+        assert!(t0.elapsed() >= std::time::Duration::from_millis(150));
+        t.join().unwrap();
+        assert_eq!(
+            c.reload("lin", "0 2048 zero").unwrap_err().kind(),
+            ErrorKind::Busy
+        );
+    }
+
+    #[test]
     fn after_close_changes_are_refused_and_reads_go_on() {
         let c = stack();
         c.close();
