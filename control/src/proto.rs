@@ -211,10 +211,14 @@ impl Reply {
 
     /// The reply as one line, with its newline.
     pub fn to_line(&self) -> String {
+        // A Value always encodes; the fallback is for form's sake.
         let mut s = serde_json::to_string(self).unwrap_or_else(|e| {
-            format!(
-                r#"{{"v":1,"id":null,"error":{{"code":"io","message":"encoding the reply: {e}"}}}}"#
-            )
+            serde_json::json!({
+                "v": VERSION,
+                "id": self.id,
+                "error": {"code": "io", "message": format!("encoding the reply: {e}")},
+            })
+            .to_string()
         });
         s.push('\n');
         s
