@@ -4,6 +4,7 @@
 //! On a signal it stops accepting, finishes the requests in flight, flushes
 //! every device and exits 0.
 
+use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
@@ -207,13 +208,31 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
         }
     }
     let ctl = ControlServer::start(ctl_listener, ctl_path.clone(), stack.clone())?;
+    // On a signal, the control socket closes first: no reload may leave a
+    // device suspended, nor start, past this point, and a device a client
+    // suspended resumes, so that the requests it holds finish. Then the
+    // server stops.
+    let (srv_stop, srv_stop_tx) = UnixStream::pair().map_err(|e| Error::os("stop socket", e))?;
+    let wake = stop
+        .0
+        .try_clone()
+        .map_err(|e| Error::os("signal socket", e))?;
+    let watcher = std::thread::Builder::new()
+        .name("udm-stop".into())
+        .spawn(move || {
+            let mut b = [0u8; 1];
+            let _ = (&stop.1).read(&mut b);
+            ctl.shutdown();
+            let _ = (&srv_stop_tx).write_all(&b);
+        })
+        .map_err(|e| Error::os("spawning the stop thread", e))?;
     std::mem::forget(unlink); // the control server removes it now
     println!("udm: control socket at {}", ctl_path.display());
-    use std::io::Write;
     let _ = std::io::stdout().flush();
-    let r = srv.run(stop.as_raw_fd());
-    // No reload may leave a device suspended, nor start, past this point.
-    ctl.shutdown();
+    let r = srv.run(srv_stop.as_raw_fd());
+    // Stopped by the watcher, or failed: either way the watcher finishes.
+    let _ = (&wake).write_all(&[0]);
+    let _ = watcher.join();
     r?;
     let all: Vec<Arc<dyn BlockDevice>> = stack.devices();
     let failed = server::flush_all(&all)?;
@@ -233,16 +252,17 @@ impl Drop for Unlink {
     }
 }
 
-/// A socket that becomes readable when SIGINT or SIGTERM arrives
-/// (signal-hook writes a byte to its peer from the handler).
-fn signal_pipe() -> Result<UnixStream, Error> {
-    let (rd, wr) = UnixStream::pair().map_err(|e| Error::os("signal socket", e))?;
+/// A socket pair whose second end becomes readable when SIGINT or SIGTERM
+/// arrives (signal-hook writes a byte to the first from the handler); the
+/// first end can also be written to, to wake the reader.
+fn signal_pipe() -> Result<(UnixStream, UnixStream), Error> {
+    let (wr, rd) = UnixStream::pair().map_err(|e| Error::os("signal socket", e))?;
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         let w = wr.try_clone().map_err(|e| Error::os("signal socket", e))?;
         signal_hook::low_level::pipe::register(sig, w)
             .map_err(|e| Error::os(format!("handling signal {sig}"), e))?;
     }
-    Ok(rd)
+    Ok((wr, rd))
 }
 
 /// The adaptive spin cap `udm serve` uses unless told otherwise. A QD1

@@ -176,6 +176,17 @@ fn status_table_and_message_act_on_the_running_server() {
     assert_eq!(code, 2);
     assert!(err.contains("--control and --dev do not mix"), "{err}");
 
+    // A device a client left suspended does not keep the server from
+    // stopping: it resumes, drains and is flushed.
+    let r = raw(
+        &ctl,
+        b"{\"v\":1,\"id\":1,\"op\":\"suspend\",\"args\":{\"name\":\"lin\"}}\n",
+        1,
+    );
+    assert_eq!(outcome(&r[0]).0, "ok", "{:?}", r[0]);
+    let (_, out, _) = ctl_udm(&s, "table", &["lin"]);
+    assert!(out.contains(", suspended"), "{out}");
+
     // The socket file goes with the server.
     assert!(s.stop().success(), "{}", s.log());
     assert!(!ctl.exists(), "control socket left behind");

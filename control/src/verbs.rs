@@ -109,11 +109,22 @@ impl Control {
         Ok(g)
     }
 
-    /// Refuses every change from now on, and waits for one in progress (so
-    /// that no device stays suspended by a reload cut short).
+    /// Refuses every change from now on, waits for one in progress (so
+    /// that no reload is cut short), then resumes every device left
+    /// suspended (on its live table), so that the I/O it holds completes
+    /// and a shutdown can drain and flush it.
     pub fn close(&self) {
         self.closing.store(true, Ordering::Release);
         drop(lock(&self.changes));
+        for d in self.devices() {
+            if let Some(m) = d.as_any().downcast_ref::<MappedDevice>() {
+                if m.is_suspended() {
+                    if let Err(e) = m.resume() {
+                        tracing::error!("resuming '{}' at close: {e}", d.name());
+                    }
+                }
+            }
+        }
     }
 
     /// Whether [`Control::close`] was called.
@@ -471,7 +482,9 @@ mod tests {
     #[test]
     fn after_close_changes_are_refused_and_reads_go_on() {
         let c = stack();
+        c.suspend("lin", false).unwrap();
         c.close();
+        assert!(!c.info("lin").unwrap().suspended, "close resumes");
         let e = c.create("x", "ram:1M").err().unwrap();
         assert_eq!(e.kind(), ErrorKind::Busy);
         assert!(c.status(&[]).is_ok());
