@@ -1,4 +1,4 @@
-//! `udm`: userspace device-mapper.
+//! `udm`: userspace device-mapper, a thin shell over `udm-control`.
 //!
 //! ```text
 //! udm bench [--dev NAME=SPEC]... [--target NAME] [options]   drive a device in process
@@ -8,101 +8,192 @@
 //! udm status  [--control PATH | --dev NAME=SPEC...] [DEVICE]...   dmsetup-style status
 //! udm message [--control PATH | --dev NAME=SPEC...] DEVICE [SECTOR] MSG...
 //! udm reload  --control PATH DEVICE 'TABLE'                  load + suspend + resume
+//! udm targets | udm version | udm completions SHELL
 //! ```
 
 mod alloc;
-mod args;
 mod bench;
 mod clock;
-mod control;
-mod message;
+mod cmds;
+mod progress;
 mod serve;
-mod spec;
 
 use std::process::ExitCode;
 
-use args::Args;
+use clap::error::{ContextKind, ContextValue, ErrorKind as ClapKind};
+use clap::{CommandFactory, Parser, Subcommand};
 use udm_core::Error;
 
 #[global_allocator]
 static ALLOC: alloc::Counting = alloc::Counting;
 
-const USAGE: &str = "\
-udm — a userspace device-mapper
-
-usage:
-  udm bench [--dev NAME=SPEC]... [--target NAME] [options]
-  udm serve [--dev NAME=SPEC]... [--config FILE] [--export NAME[:ro]]... [--listen ADDR]...
-            [--control PATH]
-  udm table   [--control PATH | --dev NAME=SPEC...] [DEVICE]...
-  udm status  [--control PATH | --dev NAME=SPEC...] [DEVICE]...
-  udm message [--control PATH | --dev NAME=SPEC...] [--no-progress] DEVICE [SECTOR] MESSAGE...
-  udm reload  --control PATH DEVICE 'TABLE'
-  udm help
-
+const AFTER_HELP: &str = "\
 --control PATH acts on the devices of a running 'udm serve' through its
 control socket (printed at its start); without it, table, status and
 message act on a stack built in this process from --dev specs.
 
 Devices (--dev NAME=SPEC, repeatable, later ones may use earlier ones):
-  ram:<size>                          memory, allocated lazily (like brd)
+  ram:<size>[,prealloc]               memory, allocated lazily (like brd)
   null:<size>[,delay=<us>]            completes without touching data (null_blk)
-  file:<path>[,size=<size>][,buffered][,sqpoll][,iopoll][,ro]
+  file:<path>[,size=<size>][,buffered][,direct][,sqpoll][,iopoll][,ro]
                                       a file or block device through io_uring
   '<start> <len> <type> <args>;...'   a device-mapper table over earlier devices
-                                      or paths; targets: linear, striped, zero,
-                                      error, writecache
+                                      or paths (see 'udm targets')
 
 Without --dev, the built-in stack is used: ram0 and ram1 (1 GiB RAM disks),
-lin (linear over ram0) and str (striped over ram0 and ram1).";
+lin (linear over ram0) and str (striped over ram0 and ram1).
+Logs go to stderr; RUST_LOG sets their level (default: info).";
+
+/// udm — a userspace device-mapper.
+#[derive(Parser)]
+#[command(name = "udm", version, after_help = AFTER_HELP)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Drive a device in process: IOPS, latency, CPU and allocations per I/O.
+    Bench(bench::BenchArgs),
+    /// Export devices over NBD, with a control socket, until SIGINT/SIGTERM.
+    Serve(serve::ServeArgs),
+    /// Each device's size and caps, with its table and status lines.
+    Table(cmds::TableArgs),
+    /// dmsetup-style status lines of mapped devices.
+    Status(cmds::StatusArgs),
+    /// Send a message to a target (writecache: flush, clear_stats, …).
+    Message(cmds::MessageArgs),
+    /// Load + suspend + resume a new table on a device of a running server.
+    Reload(cmds::ReloadArgs),
+    /// The target types tables may use.
+    Targets(cmds::JsonArgs),
+    /// udm's version and its control protocol's.
+    Version(cmds::JsonArgs),
+    /// Print a shell completion script.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+}
+
+/// A clap error as one line (`udm: …`), as every other error.
+fn one_line(e: &clap::Error, sub: Option<&str>) -> String {
+    let arg = match e
+        .get(ContextKind::InvalidArg)
+        .or_else(|| e.get(ContextKind::InvalidSubcommand))
+    {
+        Some(ContextValue::String(s)) => s.clone(),
+        _ => String::new(),
+    };
+    let see = match sub {
+        Some(s) => format!("udm {s} --help"),
+        None => "udm --help".to_string(),
+    };
+    match e.kind() {
+        ClapKind::UnknownArgument => format!("unknown option '{arg}' (see '{see}')"),
+        ClapKind::InvalidSubcommand => format!("unknown command '{arg}' (see 'udm --help')"),
+        _ => {
+            // The first paragraph of clap's message, on one line.
+            let text = e.render().to_string();
+            let first: Vec<&str> = text
+                .lines()
+                .take_while(|l| !l.trim().is_empty())
+                .map(str::trim)
+                .collect();
+            let first = first.join(" ");
+            format!(
+                "{} (see '{see}')",
+                first.strip_prefix("error: ").unwrap_or(&first)
+            )
+        }
+    }
+}
+
+fn init_logs() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .without_time()
+        .with_target(false)
+        .with_ansi(false)
+        .try_init();
+}
+
+fn run(cmd: Cmd) -> Result<i32, Error> {
+    match cmd {
+        Cmd::Bench(a) => bench::main(a),
+        Cmd::Serve(a) => serve::main(a),
+        Cmd::Table(a) => cmds::table(a),
+        Cmd::Status(a) => cmds::status(a),
+        Cmd::Message(a) => cmds::message(a),
+        Cmd::Reload(a) => cmds::reload(a),
+        Cmd::Targets(a) => cmds::targets(a),
+        Cmd::Version(a) => cmds::version(a),
+        Cmd::Completions { shell } => {
+            clap_complete::generate(shell, &mut Cli::command(), "udm", &mut std::io::stdout());
+            Ok(0)
+        }
+    }
+}
 
 fn main() -> ExitCode {
-    let mut argv: Vec<String> = std::env::args().skip(1).collect();
-    let cmd = if argv.is_empty() {
-        "bench".to_string()
-    } else {
-        argv.remove(0)
-    };
-    let r = match cmd.as_str() {
-        "bench" => {
-            let a = Args::new("bench", argv);
-            if a.wants_help() {
-                println!("{}", bench::USAGE);
-                Ok(0)
-            } else {
-                bench::main(a)
+    let mut argv: Vec<String> = std::env::args().collect();
+    if argv.len() == 1 {
+        argv.push("bench".into()); // bare `udm`: the default bench
+    }
+    let cli = match Cli::try_parse_from(&argv) {
+        Ok(c) => c,
+        Err(e) => match e.kind() {
+            ClapKind::DisplayHelp
+            | ClapKind::DisplayVersion
+            | ClapKind::DisplayHelpOnMissingArgumentOrSubcommand => e.exit(),
+            _ => {
+                let sub = argv
+                    .get(1)
+                    .filter(|s| Cli::command().find_subcommand(s.as_str()).is_some())
+                    .map(String::as_str);
+                eprintln!("udm: {}", one_line(&e, sub));
+                return ExitCode::from(2);
             }
-        }
-        "table" => message::table(Args::new("table", argv)),
-        "serve" => {
-            let a = Args::new("serve", argv);
-            if a.wants_help() {
-                println!("{}", serve::USAGE);
-                Ok(0)
-            } else {
-                serve::main(a)
-            }
-        }
-        "status" => message::status(Args::new("status", argv)),
-        "message" => message::message(Args::new("message", argv)),
-        "reload" => message::reload_cmd(Args::new("reload", argv)),
-        "help" | "--help" | "-h" => {
-            println!("{USAGE}");
-            Ok(0)
-        }
-        "version" | "--version" => {
-            println!("udm {}", env!("CARGO_PKG_VERSION"));
-            Ok(0)
-        }
-        other => Err(Error::invalid(format!(
-            "unknown command '{other}' (see 'udm help')"
-        ))),
+        },
     };
-    match r {
+    init_logs();
+    match run(cli.cmd) {
         Ok(code) => ExitCode::from(code as u8),
         Err(e) => {
             eprintln!("udm: {e}");
             ExitCode::from(2)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn parse_errors_are_one_line_naming_the_offender() {
+        let e = Cli::try_parse_from(["udm", "bench", "--frob"])
+            .err()
+            .unwrap();
+        assert_eq!(
+            one_line(&e, Some("bench")),
+            "unknown option '--frob' (see 'udm bench --help')"
+        );
+        let e = Cli::try_parse_from(["udm", "frob"]).err().unwrap();
+        assert!(one_line(&e, None).starts_with("unknown command 'frob'"));
+        let e = Cli::try_parse_from(["udm", "bench", "--iodepth", "x"])
+            .err()
+            .unwrap();
+        let l = one_line(&e, Some("bench"));
+        assert!(l.contains("'x'") && !l.contains('\n'), "{l}");
     }
 }

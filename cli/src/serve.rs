@@ -4,56 +4,67 @@
 //! On a signal it stops accepting, finishes the requests in flight, flushes
 //! every device and exits 0.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use udm_control::{Control, ControlServer, Holder};
 use udm_core::{BlockDevice, CompletionMode, Error, ReactorConfig};
 use udm_exports::nbd::{server, Export, Listen, Server, ServerConfig};
 
-use crate::args::Args;
-use crate::control::{self, ControlServer};
-use crate::spec::Stack;
-
-/// Help text.
-pub const USAGE: &str = "\
-udm serve — export devices over NBD
-
-usage:
-  udm serve [--dev NAME=SPEC]... [--config FILE] [--export NAME[:ro]]...
-            [--listen unix:PATH | --listen [HOST:]PORT]... [--reactors N]
-            [--control PATH]
-            [--adaptive USEC | --interrupt | --hybrid USEC | --poll]
-
-  --dev NAME=SPEC     a device, as for 'udm bench' (repeatable)
-  --config FILE       more --dev specs, one NAME=SPEC per line ('#' comments)
-  --export NAME[:ro]  serve device NAME as export NAME, read-only with ':ro'
-                      (repeatable; default: the last device defined; the
-                      first export is the default export, name '')
-  --listen ADDR       unix:PATH, or HOST:PORT / :PORT / PORT for TCP (a bare
-                      port listens on 127.0.0.1); repeatable; default: a unix
-                      socket in the temporary directory, printed at start
-  --reactors N        reactor threads serving connections (default 1)
-  --control PATH      the control socket (mode 0600) for 'udm status/table/
-                      message/reload --control PATH'; default: beside the
-                      first unix listen socket as <sock>.ctl, else
-                      $XDG_RUNTIME_DIR (or the temporary directory)/udm-<pid>.ctl;
-                      printed at start, removed at exit
-  --adaptive USEC     (the default, USEC 100) an idle reactor spins only while
-                      the gaps between its bursts of work have lately been
-                      short (haltpoll's rule, at most USEC microseconds per
-                      gap), else it sleeps in io_uring_enter: a request-reply
-                      client skips the wakeups, an idle server spins never
-  --interrupt         reactors always sleep in io_uring_enter when idle
-  --hybrid USEC       reactors spin USEC microseconds after their last work,
-                      then sleep, whatever the gaps
-  --poll              reactors busy-poll (a spinning core each, lowest latency)
-
+const AFTER_HELP: &str = "\
 Without --dev or --config: a 1 GiB RAM disk (ram0) with a linear device
 over it (lin), exported as 'lin'.
 
 NBD has no authentication and udm does not speak TLS: serve it only on
 trusted networks (unix sockets and loopback are the defaults).";
+
+/// `udm serve`'s options.
+#[derive(clap::Args, Debug)]
+#[command(after_help = AFTER_HELP)]
+pub struct ServeArgs {
+    /// A device, as for 'udm bench' (repeatable).
+    #[arg(long = "dev", value_name = "NAME=SPEC")]
+    devs: Vec<String>,
+    /// More --dev specs, one NAME=SPEC per line ('#' comments).
+    #[arg(long = "config", value_name = "FILE")]
+    configs: Vec<String>,
+    /// Serve device NAME as export NAME, read-only with ':ro' (repeatable;
+    /// default: the last device defined; the first export is the default
+    /// export, name '').
+    #[arg(long = "export", value_name = "NAME[:ro]")]
+    exports: Vec<String>,
+    /// unix:PATH, or HOST:PORT / :PORT / PORT for TCP (a bare port listens
+    /// on 127.0.0.1); repeatable; default: a unix socket in the temporary
+    /// directory, printed at start.
+    #[arg(long = "listen", value_name = "ADDR")]
+    listens: Vec<String>,
+    /// Reactor threads serving connections.
+    #[arg(long, default_value_t = 1)]
+    reactors: u32,
+    /// The control socket (mode 0600) for 'udm status/table/message/reload
+    /// --control PATH'; default: beside the first unix listen socket as
+    /// <sock>.ctl, else $XDG_RUNTIME_DIR (or the temporary
+    /// directory)/udm-<pid>.ctl; printed at start, removed at exit.
+    #[arg(long, value_name = "PATH")]
+    control: Option<PathBuf>,
+    /// (The default, USEC 100.) An idle reactor spins only while the gaps
+    /// between its bursts of work have lately been short (haltpoll's rule,
+    /// at most USEC microseconds per gap), else it sleeps in io_uring_enter.
+    #[arg(long, value_name = "USEC")]
+    adaptive: Option<String>,
+    /// Reactors always sleep in io_uring_enter when idle.
+    #[arg(long)]
+    interrupt: bool,
+    /// Reactors spin USEC microseconds after their last work, then sleep.
+    #[arg(long, value_name = "USEC")]
+    hybrid: Option<String>,
+    /// Reactors busy-poll (a spinning core each, lowest latency).
+    #[arg(long)]
+    poll: bool,
+}
 
 /// The built-in stack of `udm serve`.
 pub const DEFAULT_DEVS: &[&str] = &["ram0=ram:1G", "lin=0 2097152 linear ram0 0"];
@@ -92,29 +103,30 @@ fn parse_export(s: &str) -> Result<(String, bool), Error> {
 }
 
 /// Runs `udm serve`.
-pub fn main(mut a: Args) -> Result<i32, Error> {
-    let mut devs = a.many("--dev");
-    let configs = a.many("--config");
-    let exports = a.many("--export");
-    let listens = a.many("--listen");
-    let reactors = a.num("--reactors", 1)?;
-    let control = a.opt("--control");
-    let poll = a.flag("--poll");
-    let interrupt = a.flag("--interrupt");
-    let hybrid = a.opt("--hybrid");
-    let adaptive = a.opt("--adaptive");
-    a.finish()?;
+pub fn main(a: ServeArgs) -> Result<i32, Error> {
+    let ServeArgs {
+        mut devs,
+        configs,
+        exports,
+        listens,
+        reactors,
+        control,
+        adaptive,
+        interrupt,
+        hybrid,
+        poll,
+    } = a;
     let reactor = completion_mode(poll, interrupt, hybrid.as_deref(), adaptive.as_deref())?;
     if reactors == 0 || reactors > 64 {
         return Err(Error::invalid(format!(
             "--reactors {reactors}: expected 1 to 64"
         )));
     }
-    // Signals become readable on a signalfd that the accept loop polls;
-    // blocked before any thread starts (reactors, and the workers some
-    // targets start when built), so every thread inherits the mask and
-    // none takes SIGTERM's default action.
-    let stop = signal_fd()?;
+    // SIGINT and SIGTERM become readable on a socket that the accept loop
+    // polls; handled before any thread starts (reactors, and the workers
+    // some targets start when built), so no thread takes their default
+    // action.
+    let stop = signal_pipe()?;
     for c in &configs {
         devs.extend(read_config(c)?);
     }
@@ -122,7 +134,7 @@ pub fn main(mut a: Args) -> Result<i32, Error> {
     if builtin {
         devs = DEFAULT_DEVS.iter().map(|s| s.to_string()).collect();
     }
-    let stack = Arc::new(Stack::build(&devs)?);
+    let stack = Arc::new(Control::build(&devs)?);
     let mut table = Vec::new();
     let wanted: Vec<(String, bool)> = if exports.is_empty() {
         match stack.devices().last() {
@@ -144,6 +156,14 @@ pub fn main(mut a: Args) -> Result<i32, Error> {
         if table.iter().any(|e: &Export| &e.info.name == name) {
             return Err(Error::invalid(format!("--export '{name}': exported twice")));
         }
+        // The export holds its device: it cannot be removed under it.
+        stack.hold(
+            name,
+            Holder::Export {
+                name: name.clone(),
+                protocol: "nbd".into(),
+            },
+        )?;
         table.push(Export::new(name, dev, *ro));
     }
     let listen: Vec<Listen> = if listens.is_empty() {
@@ -157,14 +177,14 @@ pub fn main(mut a: Args) -> Result<i32, Error> {
     };
 
     let ctl_path = match control {
-        Some(p) => PathBuf::from(p),
-        None => control::default_path(listen.iter().find_map(|l| match l {
+        Some(p) => p,
+        None => udm_control::default_path(listen.iter().find_map(|l| match l {
             Listen::Unix(p) => Some(p.as_path()),
             Listen::Tcp(_) => None,
         })),
     };
     // Bound before any thread of ours starts: it sets the umask around bind.
-    let ctl_listener = control::bind(&ctl_path)?;
+    let ctl_listener = udm_control::bind(&ctl_path)?;
     let unlink = Unlink(ctl_path.clone());
     let srv = Server::bind(
         table,
@@ -188,23 +208,38 @@ pub fn main(mut a: Args) -> Result<i32, Error> {
         }
     }
     let ctl = ControlServer::start(ctl_listener, ctl_path.clone(), stack.clone())?;
+    // On a signal, the control socket closes first: no reload may leave a
+    // device suspended, nor start, past this point, and a device a client
+    // suspended resumes, so that the requests it holds finish. Then the
+    // server stops.
+    let (srv_stop, srv_stop_tx) = UnixStream::pair().map_err(|e| Error::os("stop socket", e))?;
+    let wake = stop
+        .0
+        .try_clone()
+        .map_err(|e| Error::os("signal socket", e))?;
+    let watcher = std::thread::Builder::new()
+        .name("udm-stop".into())
+        .spawn(move || {
+            let mut b = [0u8; 1];
+            let _ = (&stop.1).read(&mut b);
+            ctl.shutdown();
+            let _ = (&srv_stop_tx).write_all(&b);
+        })
+        .map_err(|e| Error::os("spawning the stop thread", e))?;
     std::mem::forget(unlink); // the control server removes it now
     println!("udm: control socket at {}", ctl_path.display());
-    use std::io::Write;
     let _ = std::io::stdout().flush();
-    let r = srv.run(stop.as_raw_fd());
-    // No reload may leave a device suspended, nor start, past this point.
-    ctl.shutdown();
+    let r = srv.run(srv_stop.as_raw_fd());
+    // Stopped by the watcher, or failed: either way the watcher finishes.
+    let _ = (&wake).write_all(&[0]);
+    let _ = watcher.join();
     r?;
-    let all: Vec<Arc<dyn BlockDevice>> = stack.devices().to_vec();
+    let all: Vec<Arc<dyn BlockDevice>> = stack.devices();
     let failed = server::flush_all(&all)?;
     for (n, s) in &failed {
-        eprintln!("udm: flush of '{n}' failed: {s}");
+        tracing::error!("flush of '{n}' failed: {s}");
     }
-    eprintln!(
-        "udm: nbd: stopped; {} devices flushed",
-        all.len() - failed.len()
-    );
+    tracing::info!("nbd: stopped; {} devices flushed", all.len() - failed.len());
     Ok(if failed.is_empty() { 0 } else { 1 })
 }
 
@@ -217,24 +252,17 @@ impl Drop for Unlink {
     }
 }
 
-/// Blocks SIGINT and SIGTERM and returns a signalfd that reads them.
-fn signal_fd() -> Result<OwnedFd, Error> {
-    // SAFETY: plain libc calls on a local, zero-initialised sigset; results checked.
-    unsafe {
-        libc::signal(libc::SIGPIPE, libc::SIG_IGN);
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGINT);
-        libc::sigaddset(&mut set, libc::SIGTERM);
-        if libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) != 0 {
-            return Err(Error::os("sigmask", std::io::Error::last_os_error()));
-        }
-        let fd = libc::signalfd(-1, &set, libc::SFD_CLOEXEC);
-        if fd < 0 {
-            return Err(Error::os("signalfd", std::io::Error::last_os_error()));
-        }
-        Ok(OwnedFd::from_raw_fd(fd))
+/// A socket pair whose second end becomes readable when SIGINT or SIGTERM
+/// arrives (signal-hook writes a byte to the first from the handler); the
+/// first end can also be written to, to wake the reader.
+fn signal_pipe() -> Result<(UnixStream, UnixStream), Error> {
+    let (wr, rd) = UnixStream::pair().map_err(|e| Error::os("signal socket", e))?;
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        let w = wr.try_clone().map_err(|e| Error::os("signal socket", e))?;
+        signal_hook::low_level::pipe::register(sig, w)
+            .map_err(|e| Error::os(format!("handling signal {sig}"), e))?;
     }
+    Ok((wr, rd))
 }
 
 /// The adaptive spin cap `udm serve` uses unless told otherwise. A QD1

@@ -1,5 +1,5 @@
 //! The control socket of a running `udm serve`, driven as a user would:
-//! `udm status/table/message/reload --control PATH`, raw requests on a
+//! `udm status/table/message/reload --control PATH`, raw JSON requests on a
 //! UnixStream, and a reload while fio writes and verifies over NBD.
 
 #![allow(clippy::unwrap_used)] // helpers too: allow-unwrap-in-tests only covers #[test] fns
@@ -15,6 +15,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{run, udm, Serve};
+use serde_json::{json, Value};
 
 /// Past `common::WC_DEVS`: a linear device `lin` (64 MiB over ram0), and
 /// both exported.
@@ -41,27 +42,36 @@ fn ctl_udm(s: &Serve, cmd: &str, rest: &[&str]) -> (i32, String, String) {
     udm(&a)
 }
 
-/// Sends raw request bytes on a new connection and reads until the server
-/// has answered `replies` requests (final `ok` / `error:` lines).
-fn raw(ctl: &Path, bytes: &[u8], replies: usize) -> Vec<String> {
+/// Sends raw request bytes on a new connection and reads `replies` reply
+/// lines, parsed.
+fn raw(ctl: &Path, bytes: &[u8], replies: usize) -> Vec<Value> {
     let s = UnixStream::connect(ctl).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     (&s).write_all(bytes).unwrap();
     let mut r = BufReader::new(&s);
-    let mut lines = Vec::new();
-    let mut finals = 0;
-    while finals < replies {
+    let mut out = Vec::new();
+    while out.len() < replies {
         let mut l = String::new();
         if r.read_line(&mut l).unwrap() == 0 {
             break;
         }
-        let l = l.trim_end().to_string();
-        if l == "ok" || l.starts_with("error: ") {
-            finals += 1;
-        }
-        lines.push(l);
+        out.push(serde_json::from_str(&l).unwrap());
     }
-    lines
+    out
+}
+
+/// A reply's error as (code, message), or ("ok", "").
+fn outcome(v: &Value) -> (String, String) {
+    match v.get("error") {
+        Some(e) => (
+            e["code"].as_str().unwrap().to_string(),
+            e["message"].as_str().unwrap().to_string(),
+        ),
+        None => {
+            assert!(v.get("ok").is_some(), "{v}");
+            ("ok".into(), String::new())
+        }
+    }
 }
 
 #[test]
@@ -105,6 +115,29 @@ fn status_table_and_message_act_on_the_running_server() {
     assert!(out.starts_with("lin: 131072 sectors, lbs 512"), "{out}");
     assert!(out.contains("  table:  0 131072 linear ram0 0"), "{out}");
 
+    // --json prints the protocol's result.
+    let (code, out, err) = ctl_udm(&s, "status", &["--json", "lin"]);
+    assert_eq!(code, 0, "{err}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        v,
+        json!({"devices": [{"name": "lin", "lines": ["0 131072 linear"]}]})
+    );
+
+    // An exported device is held by its export: removing it is refused.
+    let r = raw(
+        &ctl,
+        b"{\"v\":1,\"id\":1,\"op\":\"remove\",\"args\":{\"name\":\"lin\"}}\n",
+        1,
+    );
+    assert_eq!(
+        outcome(&r[0]),
+        (
+            "busy".into(),
+            "device 'lin' is in use by the nbd export 'lin'".into()
+        )
+    );
+
     // message: clear_stats zeroes the counters; flush empties the cache.
     let (code, _, err) = ctl_udm(&s, "message", &["wc", "clear_stats"]);
     assert_eq!(code, 0, "{err}");
@@ -142,6 +175,17 @@ fn status_table_and_message_act_on_the_running_server() {
     let (code, _, err) = udm(&["status", "--control", "x", "--dev", "a=ram:1M"]);
     assert_eq!(code, 2);
     assert!(err.contains("--control and --dev do not mix"), "{err}");
+
+    // A device a client left suspended does not keep the server from
+    // stopping: it resumes, drains and is flushed.
+    let r = raw(
+        &ctl,
+        b"{\"v\":1,\"id\":1,\"op\":\"suspend\",\"args\":{\"name\":\"lin\"}}\n",
+        1,
+    );
+    assert_eq!(outcome(&r[0]).0, "ok", "{:?}", r[0]);
+    let (_, out, _) = ctl_udm(&s, "table", &["lin"]);
+    assert!(out.contains(", suspended"), "{out}");
 
     // The socket file goes with the server.
     assert!(s.stop().success(), "{}", s.log());
@@ -186,33 +230,99 @@ fn bad_requests_get_one_line_errors_and_other_clients_are_unaffected() {
     let ctl = s.ctl();
     // A client that sends half a request and stalls holds only itself.
     let stalled = UnixStream::connect(&ctl).unwrap();
-    (&stalled).write_all(b"stat").unwrap();
+    (&stalled)
+        .write_all(b"{\"v\":1,\"id\":5,\"op\":\"sta")
+        .unwrap();
 
-    let r = raw(
-        &ctl,
-        b"bogus\n\nversion\nstatus nope\nmessage wc\nmessage wc x flush\n\xff\xfe\nreload lin\n\
-          reload lin 0 8 frob\nversion 2\nstatus wc\n",
-        11,
-    );
-    let want = [
-        "error: unknown request 'bogus'",
-        "error: empty request",
-        "| udm-ctl 1",
-        "ok",
-        "error: unknown device 'nope'",
-        "error: message: expected DEV SECTOR MESSAGE",
-        "error: message: invalid sector 'x'",
-        "error: request is not UTF-8",
-        "error: reload: expected DEV TABLE",
-        "error: reload 'lin': table line 1: unknown target type 'frob'",
-        "error: version: takes no arguments",
-        "| wc: 0 32768 writecache",
-        "ok",
+    let req = |id: u64, op: &str, args: Value| json!({"v": 1, "id": id, "op": op, "args": args});
+    let mut bytes = Vec::new();
+    for l in [
+        json!({"v": 1, "id": 1, "op": "bogus"}),
+        req(2, "status", json!({"names": ["nope"]})),
+        req(3, "message", json!({"name": "wc"})),
+        req(
+            4,
+            "message",
+            json!({"name": "wc", "sector": "x", "argv": ["flush"]}),
+        ),
+        req(5, "reload", json!({"name": "lin"})),
+        req(6, "reload", json!({"name": "lin", "table": "0 8 frob"})),
+        json!({"v": 2, "id": 7, "op": "version"}),
+        req(8, "remove", json!({"name": "ram0"})),
+        req(9, "version", json!({})),
+        req(10, "status", json!({"names": ["wc"]})),
+    ] {
+        bytes.extend_from_slice(l.to_string().as_bytes());
+        bytes.push(b'\n');
+    }
+    // Not JSON at all, an empty line, and not UTF-8, in the middle.
+    bytes.extend_from_slice(b"status wc\n\n\xff\xfe\n");
+    bytes.extend_from_slice(req(11, "ls", json!({})).to_string().as_bytes());
+    bytes.push(b'\n');
+    let r = raw(&ctl, &bytes, 14);
+    let want: [(Option<u64>, &str, &str); 14] = [
+        (
+            Some(1),
+            "invalid",
+            "unknown op 'bogus' (known: version, ls,",
+        ),
+        (Some(2), "not_found", "unknown device 'nope'"),
+        (
+            Some(3),
+            "invalid",
+            "message: invalid arguments: missing field `argv`",
+        ),
+        (
+            Some(4),
+            "invalid",
+            "message: invalid arguments: invalid type: string \"x\"",
+        ),
+        (
+            Some(5),
+            "invalid",
+            "reload: invalid arguments: missing field `table`",
+        ),
+        (
+            Some(6),
+            "invalid",
+            "reload 'lin': table line 1: unknown target type 'frob'",
+        ),
+        (
+            Some(7),
+            "unsupported",
+            "protocol version 2 is not supported",
+        ),
+        (
+            Some(8),
+            "busy",
+            "device 'ram0' is in use by the table of 'lin'",
+        ),
+        (Some(9), "ok", ""),
+        (Some(10), "ok", ""),
+        (None, "invalid", "request is not JSON"),
+        (None, "invalid", "empty request"),
+        (None, "invalid", "request is not UTF-8"),
+        (Some(11), "ok", ""),
     ];
     assert_eq!(r.len(), want.len(), "{r:#?}");
-    for (got, want) in r.iter().zip(want) {
-        assert!(got.starts_with(want), "got {got:?}, want {want:?}\n{r:#?}");
+    for (got, (id, code, msg)) in r.iter().zip(want) {
+        assert_eq!(got["v"], 1, "{got}");
+        assert_eq!(got["id"].as_u64(), id, "{got}");
+        let (c, m) = outcome(got);
+        assert_eq!(c, code, "{got}");
+        assert!(m.starts_with(msg), "got {m:?}, want {msg:?}");
     }
+    assert_eq!(r[8]["ok"]["protocol"], 1);
+    assert_eq!(r[9]["ok"]["devices"][0]["name"], "wc");
+    let lines = r[9]["ok"]["devices"][0]["lines"][0].as_str().unwrap();
+    assert!(lines.starts_with("0 32768 writecache"), "{lines}");
+    let names: Vec<&str> = r[13]["ok"]["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["o", "c", "wc", "ram0", "lin"]);
 
     // An overlong line: one error, then the server closes the connection.
     let mut long = vec![b'x'; 70 << 10];
@@ -222,28 +332,38 @@ fn bad_requests_get_one_line_errors_and_other_clients_are_unaffected() {
     let _ = (&c).write_all(&long);
     let mut got = String::new();
     let _ = (&c).read_to_string(&mut got);
-    assert!(
-        got.starts_with("error: request line longer than 65536 bytes\n"),
-        "{got}"
-    );
     assert_eq!(got.lines().count(), 1, "{got}");
+    let v: Value = serde_json::from_str(&got).unwrap();
+    assert_eq!(
+        outcome(&v),
+        (
+            "invalid".into(),
+            "request line longer than 65536 bytes".into()
+        )
+    );
 
     // A client that leaves mid-request and one that leaves mid-reply.
     drop(UnixStream::connect(&ctl).unwrap());
     {
         let c = UnixStream::connect(&ctl).unwrap();
-        (&c).write_all(b"table\ntable\ntable\n").unwrap();
+        let t = "{\"v\":1,\"id\":1,\"op\":\"table\"}\n";
+        (&c).write_all(t.repeat(3).as_bytes()).unwrap();
     }
 
     // The stalled client finishes its request later and gets its answer.
-    (&stalled).write_all(b"us lin\n").unwrap();
+    (&stalled)
+        .write_all(b"tus\",\"args\":{\"names\":[\"lin\"]}}\n")
+        .unwrap();
     stalled
         .set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
     let mut r = BufReader::new(&stalled);
     let mut l = String::new();
     r.read_line(&mut l).unwrap();
-    assert_eq!(l, "| lin: 0 131072 linear\n");
+    assert_eq!(
+        l,
+        "{\"v\":1,\"id\":5,\"ok\":{\"devices\":[{\"name\":\"lin\",\"lines\":[\"0 131072 linear\"]}]}}\n"
+    );
 
     // Still serving, NBD too, and nothing panicked.
     let (code, _, err) = ctl_udm(&s, "status", &["lin"]);
@@ -426,7 +546,7 @@ fn reload_swaps_tables_under_live_nbd_io_and_loses_nothing() {
         (
             "wc",
             "0 32768 writecache s o c 4096 0",
-            "cache device 'c' is in use",
+            "device 'c' is in use by the live writecache of 'wc'",
         ),
         ("wc", "0 32768 linear o 0; 32768 8 zero", "32776 sectors"),
         ("ram0", "0 131072 zero", "not a mapped device"),

@@ -12,42 +12,80 @@ use hdrhistogram::Histogram;
 use udm_core::{affinity, BlockDevice, CompletionMode, Error, ReactorConfig, SECTOR_SHIFT};
 use udm_mapper::MappedDevice;
 
-use crate::args::Args;
-use crate::spec::{parse_size, Stack, DEFAULT_DEVS};
+use serde::Serialize;
+use udm_control::{parse_size, Control};
+
+use crate::cmds::DEFAULT_DEVS;
 use job::{run_job, JobCfg, JobResult, Pattern};
 
-pub const USAGE: &str = "\
-udm bench [--dev NAME=SPEC]... [--target NAME] [options]
+const AFTER_HELP: &str = "\
+Without --dev, uses the built-in stack (ram0, ram1: 1 GiB RAM disks; lin:
+linear over ram0; str: striped over both). Without --target, compares ram0,
+lin and str on 4 KiB random reads at QD32.";
 
-Runs I/O against a device in process and reports IOPS, bandwidth, latency
-percentiles, CPU and allocations per I/O. Without --dev, uses the built-in
-stack (ram0, ram1: 1 GiB RAM disks; lin: linear over ram0; str: striped
-over both). Without --target, compares ram0, lin and str on 4 KiB random
-reads at QD32.
-
-options:
-  --target NAME        device to drive
-  --rw MODE            read|write|rw|randread|randwrite|randrw  [randread]
-  --rwmixread N        percent reads in rw/randrw               [50]
-  --bs SIZE            block size                               [4k]
-  --iodepth N          I/Os in flight per job                   [32]
-  --jobs N             jobs (each a reactor on its own thread)  [1]
-  --runtime SECS       time-based run length                    [5]
-  --size SIZE          region to cover (all jobs together; one pass when
-                       given without --runtime)                 [whole device]
-                       (random passes cover every block once, as fio's
-                       random map does; each pass in a new order)
-  --prefill            write the region first, unmeasured
-  --verify             write a pattern over the region, read it back, compare
-  --poll               busy-poll completions (default: sleep when idle)
-  --hybrid             spin briefly, then sleep
-  --adaptive           spin while recent idle gaps were short, else sleep
-  --no-fast-path       force the mapper's clone path
-  --no-cache           disable the descriptor cache
-  --cpus LIST          pin job i to the i-th CPU of LIST (e.g. 0,1); the
-                       bench's other threads (devices' workers) then
-                       keep off those CPUs while any other is allowed
-  --json               print one JSON object instead of the summary";
+/// `udm bench`'s options.
+#[derive(clap::Args, Debug)]
+#[command(after_help = AFTER_HELP)]
+pub struct BenchArgs {
+    /// A device (repeatable; later ones may use earlier ones).
+    #[arg(long = "dev", value_name = "NAME=SPEC")]
+    devs: Vec<String>,
+    /// Device to drive.
+    #[arg(long, value_name = "NAME")]
+    target: Option<String>,
+    /// read|write|rw|randread|randwrite|randrw.
+    #[arg(long, value_name = "MODE", default_value = "randread")]
+    rw: String,
+    /// Percent reads in rw/randrw.
+    #[arg(long, value_name = "N", default_value_t = 50)]
+    rwmixread: u32,
+    /// Block size.
+    #[arg(long, value_name = "SIZE", default_value = "4k")]
+    bs: String,
+    /// I/Os in flight per job.
+    #[arg(long, value_name = "N", default_value_t = 32)]
+    iodepth: u32,
+    /// Jobs (each a reactor on its own thread).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    jobs: u32,
+    /// Time-based run length in seconds [default: 5].
+    #[arg(long, value_name = "SECS")]
+    runtime: Option<String>,
+    /// Region to cover (all jobs together; one pass when given without
+    /// --runtime; random passes cover every block once, as fio's random
+    /// map does, each pass in a new order) [default: whole device].
+    #[arg(long, value_name = "SIZE")]
+    size: Option<String>,
+    /// Write the region first, unmeasured.
+    #[arg(long)]
+    prefill: bool,
+    /// Write a pattern over the region, read it back, compare.
+    #[arg(long)]
+    verify: bool,
+    /// Busy-poll completions (default: sleep when idle).
+    #[arg(long)]
+    poll: bool,
+    /// Spin briefly, then sleep.
+    #[arg(long)]
+    hybrid: bool,
+    /// Spin while recent idle gaps were short, else sleep.
+    #[arg(long)]
+    adaptive: bool,
+    /// Force the mapper's clone path.
+    #[arg(long)]
+    no_fast_path: bool,
+    /// Disable the descriptor cache.
+    #[arg(long)]
+    no_cache: bool,
+    /// Pin job i to the i-th CPU of LIST (e.g. 0,1); the bench's other
+    /// threads (devices' workers) then keep off those CPUs while any other
+    /// is allowed.
+    #[arg(long, value_name = "LIST")]
+    cpus: Option<String>,
+    /// Print one JSON object instead of the summary.
+    #[arg(long)]
+    json: bool,
+}
 
 /// Everything one run needs.
 struct BenchCfg {
@@ -70,35 +108,28 @@ struct BenchCfg {
 }
 
 /// Runs `udm bench`.
-pub fn main(mut args: Args) -> Result<i32, Error> {
-    let devs = args.many("--dev");
-    let target = args.opt("--target");
-    let rw = match args.opt("--rw") {
-        Some(s) => Pattern::parse(&s).ok_or_else(|| {
-            Error::invalid(format!(
-                "--rw '{s}': expected read, write, rw, randread, randwrite or randrw"
-            ))
-        })?,
-        None => Pattern::RandRead,
-    };
-    let mix_read = args.num("--rwmixread", 50)?;
+pub fn main(args: BenchArgs) -> Result<i32, Error> {
+    let devs = args.devs;
+    let target = args.target;
+    let rw = Pattern::parse(&args.rw).ok_or_else(|| {
+        Error::invalid(format!(
+            "--rw '{}': expected read, write, rw, randread, randwrite or randrw",
+            args.rw
+        ))
+    })?;
+    let mix_read = args.rwmixread;
     if mix_read > 100 {
         return Err(Error::invalid(format!(
             "--rwmixread {mix_read}: must be 0..100"
         )));
     }
-    let bs = match args.opt("--bs") {
-        Some(s) => parse_size(&s).map_err(|e| e.context("--bs"))?,
-        None => 4096,
-    };
-    let iodepth = args.num("--iodepth", 32)?;
-    let jobs = args.num("--jobs", 1)?;
-    let runtime = match args.opt("--runtime") {
-        Some(s) => Some(parse_secs(&s)?),
+    let bs = parse_size(&args.bs).map_err(|e| e.context("--bs"))?;
+    let runtime = match &args.runtime {
+        Some(s) => Some(parse_secs(s)?),
         None => None,
     };
-    let size = match args.opt("--size") {
-        Some(s) => Some(parse_size(&s).map_err(|e| e.context("--size"))?),
+    let size = match &args.size {
+        Some(s) => Some(parse_size(s).map_err(|e| e.context("--size"))?),
         None => None,
     };
     let cfg = BenchCfg {
@@ -106,34 +137,33 @@ pub fn main(mut args: Args) -> Result<i32, Error> {
         rw,
         mix_read,
         bs: bs.try_into().unwrap_or(u32::MAX),
-        iodepth,
-        jobs,
+        iodepth: args.iodepth,
+        jobs: args.jobs,
         runtime: if size.is_some() && runtime.is_none() {
             None
         } else {
             Some(runtime.unwrap_or(Duration::from_secs(5)))
         },
         size,
-        prefill: args.flag("--prefill"),
-        verify: args.flag("--verify"),
-        mode: if args.flag("--poll") {
+        prefill: args.prefill,
+        verify: args.verify,
+        mode: if args.poll {
             CompletionMode::Poll
-        } else if args.flag("--hybrid") {
+        } else if args.hybrid {
             CompletionMode::Hybrid
-        } else if args.flag("--adaptive") {
+        } else if args.adaptive {
             CompletionMode::Adaptive
         } else {
             CompletionMode::Interrupt
         },
-        fast_path: !args.flag("--no-fast-path"),
-        cache: !args.flag("--no-cache"),
-        json: args.flag("--json"),
-        cpus: match args.opt("--cpus") {
-            Some(s) => parse_cpus(&s)?,
+        fast_path: !args.no_fast_path,
+        cache: !args.no_cache,
+        json: args.json,
+        cpus: match &args.cpus {
+            Some(s) => parse_cpus(s)?,
             None => Vec::new(),
         },
     };
-    args.finish()?;
     if cfg.iodepth == 0 || cfg.jobs == 0 {
         return Err(Error::invalid("--iodepth and --jobs must be at least 1"));
     }
@@ -146,9 +176,9 @@ pub fn main(mut args: Args) -> Result<i32, Error> {
     // Before the devices exist: the threads they start inherit it.
     keep_off(&cfg.cpus)?;
     let stack = if devs.is_empty() {
-        Stack::build(DEFAULT_DEVS)?
+        Control::build(DEFAULT_DEVS)?
     } else {
-        Stack::build(&devs)?
+        Control::build(&devs)?
     };
     match target {
         Some(t) => {
@@ -174,7 +204,7 @@ fn parse_secs(s: &str) -> Result<Duration, Error> {
 }
 
 /// The main job on the built-in default: raw RAM, linear and striped.
-fn default_suite(stack: &Stack, base: BenchCfg) -> Result<i32, Error> {
+fn default_suite(stack: &Control, base: BenchCfg) -> Result<i32, Error> {
     let mut rows = Vec::new();
     for name in ["ram0", "lin", "str"] {
         let Some(dev) = stack.get(name) else { continue };
@@ -204,6 +234,47 @@ fn default_suite(stack: &Stack, base: BenchCfg) -> Result<i32, Error> {
         }
     }
     Ok(0)
+}
+
+/// `udm bench --json`: one run's report.
+#[derive(Serialize)]
+struct BenchJson<'a> {
+    target: &'a str,
+    rw: &'a str,
+    bs: u32,
+    iodepth: u32,
+    jobs: u32,
+    fast_path: bool,
+    cache: bool,
+    mode: &'a str,
+    runtime_s: f64,
+    ios: u64,
+    reads: u64,
+    writes: u64,
+    bytes: u64,
+    iops: f64,
+    mib_per_s: f64,
+    lat_us: Latency,
+    allocs_per_io: f64,
+    cache_hits: u64,
+    cache_misses: u64,
+    cpu_user_s: f64,
+    cpu_sys_s: f64,
+    errors: u64,
+    first_error: Option<&'a str>,
+    verified_blocks: u64,
+    mismatches: u64,
+    first_mismatch: Option<&'a str>,
+}
+
+/// Latency percentiles in microseconds.
+#[derive(Serialize)]
+struct Latency {
+    mean: f64,
+    p50: f64,
+    p99: f64,
+    p999: f64,
+    max: f64,
 }
 
 /// Aggregated results.
@@ -381,34 +452,45 @@ fn report(cfg: &BenchCfg, dev: &Arc<dyn BlockDevice>, rs: &[JobResult]) -> Repor
         CompletionMode::Adaptive => "adaptive",
     };
     if cfg.json {
-        let opt = |s: &Option<String>| match s {
-            Some(s) => format!("\"{}\"", s.replace('\\', "\\\\").replace('"', "\\\"")),
-            None => "null".into(),
+        let r3 = |x: f64| (x * 1000.0).round() / 1000.0;
+        let j = BenchJson {
+            target: &cfg.target,
+            rw: cfg.rw.name(),
+            bs: cfg.bs,
+            iodepth: cfg.iodepth,
+            jobs: cfg.jobs,
+            fast_path: cfg.fast_path,
+            cache: cfg.cache,
+            mode,
+            runtime_s: r3(secs),
+            ios,
+            reads,
+            writes,
+            bytes,
+            iops: (iops * 10.0).round() / 10.0,
+            mib_per_s: (mibs * 100.0).round() / 100.0,
+            lat_us: Latency {
+                mean: r3(mean),
+                p50: r3(us(0.5)),
+                p99: r3(us(0.99)),
+                p999: r3(us(0.999)),
+                max: r3(hist.max() as f64 / 1000.0),
+            },
+            allocs_per_io: (allocs_per_io * 1e6).round() / 1e6,
+            cache_hits: hits,
+            cache_misses: misses,
+            cpu_user_s: r3(usr.as_secs_f64()),
+            cpu_sys_s: r3(sys.as_secs_f64()),
+            errors,
+            first_error: first_error.as_deref(),
+            verified_blocks: verified,
+            mismatches,
+            first_mismatch: first_mismatch.as_deref(),
         };
-        println!(
-            "{{\"target\":\"{}\",\"rw\":\"{}\",\"bs\":{},\"iodepth\":{},\"jobs\":{},\"fast_path\":{},\"cache\":{},\"mode\":\"{mode}\",\
-\"runtime_s\":{secs:.3},\"ios\":{ios},\"reads\":{reads},\"writes\":{writes},\"bytes\":{bytes},\
-\"iops\":{iops:.1},\"mib_per_s\":{mibs:.2},\
-\"lat_us\":{{\"mean\":{mean:.3},\"p50\":{:.3},\"p99\":{:.3},\"p999\":{:.3},\"max\":{:.3}}},\
-\"allocs_per_io\":{allocs_per_io:.6},\"cache_hits\":{hits},\"cache_misses\":{misses},\
-\"cpu_user_s\":{:.3},\"cpu_sys_s\":{:.3},\"errors\":{errors},\"first_error\":{},\
-\"verified_blocks\":{verified},\"mismatches\":{mismatches},\"first_mismatch\":{}}}",
-            cfg.target,
-            cfg.rw.name(),
-            cfg.bs,
-            cfg.iodepth,
-            cfg.jobs,
-            cfg.fast_path,
-            cfg.cache,
-            us(0.5),
-            us(0.99),
-            us(0.999),
-            hist.max() as f64 / 1000.0,
-            usr.as_secs_f64(),
-            sys.as_secs_f64(),
-            opt(&first_error),
-            opt(&first_mismatch),
-        );
+        match serde_json::to_string(&j) {
+            Ok(s) => println!("{s}"),
+            Err(e) => tracing::error!("encoding the bench report: {e}"),
+        }
     } else {
         println!(
             "{}: rw={} bs={} iodepth={} jobs={} fast-path={} cache={} mode={mode}{}",

@@ -1,0 +1,80 @@
+//! Runs a protocol [`Op`] on a [`Control`]: the server's side of a request,
+//! and the in-process form of every verb (so both print the same).
+
+use serde::Serialize;
+use serde_json::Value;
+use udm_core::Error;
+
+use crate::proto::Op;
+use crate::verbs::Control;
+
+fn value<T: Serialize>(r: Result<T, Error>) -> Result<Value, Error> {
+    serde_json::to_value(r?).map_err(|e| Error::invalid(format!("encoding the result: {e}")))
+}
+
+/// Runs `op` on `ctl`; the result as the protocol's `ok` value.
+pub fn execute(ctl: &Control, op: Op) -> Result<Value, Error> {
+    match op {
+        Op::Version {} => value(Ok(ctl.version())),
+        Op::Ls {} => value(Ok(ctl.ls())),
+        Op::Targets {} => value(Ok(ctl.targets())),
+        Op::Info { name } => value(ctl.info(&name)),
+        Op::Status { names } => value(ctl.status(&names)),
+        Op::Table { names } => value(ctl.table(&names)),
+        Op::Deps { name } => value(ctl.deps(&name)),
+        Op::Message { name, sector, argv } => {
+            if argv.is_empty() {
+                return Err(Error::invalid("message: expected at least one word"));
+            }
+            let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+            value(ctl.message(&name, sector, &argv))
+        }
+        Op::Create { name, spec } => value(ctl.create(&name, &spec)),
+        Op::Remove { name, mode } => value(ctl.remove(&name, mode)),
+        Op::Load { name, table } => value(ctl.load(&name, &table)),
+        Op::Suspend { name, flush } => value(ctl.suspend(&name, flush)),
+        Op::Resume { name } => value(ctl.resume(&name)),
+        Op::Clear { name } => value(ctl.clear(&name)),
+        Op::Reload { name, table } => value(ctl.reload(&name, &table)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::Status;
+
+    #[test]
+    fn ops_run_on_the_registry_and_return_typed_results() {
+        let c = Control::default();
+        execute(
+            &c,
+            Op::Create {
+                name: "r".into(),
+                spec: "ram:1M".into(),
+            },
+        )
+        .unwrap();
+        execute(
+            &c,
+            Op::Create {
+                name: "l".into(),
+                spec: "0 2048 linear r 0".into(),
+            },
+        )
+        .unwrap();
+        let v = execute(&c, Op::Status { names: vec![] }).unwrap();
+        let s: Status = serde_json::from_value(v).unwrap();
+        assert_eq!(s.to_string(), "l: 0 2048 linear");
+        let e = execute(
+            &c,
+            Op::Message {
+                name: "l".into(),
+                sector: 0,
+                argv: vec![],
+            },
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("at least one word"));
+    }
+}

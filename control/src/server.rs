@@ -1,0 +1,311 @@
+//! The control socket's server: a unix stream socket, mode 0600, served by
+//! its own threads (off the data path: every op goes through [`Control`],
+//! whose device methods message the reactors).
+//!
+//! Limits: a request line longer than [`MAX_LINE`] gets an error reply and
+//! the connection is closed; a connection idle for [`IDLE`] is closed; at
+//! most [`MAX_CONNS`] connections at once (more get one `busy` error reply
+//! and are closed). A request that is not JSON, or names an unknown op,
+//! gets an error reply and the connection goes on. Requests on different
+//! connections run concurrently (see [`Control`] for what waits for what).
+
+use std::io::{BufRead, BufReader, ErrorKind as IoKind, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use udm_core::{Error, ErrorKind};
+
+use crate::dispatch::execute;
+use crate::proto::{decode, Op, Reply, MAX_LINE};
+use crate::verbs::Control;
+
+/// Most connections served at once.
+pub const MAX_CONNS: usize = 32;
+/// A connection idle this long is closed.
+pub const IDLE: Duration = Duration::from_secs(60);
+
+/// Binds the control socket at `path`, mode 0600. A stale socket (nobody
+/// listening) is replaced; a live one or any other file is an error. Call
+/// before starting threads: it sets the process's umask around the bind.
+pub fn bind(path: &Path) -> Result<UnixListener, Error> {
+    let what = || format!("control socket '{}'", path.display());
+    if let Ok(m) = std::fs::symlink_metadata(path) {
+        if !m.file_type().is_socket() {
+            return Err(Error::invalid(format!(
+                "{}: exists and is not a socket",
+                what()
+            )));
+        }
+        if UnixStream::connect(path).is_ok() {
+            return Err(Error::new(
+                ErrorKind::Busy,
+                format!("{}: another server is listening on it", what()),
+            ));
+        }
+        let _ = std::fs::remove_file(path);
+    }
+    // SAFETY: umask only swaps the process's file-creation mask; restored below.
+    let old = unsafe { libc::umask(0o177) };
+    let l = UnixListener::bind(path);
+    // SAFETY: as above.
+    unsafe { libc::umask(old) };
+    let l = l.map_err(|e| Error::os(what(), e))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| Error::os(what(), e))?;
+    Ok(l)
+}
+
+/// Where a server puts its control socket when not told: beside its first
+/// unix listen socket (`<sock>.ctl`), else in `$XDG_RUNTIME_DIR` (or the
+/// temporary directory) as `udm-<pid>.ctl`.
+pub fn default_path(first_unix: Option<&Path>) -> PathBuf {
+    if let Some(p) = first_unix {
+        let mut s = p.as_os_str().to_owned();
+        s.push(".ctl");
+        return PathBuf::from(s);
+    }
+    let dir = std::env::var_os("XDG_RUNTIME_DIR")
+        .map(PathBuf::from)
+        .filter(|d| d.is_dir())
+        .unwrap_or_else(std::env::temp_dir);
+    dir.join(format!("udm-{}.ctl", std::process::id()))
+}
+
+struct Shared {
+    ctl: Arc<Control>,
+    conns: AtomicUsize,
+}
+
+/// A running control socket.
+pub struct ControlServer {
+    path: PathBuf,
+    shared: Arc<Shared>,
+    wake: OwnedFd,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl ControlServer {
+    /// Serves `listener` (from [`bind`] at `path`) on its own thread.
+    pub fn start(
+        listener: UnixListener,
+        path: PathBuf,
+        ctl: Arc<Control>,
+    ) -> Result<ControlServer, Error> {
+        let mut fds = [0i32; 2];
+        // SAFETY: pipe2 writes two fds into the array; result checked.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+            return Err(Error::os(
+                "control socket: pipe",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        // SAFETY: both fds were just created and are owned only here.
+        let (rd, wake) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        let shared = Arc::new(Shared {
+            ctl,
+            conns: AtomicUsize::new(0),
+        });
+        let sh = shared.clone();
+        let accept = std::thread::Builder::new()
+            .name("udm-ctl".into())
+            .spawn(move || accept_loop(listener, rd, sh))
+            .map_err(|e| Error::os("control socket: spawning its thread", e))?;
+        Ok(ControlServer {
+            path,
+            shared,
+            wake,
+            accept: Some(accept),
+        })
+    }
+
+    /// The socket's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Stops accepting, removes the socket file and closes the [`Control`]
+    /// (waiting for a change in progress, a reload say, to finish; none
+    /// starts after). Open connections get `busy` for any new change.
+    pub fn shutdown(mut self) {
+        // SAFETY: writes one byte from a local to our own pipe.
+        unsafe { libc::write(self.wake.as_raw_fd(), [1u8].as_ptr().cast(), 1) };
+        if let Some(t) = self.accept.take() {
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_file(&self.path);
+        self.shared.ctl.close();
+    }
+}
+
+fn accept_loop(l: UnixListener, stop: OwnedFd, sh: Arc<Shared>) {
+    loop {
+        let mut fds = [
+            libc::pollfd {
+                fd: l.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: stop.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: poll on a local array of two valid pollfds.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == IoKind::Interrupted {
+                continue;
+            }
+            tracing::error!("control: poll: {e}; control socket closed");
+            return;
+        }
+        if fds[1].revents != 0 {
+            return;
+        }
+        if fds[0].revents == 0 {
+            continue;
+        }
+        let s = match l.accept() {
+            Ok((s, _)) => s,
+            Err(e) if e.kind() == IoKind::Interrupted || e.kind() == IoKind::WouldBlock => continue,
+            Err(e) => {
+                tracing::warn!("control: accept: {e}");
+                // e.g. EMFILE: do not spin.
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+        };
+        if sh.conns.fetch_add(1, Ordering::AcqRel) >= MAX_CONNS {
+            sh.conns.fetch_sub(1, Ordering::AcqRel);
+            let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
+            let r = Reply::from_result(
+                None,
+                Err(Error::new(
+                    ErrorKind::Busy,
+                    format!("too many control connections (at most {MAX_CONNS})"),
+                )),
+            );
+            let _ = (&s).write_all(r.to_line().as_bytes());
+            continue;
+        }
+        let sh2 = sh.clone();
+        let r = std::thread::Builder::new()
+            .name("udm-ctl-conn".into())
+            .spawn(move || {
+                serve_conn(s, &sh2);
+                sh2.conns.fetch_sub(1, Ordering::AcqRel);
+            });
+        if let Err(e) = r {
+            sh.conns.fetch_sub(1, Ordering::AcqRel);
+            tracing::warn!("control: spawning a connection thread: {e}");
+        }
+    }
+}
+
+/// What reading one request line gave.
+enum Line {
+    Bytes(Vec<u8>),
+    Eof,
+    TooLong,
+}
+
+fn read_line(r: &mut impl BufRead) -> std::io::Result<Line> {
+    let mut buf = Vec::new();
+    let n = r.take(MAX_LINE as u64 + 1).read_until(b'\n', &mut buf)?;
+    if n == 0 {
+        return Ok(Line::Eof);
+    }
+    if buf.last() == Some(&b'\n') {
+        buf.pop();
+    } else if buf.len() > MAX_LINE {
+        return Ok(Line::TooLong);
+    }
+    Ok(Line::Bytes(buf))
+}
+
+fn serve_conn(s: UnixStream, sh: &Shared) {
+    let _ = s.set_read_timeout(Some(IDLE));
+    let _ = s.set_write_timeout(Some(IDLE));
+    let Ok(w) = s.try_clone() else { return };
+    let mut w = std::io::BufWriter::new(w);
+    let mut r = BufReader::new(s);
+    loop {
+        let (reply, close) = match read_line(&mut r) {
+            Ok(Line::Eof) | Err(_) => return, // closed, idle or broken
+            Ok(Line::TooLong) => (
+                Reply::from_result(
+                    None,
+                    Err(Error::invalid(format!(
+                        "request line longer than {MAX_LINE} bytes"
+                    ))),
+                ),
+                true,
+            ),
+            Ok(Line::Bytes(b)) => (handle(&sh.ctl, &b), false),
+        };
+        let line = reply.to_line();
+        if w.write_all(line.as_bytes())
+            .and_then(|_| w.flush())
+            .is_err()
+            || close
+        {
+            return;
+        }
+    }
+}
+
+/// Decodes and runs one request line.
+fn handle(ctl: &Control, line: &[u8]) -> Reply {
+    let req = match decode(line) {
+        Ok(r) => r,
+        Err((id, e)) => return Reply::from_result(id, Err(e)),
+    };
+    if ctl.is_closing() && !matches!(req.op, Op::Version {}) {
+        return Reply::from_result(
+            req.id,
+            Err(Error::new(ErrorKind::Busy, "server is shutting down")),
+        );
+    }
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| execute(ctl, req.op)));
+    let r = r.unwrap_or_else(|_| {
+        Err(Error::new(
+            ErrorKind::Io,
+            "internal error (see the server's log)",
+        ))
+    });
+    Reply::from_result(req.id, r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_lines_end_at_newline_and_are_bounded() {
+        let mut r = std::io::Cursor::new(b"{}\r\n{\"v\":1}".to_vec());
+        assert!(matches!(read_line(&mut r).unwrap(), Line::Bytes(b) if b == b"{}\r"));
+        assert!(matches!(read_line(&mut r).unwrap(), Line::Bytes(b) if b == b"{\"v\":1}"));
+        assert!(matches!(read_line(&mut r).unwrap(), Line::Eof));
+        let mut r = std::io::Cursor::new(vec![b'x'; MAX_LINE + 10]);
+        assert!(matches!(read_line(&mut r).unwrap(), Line::TooLong));
+    }
+
+    #[test]
+    fn the_default_control_socket_sits_beside_the_first_unix_socket() {
+        assert_eq!(
+            default_path(Some(Path::new("/run/udm.sock"))),
+            PathBuf::from("/run/udm.sock.ctl")
+        );
+        assert!(default_path(None)
+            .to_string_lossy()
+            .ends_with(&format!("udm-{}.ctl", std::process::id())));
+    }
+}
