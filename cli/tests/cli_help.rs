@@ -54,8 +54,17 @@ fn targets_and_version_print_text_or_json() {
     }
     let (_, out, _) = udm(&["targets", "--json"]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    assert_eq!(v["targets"][0]["name"], "linear");
-    assert_eq!(v["targets"][0]["version"].as_array().unwrap().len(), 3);
+    let types = v["targets"].as_array().unwrap();
+    let names: Vec<&str> = types.iter().filter_map(|t| t["name"].as_str()).collect();
+    assert_eq!(names, ["error", "linear", "striped", "writecache", "zero"]);
+    let linear = &types[1];
+    assert_eq!(linear["version"].as_array().unwrap().len(), 3);
+    assert_eq!(linear["usage"], "<dev> <offset>");
+    assert_eq!(
+        (linear["min_args"].as_u64(), linear["max_args"].as_u64()),
+        (Some(2), Some(2))
+    );
+    assert_eq!(types[3]["exclusive_args"], serde_json::json!([2]));
     let (_, out, _) = udm(&["version", "--json"]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["protocol"], 1);

@@ -74,63 +74,36 @@ impl Op {
     }
 }
 
-/// Request flags, as the kernel's `REQ_*` bits that matter to a stack.
-#[derive(Clone, Copy, Default, PartialEq, Eq, Hash)]
-pub struct BioFlags(u8);
-
-impl BioFlags {
-    /// No flags.
-    pub const NONE: BioFlags = BioFlags(0);
-    /// Flush the device's volatile cache before this I/O (REQ_PREFLUSH).
-    pub const PREFLUSH: BioFlags = BioFlags(1);
-    /// This write is durable when it completes (REQ_FUA).
-    pub const FUA: BioFlags = BioFlags(2);
-    /// Fail with [`Status::Again`] rather than block (REQ_NOWAIT).
-    pub const NOWAIT: BioFlags = BioFlags(4);
-    /// The submitter polls for this completion (REQ_POLLED).
-    pub const POLLED: BioFlags = BioFlags(8);
-    /// Fail rather than fall back to writing zero buffers (NBD's FAST_ZERO).
-    pub const NOUNMAP_FAST: BioFlags = BioFlags(16);
-    /// Read only, set by the submitter: instead of copying the data into the
-    /// bio's single segment, the device may point the segment at its own
-    /// memory that holds the data ([`Bio::lend`]; SPDK's zcopy), valid until
-    /// the submitter's end_io returns and no longer. A layer that passes a
-    /// bio down in place and needs the data in the caller's buffer when it
-    /// completes (a target that transforms or caches it, a stand-in, a
-    /// clone) removes this flag.
-    pub const MAY_LEND: BioFlags = BioFlags(32);
-    /// Set by [`Bio::lend`] only: the segment points at the device's
-    /// memory, not at the submitter's buffer, and must not be written.
-    /// Clones never carry it (nor `MAY_LEND`).
-    pub const LENT: BioFlags = BioFlags(64);
-
-    /// Whether every bit of `other` is set.
-    #[inline]
-    pub fn contains(self, other: BioFlags) -> bool {
-        self.0 & other.0 == other.0
-    }
-    /// Whether any bit of `other` is set.
-    #[inline]
-    pub fn intersects(self, other: BioFlags) -> bool {
-        self.0 & other.0 != 0
-    }
-    /// Sets the bits of `other`.
-    #[inline]
-    pub fn insert(&mut self, other: BioFlags) {
-        self.0 |= other.0;
-    }
-    /// Clears the bits of `other`.
-    #[inline]
-    pub fn remove(&mut self, other: BioFlags) {
-        self.0 &= !other.0;
+bitflags::bitflags! {
+    /// Request flags, as the kernel's `REQ_*` bits that matter to a stack.
+    #[derive(Clone, Copy, Default, PartialEq, Eq, Hash)]
+    pub struct BioFlags: u8 {
+        /// Flush the device's volatile cache before this I/O (REQ_PREFLUSH).
+        const PREFLUSH = 1;
+        /// This write is durable when it completes (REQ_FUA).
+        const FUA = 2;
+        /// Fail with [`Status::Again`] rather than block (REQ_NOWAIT).
+        const NOWAIT = 4;
+        /// Fail rather than fall back to writing zero buffers (NBD's FAST_ZERO).
+        const NOUNMAP_FAST = 16;
+        /// Read only, set by the submitter: instead of copying the data into the
+        /// bio's single segment, the device may point the segment at its own
+        /// memory that holds the data ([`Bio::lend`]; SPDK's zcopy), valid until
+        /// the submitter's end_io returns and no longer. A layer that passes a
+        /// bio down in place and needs the data in the caller's buffer when it
+        /// completes (a target that transforms or caches it, a stand-in, a
+        /// clone) removes this flag.
+        const MAY_LEND = 32;
+        /// Set by [`Bio::lend`] only: the segment points at the device's
+        /// memory, not at the submitter's buffer, and must not be written.
+        /// Clones never carry it (nor `MAY_LEND`).
+        const LENT = 64;
     }
 }
 
-impl std::ops::BitOr for BioFlags {
-    type Output = BioFlags;
-    fn bitor(self, rhs: BioFlags) -> BioFlags {
-        BioFlags(self.0 | rhs.0)
-    }
+impl BioFlags {
+    /// No flags.
+    pub const NONE: BioFlags = BioFlags::empty();
 }
 
 impl fmt::Debug for BioFlags {
@@ -139,7 +112,6 @@ impl fmt::Debug for BioFlags {
             (Self::PREFLUSH, "PREFLUSH"),
             (Self::FUA, "FUA"),
             (Self::NOWAIT, "NOWAIT"),
-            (Self::POLLED, "POLLED"),
             (Self::NOUNMAP_FAST, "NOUNMAP_FAST"),
             (Self::MAY_LEND, "MAY_LEND"),
             (Self::LENT, "LENT"),

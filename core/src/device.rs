@@ -81,45 +81,32 @@ impl Limits {
     }
 }
 
-/// What a device can do beyond reads and writes. Declared once, read by the
-/// mapper (to stack) and the exports (to advertise).
-#[derive(Clone, Copy, Default, PartialEq, Eq)]
-pub struct Caps(u16);
+bitflags::bitflags! {
+    /// What a device can do beyond reads and writes. Declared once, read by the
+    /// mapper (to stack) and the exports (to advertise).
+    #[derive(Clone, Copy, Default, PartialEq, Eq)]
+    pub struct Caps: u16 {
+        /// Has a volatile cache that FLUSH makes durable.
+        const FLUSH = 1;
+        /// Honours FUA on writes (without it, the stack emulates FUA with a flush).
+        const FUA = 2;
+        /// Accepts DISCARD.
+        const DISCARD = 4;
+        /// Accepts WRITE_ZEROES efficiently.
+        const WRITE_ZEROES = 8;
+        /// Completions can be polled for (io_uring IOPOLL on the device).
+        const POLL = 16;
+        /// Read-only.
+        const READ_ONLY = 32;
+        /// Data survives the process (a file or block device); RAM does not.
+        const PERSISTENT = 64;
+    }
+}
 
 impl Caps {
     /// Nothing beyond read and write.
-    pub const NONE: Caps = Caps(0);
-    /// Has a volatile cache that FLUSH makes durable.
-    pub const FLUSH: Caps = Caps(1);
-    /// Honours FUA on writes (without it, the stack emulates FUA with a flush).
-    pub const FUA: Caps = Caps(2);
-    /// Accepts DISCARD.
-    pub const DISCARD: Caps = Caps(4);
-    /// Accepts WRITE_ZEROES efficiently.
-    pub const WRITE_ZEROES: Caps = Caps(8);
-    /// Completions can be polled for.
-    pub const POLL: Caps = Caps(16);
-    /// Read-only.
-    pub const READ_ONLY: Caps = Caps(32);
-    /// Data survives the process (a file or block device); RAM does not.
-    pub const PERSISTENT: Caps = Caps(64);
+    pub const NONE: Caps = Caps::empty();
 
-    /// Whether every bit of `other` is set.
-    pub fn contains(self, other: Caps) -> bool {
-        self.0 & other.0 == other.0
-    }
-    /// Sets `other`'s bits.
-    pub fn insert(&mut self, other: Caps) {
-        self.0 |= other.0;
-    }
-    /// Clears `other`'s bits.
-    pub fn remove(&mut self, other: Caps) {
-        self.0 &= !other.0;
-    }
-    /// The bits set in both.
-    pub fn intersect(self, other: Caps) -> Caps {
-        Caps(self.0 & other.0)
-    }
     /// Whether the device supports `op` at all.
     pub fn supports(self, op: Op) -> bool {
         match op {
@@ -127,13 +114,6 @@ impl Caps {
             Op::Discard => self.contains(Caps::DISCARD),
             Op::WriteZeroes => self.contains(Caps::WRITE_ZEROES),
         }
-    }
-}
-
-impl std::ops::BitOr for Caps {
-    type Output = Caps;
-    fn bitor(self, rhs: Caps) -> Caps {
-        Caps(self.0 | rhs.0)
     }
 }
 
@@ -157,17 +137,6 @@ impl fmt::Debug for Caps {
     }
 }
 
-/// How a device wants I/O handed to it (seed 004): straight through, or via a
-/// queue that merges adjacent requests first.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum Dispatch {
-    /// Bio-based: each bio goes to the device as it comes (no queueing cost).
-    #[default]
-    Direct,
-    /// Request-based: adjacent bios are merged before dispatch (fewer, larger I/Os).
-    Queued,
-}
-
 /// A block device. Shared by every reactor; I/O goes through [`BlockDevice::open`]'s channels.
 pub trait BlockDevice: Send + Sync + 'static {
     /// The device's name (as given on the command line).
@@ -179,10 +148,6 @@ pub trait BlockDevice: Send + Sync + 'static {
     /// Opens this reactor's channel to the device. Called on the reactor's
     /// thread; the channel may keep the device alive.
     fn open(self: Arc<Self>, reactor: &Reactor) -> Result<Rc<dyn Channel>, Error>;
-    /// How the device prefers I/O to be dispatched to it.
-    fn dispatch(&self) -> Dispatch {
-        Dispatch::Direct
-    }
     /// For downcasting (e.g. to a mapped device, to load a table).
     fn as_any(&self) -> &dyn Any;
 }

@@ -26,7 +26,7 @@ pub mod ring;
 
 pub use bio::{Bio, BioFlags, BioPtr, EndIo, Op, Seg, Status, SECTOR_SHIFT, SECTOR_SIZE};
 pub use buf::AlignedBuf;
-pub use device::{bio_status, check_bio, BlockDevice, Caps, Channel, Dispatch, Limits};
+pub use device::{bio_status, check_bio, BlockDevice, Caps, Channel, Limits};
 pub use error::{Error, ErrorKind, Result};
 pub use reactor::{
     CacheStats, CompletionMode, Poller, Reactor, ReactorConfig, ReactorHandle, WorkQueue,

@@ -671,19 +671,8 @@ fn remappable_means_a_read_or_write_without_preflush_with_a_free_frame() {
     for depth in 0..=MAX_STACK {
         for &op in &ops {
             for bits in 0..=127u8 {
-                let flags = [
-                    udm_core::BioFlags::PREFLUSH,
-                    udm_core::BioFlags::FUA,
-                    udm_core::BioFlags::NOWAIT,
-                    udm_core::BioFlags::POLLED,
-                    udm_core::BioFlags::NOUNMAP_FAST,
-                    udm_core::BioFlags::MAY_LEND,
-                    udm_core::BioFlags::LENT,
-                ]
-                .iter()
-                .enumerate()
-                .filter(|(i, _)| bits & (1 << i) != 0)
-                .fold(udm_core::BioFlags::NONE, |a, (_, &f)| a | f);
+                // Every flag byte, unknown bits included.
+                let flags = udm_core::BioFlags::from_bits_retain(bits);
                 for &st in &statuses {
                     bio.op = op;
                     bio.flags = flags;

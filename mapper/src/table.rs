@@ -269,14 +269,14 @@ impl Table {
                 let l = a.dev.limits();
                 limits.stack(&l);
                 let c = a.dev.caps();
-                tcaps = tcaps.intersect(c);
+                tcaps = tcaps.intersection(c);
                 persistent &= c.contains(Caps::PERSISTENT);
                 read_only |= c.contains(Caps::READ_ONLY);
             }
             if t.target.devices().is_empty() {
                 persistent = false;
             }
-            caps = caps.intersect(t.target.caps(tcaps));
+            caps = caps.intersection(t.target.caps(tcaps));
             t.target.io_hints(&mut limits);
         }
         if persistent {
