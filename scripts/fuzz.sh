@@ -9,9 +9,10 @@
 # mapper/tests/fuzz_corpus.rs). A crash leaves its input in
 # fuzz/artifacts/<target>/; the script goes on with the other targets and
 # fails at the end.
-# Not part of CI (scripts/test.sh): it installs cargo-fuzz and takes minutes.
+# scripts/test.sh runs every target briefly with FUZZ_MERGE=0 (nothing is
+# written back to the committed corpus).
 #
-# usage: scripts/fuzz.sh [SECONDS_PER_TARGET=60] [TARGET...]
+# usage: [FUZZ_MERGE=0] scripts/fuzz.sh [SECONDS_PER_TARGET=60] [TARGET...]
 set -euo pipefail
 SECS=${1:-60}
 shift || true
@@ -32,6 +33,7 @@ for t in $TARGETS; do
         failed="$failed $t"
         continue
     fi
+    [ "${FUZZ_MERGE:-1}" = 0 ] && continue
     # Keep the corpus small in git: only inputs that add coverage.
     cargo fuzz run "$t" "corpus/$t" "../target/fuzz-corpus/$t" -- -merge=1 -max_len=70000
 done

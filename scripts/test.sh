@@ -12,5 +12,11 @@ echo "== cargo clippy"
 cargo clippy --all-targets --release -- -D warnings
 echo "== cargo test"
 cargo test --release --workspace 2>&1 | tee target/test.log
+echo "== fuzz (every target, briefly)"
+if ! FUZZ_MERGE=0 ./scripts/fuzz.sh "${FUZZ_SECONDS:-10}" >target/fuzz.log 2>&1; then
+    tail -40 target/fuzz.log
+    exit 1
+fi
+grep -E '^==|^Done [0-9]+ runs' target/fuzz.log
 # One closing line for CI: the totals over every test binary.
 awk '/^test result:/ { p += $4; f += $6; i += $8 } END { printf "%d passed, %d failed, %d skipped\n", p, f, i }' target/test.log
