@@ -20,7 +20,10 @@ use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 
-use crate::reactor::ReactorCore;
+/// The reactor core a bio comes from and returns to (the kernel's
+/// `bi_pool`), opaque here: only the reactor (reactor.rs) makes and reads
+/// these pointers, so this file needs nothing from it.
+pub(crate) enum Home {}
 
 /// Sector size: all positions and lengths on the block interface are in 512-byte units.
 pub const SECTOR_SHIFT: u32 = 9;
@@ -324,7 +327,8 @@ pub struct Bio {
     /// layer that split it.
     pub pending: u32,
     pub(crate) next: *mut Bio,
-    pub(crate) home: *const ReactorCore,
+    /// Set by the reactor core that allocated the bio, to itself.
+    pub(crate) home: *const Home,
     segs: SegVec,
     frames: [Frame; MAX_STACK],
     /// Per-I/O data for the target that maps this bio as a clone (dm's
@@ -336,7 +340,7 @@ impl Bio {
     /// `buf_index` when the data is not in a registered buffer.
     pub const NO_BUF: u16 = u16::MAX;
 
-    pub(crate) fn new(home: *const ReactorCore) -> Bio {
+    pub(crate) fn new(home: *const Home) -> Bio {
         Bio {
             op: Op::Read,
             flags: BioFlags::NONE,
@@ -591,23 +595,6 @@ impl Bio {
         }
     }
 
-    /// Allocates a descriptor from the same reactor, for a clone or child of
-    /// this bio: same op and flags, no data, sector 0.
-    #[inline]
-    pub fn alloc_clone(&self) -> BioPtr {
-        // SAFETY: `home` is this bio's live reactor core, on this thread (see
-        // BioPtr::complete).
-        let mut c = unsafe { (*self.home).alloc_bio_pub() };
-        c.op = self.op;
-        // A clone's data lands in its parent's buffers: nothing is lent to
-        // it, and it was lent nothing.
-        c.flags = self.flags;
-        c.flags.remove(BioFlags::MAY_LEND);
-        c.flags.remove(BioFlags::LENT);
-        c.buf_index = self.buf_index;
-        c
-    }
-
     /// The sector saved by the last [`BioPtr::push_end_io`]: where the bio
     /// was before the layer that pushed remapped it (an end_io that needs
     /// the mapping, on a rare path, recomputes it from this rather than
@@ -651,7 +638,7 @@ impl fmt::Debug for Bio {
 /// The owned handle of a [`Bio`]. Dropping it returns the descriptor to its
 /// reactor's cache. Not `Send`: a bio completes on the reactor that allocated it.
 pub struct BioPtr {
-    ptr: NonNull<Bio>,
+    pub(crate) ptr: NonNull<Bio>,
     _not_send: PhantomData<*mut Bio>,
 }
 
@@ -757,18 +744,6 @@ impl BioPtr {
         let f = self.end_io;
         f(self)
     }
-
-    /// Sets the status and queues the bio for completion on its reactor's next
-    /// turn. What a device's `submit` calls when it finishes synchronously.
-    #[inline]
-    pub fn complete(mut self, status: Status) {
-        self.status = status;
-        let home = self.home;
-        // SAFETY: every bio's `home` is the reactor core that allocated it; a
-        // core outlives its bios (Reactor::drop leaks it while any are out), and
-        // BioPtr is !Send, so we are on that reactor's thread.
-        unsafe { (*home).defer(self) };
-    }
 }
 
 fn stand_in_endio(s: BioPtr) {
@@ -795,15 +770,6 @@ impl DerefMut for BioPtr {
     fn deref_mut(&mut self) -> &mut Bio {
         // SAFETY: a BioPtr uniquely owns a live descriptor.
         unsafe { self.ptr.as_mut() }
-    }
-}
-
-impl Drop for BioPtr {
-    #[inline]
-    fn drop(&mut self) {
-        let home = self.home;
-        // SAFETY: as in `complete`: the home core is alive and on this thread.
-        unsafe { (*home).free_bio(self.ptr) };
     }
 }
 

@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::bio::{Bio, BioPtr};
+use crate::bio::{Bio, BioFlags, BioPtr, Home, Status};
 use crate::ring::{Ring, RingKind};
 
 /// The kernel's final `ALLOC_CACHE_MAX` for per-CPU bio caches.
@@ -236,6 +236,56 @@ impl ReactorHandle {
 
 static NEXT_REACTOR_ID: AtomicU64 = AtomicU64::new(0);
 
+/// The reactor core `bio` came from.
+#[inline]
+fn home_of(bio: &Bio) -> &ReactorCore {
+    // SAFETY: a bio's `home` is only ever set by `ReactorCore::alloc_bio`,
+    // to that core (Bio::new is crate-private and called only there); a
+    // core outlives its bios (Reactor::drop leaks it while any are out),
+    // and bios are !Send, so the core is alive and on this thread.
+    unsafe { &*bio.home.cast::<ReactorCore>() }
+}
+
+// The parts of a bio's life that go through its reactor: allocation of a
+// clone, deferred completion and return to the descriptor cache.
+
+impl Bio {
+    /// Allocates a descriptor from the same reactor, for a clone or child of
+    /// this bio: same op and flags, no data, sector 0.
+    #[inline]
+    pub fn alloc_clone(&self) -> BioPtr {
+        let mut c = home_of(self).alloc_bio();
+        c.op = self.op;
+        // A clone's data lands in its parent's buffers: nothing is lent to
+        // it, and it was lent nothing.
+        c.flags = self.flags;
+        c.flags.remove(BioFlags::MAY_LEND);
+        c.flags.remove(BioFlags::LENT);
+        c.buf_index = self.buf_index;
+        c
+    }
+}
+
+impl BioPtr {
+    /// Sets the status and queues the bio for completion on its reactor's next
+    /// turn. What a device's `submit` calls when it finishes synchronously.
+    #[inline]
+    pub fn complete(mut self, status: Status) {
+        self.set_status(status);
+        let home: *const ReactorCore = home_of(&self);
+        // SAFETY: `home` outlives the bio (see home_of); `defer` takes the
+        // bio, which must not be borrowed meanwhile, hence the raw pointer.
+        unsafe { (*home).defer(self) };
+    }
+}
+
+impl Drop for BioPtr {
+    #[inline]
+    fn drop(&mut self) {
+        home_of(self).free_bio(self.ptr);
+    }
+}
+
 /// The part of a reactor that bios point at (`Bio::home`). Boxed so its
 /// address is stable.
 pub(crate) struct ReactorCore {
@@ -324,16 +374,13 @@ impl ReactorCore {
             }
             None => {
                 st.misses += 1;
-                BioPtr::from_box(Box::new(Bio::new(self)))
+                BioPtr::from_box(Box::new(Bio::new(
+                    (self as *const ReactorCore).cast::<Home>(),
+                )))
             }
         };
         self.stats.set(st);
         bio
-    }
-
-    #[inline]
-    pub(crate) fn alloc_bio_pub(&self) -> BioPtr {
-        self.alloc_bio()
     }
 
     /// Returns a descriptor to the cache, or the heap when the cache is full.
