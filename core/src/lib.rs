@@ -5,6 +5,7 @@
 //! - [`BlockDevice`]/[`Channel`]: the device contract; capabilities and limits
 //!   are data ([`Limits`], [`Caps`]); I/O goes through per-reactor channels.
 //! - [`AlignedBuf`]: memory any device can do (O_DIRECT) I/O to.
+//! - [`ReactorPool`]: reactor threads started, pinned, stopped and joined together.
 //! - [`Reactor`]: one per thread, run to completion, with its own io_uring
 //!   ([`Ring`]), descriptor cache and completion list.
 //!
@@ -21,6 +22,7 @@ pub mod bio;
 pub mod buf;
 pub mod device;
 pub mod error;
+pub mod pool;
 pub mod reactor;
 pub mod ring;
 
@@ -28,6 +30,7 @@ pub use bio::{Bio, BioFlags, BioPtr, EndIo, Op, Seg, Status, SECTOR_SHIFT, SECTO
 pub use buf::AlignedBuf;
 pub use device::{bio_status, check_bio, BlockDevice, Caps, Channel, Limits};
 pub use error::{Error, ErrorKind, Result};
+pub use pool::{PoolConfig, ReactorPool, StopToken};
 pub use reactor::{
     CacheStats, CompletionMode, Poller, Reactor, ReactorConfig, ReactorHandle, WorkQueue,
     DEFAULT_CACHE_SIZE,

@@ -14,8 +14,7 @@ use std::time::Duration;
 use hdrhistogram::Histogram;
 use udm_backends::AlignedBuf;
 use udm_core::{
-    Bio, BioPtr, BlockDevice, CacheStats, Channel, Error, Op, Reactor, ReactorConfig, Status,
-    SECTOR_SHIFT,
+    Bio, BioPtr, BlockDevice, CacheStats, Channel, Error, Op, Reactor, Status, SECTOR_SHIFT,
 };
 
 use super::pattern;
@@ -91,8 +90,6 @@ pub struct JobCfg {
     pub prefill: bool,
     /// Write a pattern over the region, then read it back and compare.
     pub verify: bool,
-    /// Reactor configuration.
-    pub reactor: ReactorConfig,
     /// PRNG seed.
     pub seed: u64,
 }
@@ -267,7 +264,7 @@ impl Job {
         let Some((op, block)) = self.next_io() else {
             return false;
         };
-        // SAFETY: the reactor outlives the job (both live in run_job's frame).
+        // SAFETY: the reactor outlives the job (run_on borrows it for its whole frame).
         let reactor = unsafe { &*self.reactor };
         let mut bio = reactor.alloc_bio();
         bio.op = op;
@@ -397,27 +394,48 @@ impl Job {
     }
 }
 
-/// Runs one job to the end on the calling thread.
+/// A job's result, with the I/O buffer registered with its reactor: handed
+/// out so that the caller frees it only after the reactor is gone (a
+/// [`udm_core::ReactorPool`] drops a thread's reactor before handing on what
+/// its main returned).
+pub struct JobOutput {
+    /// What the job measured, or why it failed.
+    pub result: Result<JobResult, Error>,
+    /// The buffer the job's I/O used.
+    pub buf: AlignedBuf,
+}
+
+/// Runs one job to the end on `reactor` (the calling thread's).
 pub fn run_job(
+    reactor: &Reactor,
+    dev: Arc<dyn BlockDevice>,
+    cfg: JobCfg,
+    ready: Arc<Barrier>,
+    progress: Arc<AtomicU64>,
+) -> JobOutput {
+    let mut buf = AlignedBuf::new(cfg.bs as usize * cfg.iodepth as usize);
+    let result = run_on(reactor, &mut buf, dev, cfg, ready, progress);
+    JobOutput { result, buf }
+}
+
+fn run_on(
+    reactor: &Reactor,
+    buf: &mut AlignedBuf,
     dev: Arc<dyn BlockDevice>,
     cfg: JobCfg,
     ready: Arc<Barrier>,
     progress: Arc<AtomicU64>,
 ) -> Result<JobResult, Error> {
     let bs = cfg.bs as usize;
-    // Declared before the reactor, so dropped after it: the registered
-    // buffer outlives every ring it is registered with.
-    let mut buf = AlignedBuf::new(bs * cfg.iodepth as usize);
     let base = buf.as_mut_ptr();
-    let reactor = Reactor::new(cfg.reactor).map_err(|e| Error::os("reactor setup", e))?;
-    let chan = dev.clone().open(&reactor)?;
-    // SAFETY: `buf` is dropped after `reactor` (declaration order, and the
-    // explicit drops at the end keep that order).
+    let chan = dev.clone().open(reactor)?;
+    // SAFETY: `buf` is owned by run_job's caller, which frees it only after
+    // the reactor is dropped (see JobOutput).
     let buf_index =
         unsafe { reactor.register_buffer(base, bs * cfg.iodepth as usize) }.unwrap_or(Bio::NO_BUF);
     let job = Job {
         bs_sectors: (cfg.bs >> SECTOR_SHIFT) as u64,
-        reactor: &reactor,
+        reactor,
         chan,
         buf_index,
         phase: Cell::new(Phase::Done),
@@ -480,8 +498,6 @@ pub fn run_job(
 
     let Job { stats, chan, .. } = job;
     drop(chan);
-    drop(reactor);
-    drop(buf);
     let st = stats.into_inner();
     Ok(JobResult {
         hist: st.hist,

@@ -9,14 +9,17 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
-use udm_core::{affinity, BlockDevice, CompletionMode, Error, ReactorConfig, SECTOR_SHIFT};
+use udm_core::{
+    affinity, BlockDevice, CompletionMode, Error, PoolConfig, Reactor, ReactorConfig, ReactorPool,
+    StopToken, SECTOR_SHIFT,
+};
 use udm_mapper::MappedDevice;
 
 use serde::Serialize;
 use udm_control::{parse_size, Control};
 
 use crate::cmds::DEFAULT_DEVS;
-use job::{run_job, JobCfg, JobResult, Pattern};
+use job::{run_job, JobCfg, JobOutput, JobResult, Pattern};
 
 const AFTER_HELP: &str = "\
 Without --dev, uses the built-in stack (ram0, ram1: 1 GiB RAM disks; lin:
@@ -335,9 +338,8 @@ fn run(dev: &Arc<dyn BlockDevice>, cfg: BenchCfg) -> Result<Report, Error> {
     let ready = Arc::new(Barrier::new(cfg.jobs as usize + 1));
     let progress: Vec<Arc<AtomicU64>> =
         (0..cfg.jobs).map(|_| Arc::new(AtomicU64::new(0))).collect();
-    let mut handles = Vec::new();
-    for j in 0..cfg.jobs {
-        let jc = JobCfg {
+    let jobs: Vec<JobCfg> = (0..cfg.jobs)
+        .map(|j| JobCfg {
             rw: cfg.rw,
             mix_read: cfg.mix_read,
             bs: cfg.bs,
@@ -347,34 +349,34 @@ fn run(dev: &Arc<dyn BlockDevice>, cfg: BenchCfg) -> Result<Report, Error> {
             runtime: if cfg.verify { None } else { cfg.runtime },
             prefill: cfg.prefill,
             verify: cfg.verify,
-            reactor,
             seed: seed.wrapping_add(j as u64 * 0x9e37_79b9),
-        };
-        let dev = dev.clone();
-        let ready = ready.clone();
-        let prog = progress[j as usize].clone();
-        let cpu = (!cfg.cpus.is_empty()).then(|| cfg.cpus[j as usize % cfg.cpus.len()]);
-        let h = std::thread::Builder::new()
-            .name(format!("udm-job{j}"))
-            .spawn(move || {
-                let r = match cpu.map(pin_to).transpose() {
-                    Ok(_) => run_job(dev, jc, ready.clone(), prog),
-                    Err(e) => Err(e),
-                };
-                if r.is_err() {
-                    // Setup failed before the barrier: release the others.
-                    ready.wait();
-                }
-                r
-            })
-            .map_err(|e| Error::os("spawning a job thread", e))?;
-        handles.push(h);
-    }
+        })
+        .collect();
+    let pool_cfg = PoolConfig {
+        cpus: cfg.cpus.clone(),
+        ..PoolConfig::new("udm-job", cfg.jobs as usize, reactor)
+    };
+    let (job_dev, job_ready, job_progress) = (dev.clone(), ready.clone(), progress.clone());
+    let pool = ReactorPool::start(&pool_cfg, move |j, r: &Reactor, _: &StopToken| {
+        let out = run_job(
+            r,
+            job_dev.clone(),
+            jobs[j].clone(),
+            job_ready.clone(),
+            job_progress[j].clone(),
+        );
+        if out.result.is_err() {
+            // Setup failed before the barrier: release the others.
+            job_ready.wait();
+        }
+        out
+    })
+    .map_err(|e| e.context("job setup"))?;
     ready.wait();
     let start = Instant::now();
     let show = std::io::stderr().is_terminal() && !cfg.json;
     let mut last = (start, 0u64);
-    while handles.iter().any(|h| !h.is_finished()) {
+    while !pool.is_finished() {
         std::thread::sleep(Duration::from_millis(100));
         if show && last.0.elapsed() >= Duration::from_secs(1) {
             let total: u64 = progress.iter().map(|p| p.load(Ordering::Relaxed)).sum();
@@ -394,11 +396,11 @@ fn run(dev: &Arc<dyn BlockDevice>, cfg: BenchCfg) -> Result<Report, Error> {
         eprint!("\r\x1b[K");
     }
     let mut results = Vec::new();
-    for h in handles {
-        match h.join() {
-            Ok(r) => results.push(r?),
-            Err(_) => return Err(Error::invalid("a job thread panicked")),
-        }
+    for out in pool.join() {
+        // The buffer goes only now, after its reactor.
+        let JobOutput { result, buf } = out?;
+        results.push(result?);
+        drop(buf);
     }
     Ok(report(&cfg, dev, &results))
 }
@@ -612,10 +614,4 @@ fn keep_off(cpus: &[usize]) -> Result<(), Error> {
     }
     affinity::set_allowed_cpus(&others)
         .map_err(|e| Error::os("--cpus: keeping the other threads off the jobs' CPUs", e))
-}
-
-/// Pins the calling thread to `cpu`.
-fn pin_to(cpu: usize) -> Result<(), Error> {
-    affinity::set_allowed_cpus(&[cpu])
-        .map_err(|e| Error::os(format!("--cpus: pinning to CPU {cpu}"), e))
 }

@@ -17,10 +17,12 @@ use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Arc};
-use std::thread::JoinHandle;
+use std::sync::Arc;
 
-use udm_core::{BlockDevice, Caps, Error, Op, Reactor, ReactorConfig, ReactorHandle, Status};
+use udm_core::{
+    BlockDevice, Caps, Error, Op, PoolConfig, Reactor, ReactorConfig, ReactorPool, Status,
+    StopToken,
+};
 
 use super::conn::{self, Worker};
 use super::proto::{self, ExportInfo};
@@ -242,23 +244,12 @@ impl Server {
     /// Serves until `stop_fd` is readable, then stops accepting, finishes
     /// the requests in flight and returns.
     pub fn run(self, stop_fd: RawFd) -> Result<(), Error> {
-        let mut threads: Vec<JoinHandle<()>> = Vec::new();
-        let mut handles: Vec<ReactorHandle> = Vec::new();
-        for i in 0..self.cfg.reactors.max(1) {
-            let (tx, rx) = mpsc::channel();
-            let exports = self.exports.clone();
-            let rcfg = self.cfg.reactor;
-            let t = std::thread::Builder::new()
-                .name(format!("udm-nbd-{i}"))
-                .spawn(move || reactor_main(rcfg, exports, tx))
-                .map_err(|e| Error::os("spawn reactor thread", e))?;
-            match rx.recv() {
-                Ok(Ok(h)) => handles.push(h),
-                Ok(Err(e)) => return Err(Error::os("reactor setup", e)),
-                Err(_) => return Err(Error::invalid("reactor thread died during setup")),
-            }
-            threads.push(t);
-        }
+        let exports = self.exports.clone();
+        let pool = ReactorPool::start(
+            &PoolConfig::new("udm-nbd-", self.cfg.reactors, self.cfg.reactor),
+            move |_, r: &Reactor, _: &StopToken| reactor_main(r, exports.clone()),
+        )?;
+        let handles = pool.handles();
         let next_id = AtomicU64::new(1);
         let mut pfds: Vec<libc::pollfd> = self
             .listeners
@@ -315,15 +306,17 @@ impl Server {
         }
         eprintln!("udm: nbd: shutting down: no new connections; finishing requests in flight");
         drop(self.listeners);
-        for h in &handles {
-            h.send(|r: &Reactor| {
-                if let Some(w) = worker_of(r) {
-                    w.stop();
-                }
-            });
-        }
-        for t in threads {
-            let _ = t.join();
+        // Each worker finishes its connections' requests, then its reactor
+        // loop ends.
+        pool.broadcast(|r: &Reactor| {
+            if let Some(w) = worker_of(r) {
+                w.stop();
+            }
+        });
+        for r in pool.join() {
+            if let Err(e) = r {
+                eprintln!("udm: nbd: {e}");
+            }
         }
         Ok(())
     }
@@ -393,24 +386,12 @@ fn worker_of(r: &Reactor) -> Option<Rc<Worker>> {
     r.local(WORKER_KEY)?.downcast::<Worker>().ok()
 }
 
-fn reactor_main(
-    cfg: ReactorConfig,
-    exports: Arc<Vec<Export>>,
-    ready: mpsc::Sender<io::Result<ReactorHandle>>,
-) {
-    let reactor = match Reactor::new(cfg) {
-        Ok(r) => r,
-        Err(e) => {
-            let _ = ready.send(Err(e));
-            return;
-        }
-    };
-    let worker = Worker::new(&reactor, exports);
+/// A reactor's life in the server: its worker serves the connections
+/// placed on it until the worker is stopped and they are all closed.
+fn reactor_main(reactor: &Reactor, exports: Arc<Vec<Export>>) {
+    let worker = Worker::new(reactor, exports);
     reactor.add_poller(worker.clone());
     reactor.set_local(WORKER_KEY, worker.clone());
-    if ready.send(Ok(reactor.handle())).is_err() {
-        return;
-    }
     reactor.run_until(|| worker.stopping() && worker.connections() == 0);
     worker.release();
     reactor.remove_local(WORKER_KEY);
