@@ -1,0 +1,608 @@
+//! The export front: what every export (NBD, and the next ones) calls to
+//! turn a protocol request into bios on a device's channel.
+//!
+//! ```text
+//!  export ──Request──▶ Front::submit ─┬─ aligned: split at max_io_bytes ──▶ bios
+//!                                     ├─ sub-block read: bounce, copy out
+//!                                     └─ sub-block write: read the edge blocks,
+//!                                        patch, write back (read-modify-write)
+//!  export ◀──Done {token, result}── end_io (+ a flush after, for FUA the
+//!                                    device cannot do itself)
+//! ```
+//!
+//! - Requests are split into bios of at most the device's `max_io_bytes`,
+//!   one segment each.
+//! - FUA is passed down where the device honours it; elsewhere a write
+//!   with FUA is followed by a flush, and completes when the flush does.
+//! - Offsets and lengths need not be multiples of the logical block size:
+//!   a sub-block read goes through a bounce buffer; a sub-block write (or
+//!   write-zeroes) reads the blocks it covers in part, patches them and
+//!   writes them back. While one does, no other write to those blocks
+//!   passes it: writes overlapping a read-modify-write wait for it, and it
+//!   waits for the writes it overlaps, in arrival order. The aligned path
+//!   pays one check of a counter for this. The ordering holds among the
+//!   requests of one front (one reactor's); writes to one block through
+//!   two reactors are ordered by their clients, as for any two writers.
+//! - A discard is advisory: a sub-block one shrinks to the whole blocks it
+//!   covers.
+//! - Errors reach the export as [`FrontError`], which it maps to its wire codes.
+//! - Steady state allocates nothing: request slots and bounce buffers are
+//!   recycled.
+
+mod order;
+
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
+use std::fmt;
+use std::rc::Rc;
+
+use slab::Slab;
+use udm_core::{
+    AlignedBuf, BioFlags, BioPtr, BlockDevice, Caps, Channel, Op, Reactor, Status, SECTOR_SHIFT,
+};
+
+/// What a protocol request asks of the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FrontOp {
+    /// Read into the request's buffer.
+    Read,
+    /// Write the request's buffer.
+    Write,
+    /// Make completed writes durable.
+    Flush,
+    /// The range's data is no longer needed (advisory).
+    Discard,
+    /// Zero the range.
+    WriteZeroes,
+}
+
+/// Flags of a protocol request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReqFlags {
+    /// The write is durable when it completes.
+    pub fua: bool,
+    /// Write-zeroes must not unmap (NBD's NO_HOLE). Devices here zero by
+    /// writing or by their own means; none punches holes for it.
+    pub no_hole: bool,
+    /// Write-zeroes must fail rather than be slow (NBD's FAST_ZERO).
+    pub fast_zero: bool,
+    /// A read may be served from memory the device lends (see
+    /// [`BioFlags::MAY_LEND`]); [`Done::lent`] then holds the data.
+    pub may_lend: bool,
+}
+
+/// Why a request failed, in terms every export can map to its wire codes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FrontError {
+    /// The device failed the I/O.
+    Io,
+    /// The request is malformed for the device (range, alignment, size).
+    Invalid,
+    /// No space left on the device.
+    NoSpace,
+    /// Out of memory.
+    NoMemory,
+    /// A fast write-zeroes could not be done fast.
+    NotFast,
+    /// The device does not support the operation.
+    NotSupported,
+}
+
+impl FrontError {
+    /// The error a bio's failure `st` gives a request with `flags`.
+    pub fn from_status(st: Status, flags: ReqFlags) -> FrontError {
+        match st {
+            Status::NotSupp if flags.fast_zero => FrontError::NotFast,
+            Status::NotSupp => FrontError::NotSupported,
+            Status::Inval => FrontError::Invalid,
+            Status::NoSpace => FrontError::NoSpace,
+            Status::NoMem => FrontError::NoMemory,
+            Status::Ok | Status::IoErr | Status::Again => FrontError::Io,
+        }
+    }
+}
+
+impl fmt::Display for FrontError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            FrontError::Io => "I/O error",
+            FrontError::Invalid => "invalid request",
+            FrontError::NoSpace => "no space left",
+            FrontError::NoMemory => "out of memory",
+            FrontError::NotFast => "cannot zero fast",
+            FrontError::NotSupported => "not supported",
+        })
+    }
+}
+
+/// A finished request, as handed to its [`DoneFn`].
+pub struct Done<'a> {
+    /// The request's token.
+    pub token: u64,
+    /// How it ended.
+    pub result: Result<(), FrontError>,
+    /// For a read with [`ReqFlags::may_lend`]: the data, in memory the
+    /// device lent, valid only until the [`DoneFn`] returns (None: the data
+    /// is in the request's buffer).
+    pub lent: Option<&'a [u8]>,
+}
+
+/// Called once per request submitted that [`Front::submit`] did not finish
+/// at once, on the reactor's thread, from a bio's end_io: `ctx` and the
+/// [`Done`] are the request's.
+pub type DoneFn = fn(ctx: *mut (), done: Done<'_>);
+
+/// A protocol request, in bytes.
+#[derive(Clone, Copy, Debug)]
+pub struct Request {
+    /// What to do.
+    pub op: FrontOp,
+    /// Byte offset on the device.
+    pub offset: u64,
+    /// Byte length.
+    pub len: u32,
+    /// Flags.
+    pub flags: ReqFlags,
+    /// For reads and writes: `len` bytes of data (any alignment).
+    pub buf: *mut u8,
+    /// Handed back in [`Done::token`].
+    pub token: u64,
+    /// Called when the request is finished.
+    pub done: DoneFn,
+    /// Handed back to `done`.
+    pub ctx: *mut (),
+}
+
+/// How a request goes on from [`Front::submit`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Submitted {
+    /// In flight: its [`DoneFn`] will be called.
+    Later,
+    /// Finished already (nothing to do, or refused): its [`DoneFn`] will
+    /// not be called.
+    Now(Result<(), FrontError>),
+}
+
+/// Bounce buffers up to this size are kept for reuse.
+const KEEP_BOUNCE: usize = 4 << 20;
+/// Bounce buffers kept for reuse.
+const KEEP_BOUNCES: usize = 16;
+/// The largest range a sub-block request may cover (its bounce buffer).
+pub const MAX_BOUNCE: u64 = 64 << 20;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// Bios straight from (or into) the request's buffer, or dataless.
+    Direct,
+    /// A sub-block read: the covering blocks into the bounce buffer.
+    BounceRead,
+    /// A sub-block write: the edge blocks into the bounce buffer.
+    RmwRead,
+    /// A sub-block write: the patched blocks out of the bounce buffer.
+    RmwWrite,
+    /// The flush after a write whose FUA the device cannot do.
+    PostFlush,
+}
+
+/// One request in flight.
+struct Slot {
+    req: Request,
+    phase: Phase,
+    /// The byte range of whole blocks the request covers.
+    lo: u64,
+    hi: u64,
+    /// It changes data in [lo, hi).
+    writer: bool,
+    /// It is a read-modify-write (ordered against every writer).
+    rmw: bool,
+    /// Submitted (false: waiting for an overlapping write).
+    active: bool,
+    pending: u32,
+    status: Status,
+    bounce: AlignedBuf,
+}
+
+/// The front of one device on one reactor. See the module docs.
+pub struct Front {
+    reactor: *const Reactor,
+    chan: Rc<dyn Channel>,
+    lbs: u32,
+    max_bio: u32,
+    size: u64,
+    fua_native: bool,
+    flush_after_fua: bool,
+    slots: RefCell<Slab<Slot>>,
+    bounces: RefCell<Vec<AlignedBuf>>,
+    /// Read-modify-writes in the slots (active or waiting): while 0, an
+    /// aligned write has nothing to be ordered against.
+    rmws: Cell<usize>,
+    /// Slots waiting for an overlapping write, in arrival order.
+    waiting: RefCell<VecDeque<usize>>,
+}
+
+impl Front {
+    /// The front of `dev`, whose channel on `reactor` is `chan`.
+    ///
+    /// # Safety
+    /// `reactor` must outlive the front, which is used on its thread only.
+    pub unsafe fn new(
+        reactor: &Reactor,
+        dev: &dyn BlockDevice,
+        chan: Rc<dyn Channel>,
+    ) -> Rc<Front> {
+        let l = dev.limits();
+        let caps = dev.caps();
+        let lbs = l.logical_block_size.max(512);
+        Rc::new(Front {
+            reactor,
+            chan,
+            lbs,
+            max_bio: (l.max_io_bytes.min(1 << 30) / lbs * lbs).max(lbs),
+            size: l.bytes(),
+            fua_native: caps.contains(Caps::FUA),
+            flush_after_fua: caps.contains(Caps::FLUSH),
+            slots: RefCell::new(Slab::new()),
+            bounces: RefCell::new(Vec::new()),
+            rmws: Cell::new(0),
+            waiting: RefCell::new(VecDeque::new()),
+        })
+    }
+
+    /// The device's logical block size: requests aligned to it take the
+    /// direct path.
+    pub fn block_size(&self) -> u32 {
+        self.lbs
+    }
+
+    /// The largest bio the front sends (the device's `max_io_bytes`, in
+    /// whole blocks).
+    pub fn max_bio(&self) -> u32 {
+        self.max_bio
+    }
+
+    /// Requests in flight (waiting ones included).
+    pub fn in_flight(&self) -> usize {
+        self.slots.borrow().len()
+    }
+
+    fn reactor(&self) -> &Reactor {
+        // SAFETY: `new`'s contract: the reactor outlives the front.
+        unsafe { &*self.reactor }
+    }
+
+    /// Starts `req`. A zero-length request, or a sub-block discard that
+    /// covers no whole block, finishes at once, as does one outside the
+    /// device.
+    ///
+    /// # Safety
+    /// For a read or write, `req.buf` must hold `req.len` bytes, and they
+    /// must stay valid and untouched by the caller until the request is
+    /// finished (its [`DoneFn`] is called).
+    pub unsafe fn submit(self: &Rc<Self>, req: Request) -> Submitted {
+        if req.op == FrontOp::Flush {
+            let idx = self.insert(req, 0, 0, false, false);
+            self.start_flush(idx);
+            return Submitted::Later;
+        }
+        if req.len == 0 {
+            return Submitted::Now(Ok(()));
+        }
+        let end = req.offset.checked_add(req.len as u64);
+        if end.is_none_or(|e| e > self.size) {
+            return Submitted::Now(Err(FrontError::Invalid));
+        }
+        let end = req.offset + req.len as u64;
+        let b = self.lbs as u64;
+        let aligned = req.offset.is_multiple_of(b) && end.is_multiple_of(b);
+        let writer = req.op != FrontOp::Read;
+        if aligned {
+            let idx = self.insert(req, req.offset, end, writer, false);
+            if writer && self.rmws.get() > 0 && self.must_wait(idx) {
+                self.wait(idx);
+            } else {
+                self.start(idx);
+            }
+            return Submitted::Later;
+        }
+        let (lo, hi) = (req.offset / b * b, end.div_ceil(b) * b);
+        match req.op {
+            FrontOp::Discard => {
+                let (lo, hi) = (req.offset.div_ceil(b) * b, end / b * b);
+                if lo >= hi {
+                    return Submitted::Now(Ok(()));
+                }
+                let idx = self.insert(req, lo, hi, true, false);
+                if self.rmws.get() > 0 && self.must_wait(idx) {
+                    self.wait(idx);
+                } else {
+                    self.start(idx);
+                }
+                return Submitted::Later;
+            }
+            FrontOp::WriteZeroes if req.flags.fast_zero => {
+                return Submitted::Now(Err(FrontError::NotFast));
+            }
+            _ => {}
+        }
+        if hi - lo > MAX_BOUNCE {
+            return Submitted::Now(Err(FrontError::Invalid));
+        }
+        let idx = self.insert(req, lo, hi, writer, writer);
+        self.with_slot(idx, |s| {
+            let mut buf = self.bounces.borrow_mut().pop().unwrap_or_default();
+            buf.resize((hi - lo) as usize);
+            s.bounce = buf;
+        });
+        if writer {
+            self.rmws.set(self.rmws.get() + 1);
+            if self.must_wait(idx) {
+                self.wait(idx);
+                return Submitted::Later;
+            }
+        }
+        self.start(idx);
+        Submitted::Later
+    }
+
+    /// Takes a slot for `req` (and a reference to the front, given back
+    /// when the request finishes, so the front outlives its bios).
+    fn insert(self: &Rc<Self>, req: Request, lo: u64, hi: u64, writer: bool, rmw: bool) -> usize {
+        std::mem::forget(self.clone());
+        self.slots.borrow_mut().insert(Slot {
+            req,
+            phase: Phase::Direct,
+            lo,
+            hi,
+            writer,
+            rmw,
+            active: false,
+            pending: 0,
+            status: Status::Ok,
+            bounce: AlignedBuf::default(),
+        })
+    }
+
+    fn with_slot<T>(&self, idx: usize, f: impl FnOnce(&mut Slot) -> T) -> T {
+        let mut slots = self.slots.borrow_mut();
+        f(&mut slots[idx])
+    }
+
+    fn wait(&self, idx: usize) {
+        self.waiting.borrow_mut().push_back(idx);
+    }
+
+    /// Submits a request that may go (its first phase).
+    fn start(&self, idx: usize) {
+        let (req, lo, hi, rmw) = self.with_slot(idx, |s| {
+            s.active = true;
+            (s.req, s.lo, s.hi, s.rmw)
+        });
+        let b = self.lbs as u64;
+        let end = req.offset + req.len as u64;
+        if rmw {
+            // Only the blocks the write covers in part are read.
+            let head = !req.offset.is_multiple_of(b);
+            let tail = !end.is_multiple_of(b) && !(head && hi - lo == b);
+            let base = self.with_slot(idx, |s| {
+                s.phase = Phase::RmwRead;
+                s.pending = head as u32 + tail as u32;
+                s.bounce.as_mut_ptr()
+            });
+            if head {
+                self.submit_bios(idx, Op::Read, lo, self.lbs, base, BioFlags::NONE);
+            }
+            if tail {
+                // SAFETY: hi - b - lo < hi - lo, the bounce's length.
+                let p = unsafe { base.add((hi - b - lo) as usize) };
+                self.submit_bios(idx, Op::Read, hi - b, self.lbs, p, BioFlags::NONE);
+            }
+            return;
+        }
+        let (op, buf) = match req.op {
+            FrontOp::Read if lo != req.offset || hi != end => {
+                let base = self.with_slot(idx, |s| {
+                    s.phase = Phase::BounceRead;
+                    s.bounce.as_mut_ptr()
+                });
+                self.split(idx, Op::Read, lo, (hi - lo) as u32, base, BioFlags::NONE);
+                return;
+            }
+            FrontOp::Read => (Op::Read, req.buf),
+            FrontOp::Write => (Op::Write, req.buf),
+            FrontOp::Discard => (Op::Discard, std::ptr::null_mut()),
+            FrontOp::WriteZeroes => (Op::WriteZeroes, std::ptr::null_mut()),
+            FrontOp::Flush => return self.start_flush(idx),
+        };
+        let mut flags = self.write_flags(req);
+        if req.flags.may_lend && op == Op::Read && hi - lo <= self.max_bio as u64 {
+            flags.insert(BioFlags::MAY_LEND);
+        }
+        self.split(idx, op, lo, (hi - lo) as u32, buf, flags);
+    }
+
+    /// The flags every bio of a write-like `req` carries.
+    fn write_flags(&self, req: Request) -> BioFlags {
+        let mut f = BioFlags::NONE;
+        if req.op == FrontOp::Read {
+            return f;
+        }
+        if req.flags.fua && self.fua_native {
+            f.insert(BioFlags::FUA);
+        }
+        if req.flags.fast_zero {
+            f.insert(BioFlags::NOUNMAP_FAST);
+        }
+        f
+    }
+
+    fn start_flush(&self, idx: usize) {
+        self.with_slot(idx, |s| {
+            s.active = true;
+            s.pending = 1;
+        });
+        let mut bio = self.reactor().alloc_bio();
+        bio.set_dataless(Op::Flush, 0, 0);
+        self.send(idx, bio);
+    }
+
+    /// Submits [off, off+len) as bios of at most max_bio bytes, counting
+    /// them all as pending first (a device may complete one inline).
+    fn split(&self, idx: usize, op: Op, off: u64, len: u32, buf: *mut u8, flags: BioFlags) {
+        let n = len.div_ceil(self.max_bio);
+        self.with_slot(idx, |s| s.pending = n);
+        self.submit_bios(idx, op, off, len, buf, flags);
+    }
+
+    /// Submits the bios of one range (pending already counts them).
+    fn submit_bios(&self, idx: usize, op: Op, off: u64, len: u32, buf: *mut u8, flags: BioFlags) {
+        let step = self.max_bio;
+        let mut done = 0;
+        while done < len {
+            let n = step.min(len - done);
+            let mut bio = self.reactor().alloc_bio();
+            let sector = (off + done as u64) >> SECTOR_SHIFT;
+            if op.has_data() {
+                bio.op = op;
+                bio.sector = sector;
+                // SAFETY: [done, done + n) lies in the `len` bytes at `buf`:
+                // the request's buffer (submit's contract) or the slot's
+                // bounce buffer, which stays allocated until the slot is
+                // freed, after every bio completed.
+                unsafe { bio.add_seg(buf.add(done as usize), n as usize) };
+            } else {
+                bio.set_dataless(op, sector, n);
+            }
+            bio.flags = flags;
+            self.send(idx, bio);
+            done += n;
+        }
+    }
+
+    fn send(&self, idx: usize, mut bio: BioPtr) {
+        bio.set_ctx(idx as u64);
+        bio.set_end_io(front_end_io, (self as *const Front).cast_mut().cast());
+        self.chan.submit(bio);
+    }
+
+    /// A bio of slot `idx` ended with `st`; `lent` is the data it lent.
+    fn bio_done(&self, idx: usize, st: Status, lent: Option<&[u8]>) {
+        let (phase, status, req) = {
+            let mut slots = self.slots.borrow_mut();
+            let s = &mut slots[idx];
+            if !st.is_ok() && s.status.is_ok() {
+                s.status = st;
+            }
+            s.pending -= 1;
+            if s.pending > 0 {
+                return;
+            }
+            (s.phase, s.status, s.req)
+        };
+        let ok = status.is_ok();
+        let post_flush = ok
+            && req.flags.fua
+            && !self.fua_native
+            && self.flush_after_fua
+            && req.op != FrontOp::Read;
+        match phase {
+            Phase::RmwRead if ok => return self.rmw_write(idx),
+            Phase::BounceRead if ok => self.with_slot(idx, |s| {
+                let at = (req.offset - s.lo) as usize;
+                // SAFETY: the bounce holds [lo, hi) ⊇ the request's range,
+                // whose buffer holds len bytes (submit's contract); the two
+                // are distinct allocations.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        s.bounce.as_ptr().add(at),
+                        req.buf,
+                        req.len as usize,
+                    )
+                };
+            }),
+            Phase::Direct | Phase::RmwWrite if post_flush => {
+                self.with_slot(idx, |s| s.phase = Phase::PostFlush);
+                return self.start_flush(idx);
+            }
+            _ => {}
+        }
+        self.finish(idx, lent);
+    }
+
+    /// A read-modify-write's edge blocks are in: patch and write back.
+    fn rmw_write(&self, idx: usize) {
+        let (req, lo, hi, base) = self.with_slot(idx, |s| {
+            s.phase = Phase::RmwWrite;
+            let at = (s.req.offset - s.lo) as usize;
+            let len = s.req.len as usize;
+            let dst = &mut s.bounce.as_mut_slice()[at..at + len];
+            if s.req.op == FrontOp::Write {
+                // SAFETY: the request's buffer holds len bytes (submit's
+                // contract), distinct from the bounce buffer.
+                dst.copy_from_slice(unsafe { std::slice::from_raw_parts(s.req.buf, len) });
+            } else {
+                dst.fill(0);
+            }
+            (s.req, s.lo, s.hi, s.bounce.as_mut_ptr())
+        });
+        let mut flags = self.write_flags(req);
+        flags.remove(BioFlags::NOUNMAP_FAST);
+        self.split(idx, Op::Write, lo, (hi - lo) as u32, base, flags);
+    }
+
+    /// Frees the slot, hands the result to the export, and lets waiting
+    /// writes go that this one held back.
+    fn finish(&self, idx: usize, lent: Option<&[u8]>) {
+        let s = self.slots.borrow_mut().remove(idx);
+        let result = if s.status.is_ok() {
+            Ok(())
+        } else {
+            Err(FrontError::from_status(s.status, s.req.flags))
+        };
+        if s.rmw {
+            self.rmws.set(self.rmws.get() - 1);
+        }
+        if s.bounce.len() > 0 && s.bounce.len() <= KEEP_BOUNCE {
+            let mut pool = self.bounces.borrow_mut();
+            if pool.len() < KEEP_BOUNCES {
+                pool.push(s.bounce);
+            }
+        }
+        if s.writer && !self.waiting.borrow().is_empty() {
+            self.release_waiters();
+        }
+        let lent = lent.filter(|l| l.as_ptr() != s.req.buf.cast_const());
+        (s.req.done)(
+            s.req.ctx,
+            Done {
+                token: s.req.token,
+                result,
+                lent,
+            },
+        );
+        // SAFETY: the reference `insert` took for this request; the caller's
+        // own (`front_end_io` holds none) keeps the front alive if others
+        // remain, and nothing touches `self` after this.
+        unsafe { Rc::decrement_strong_count(self as *const Front) };
+    }
+}
+
+/// The end_io of every bio a front sends: private is the front, ctx the slot.
+fn front_end_io(bio: BioPtr) {
+    // SAFETY: private is the front that sent the bio, kept alive by the
+    // reference its request holds until `finish`.
+    let front = unsafe { &*(bio.private() as *const Front) };
+    let idx = bio.ctx() as usize;
+    let st = bio.status();
+    let lent_seg = match bio.segs().first() {
+        Some(s) if bio.flags.contains(BioFlags::LENT) => Some((s.base, s.len)),
+        _ => None,
+    };
+    drop(bio);
+    // SAFETY: lent memory stays valid until this end_io returns
+    // (BioFlags::MAY_LEND's contract), and the slice does not leave it.
+    let lent = lent_seg.map(|(p, n)| unsafe { std::slice::from_raw_parts(p.cast_const(), n) });
+    front.bio_done(idx, st, lent);
+}
+
+#[cfg(test)]
+mod tests;
