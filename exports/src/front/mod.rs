@@ -382,7 +382,8 @@ impl Front {
         if rmw {
             // Only the blocks the write covers in part are read.
             let head = !req.offset.is_multiple_of(b);
-            let tail = !end.is_multiple_of(b) && !(head && hi - lo == b);
+            // The tail block, unless it is the head block already read.
+            let tail = !(end.is_multiple_of(b) || head && hi - lo == b);
             let base = self.with_slot(idx, |s| {
                 s.phase = Phase::RmwRead;
                 s.pending = head as u32 + tail as u32;
@@ -561,7 +562,7 @@ impl Front {
         if s.rmw {
             self.rmws.set(self.rmws.get() - 1);
         }
-        if s.bounce.len() > 0 && s.bounce.len() <= KEEP_BOUNCE {
+        if !s.bounce.is_empty() && s.bounce.len() <= KEEP_BOUNCE {
             let mut pool = self.bounces.borrow_mut();
             if pool.len() < KEEP_BOUNCES {
                 pool.push(s.bounce);

@@ -139,6 +139,9 @@ impl MemChan {
     }
 }
 
+/// The requests finished, as (token, result), in order.
+type DoneList = RefCell<Vec<(u64, Result<(), FrontError>)>>;
+
 /// A front over a fresh [`MemDev`] on a reactor of this thread.
 struct Rig {
     /// Boxed: the front keeps its address.
@@ -146,7 +149,7 @@ struct Rig {
     dev: Arc<MemDev>,
     chan: Rc<MemChan>,
     front: Option<Rc<Front>>,
-    done: Rc<RefCell<Vec<(u64, Result<(), FrontError>)>>>,
+    done: Rc<DoneList>,
 }
 
 impl Rig {
@@ -229,7 +232,7 @@ impl Drop for Rig {
 
 fn record(ctx: *mut (), d: Done<'_>) {
     // SAFETY: ctx is the rig's `done` list, alive for the whole test.
-    let done = unsafe { &*(ctx as *const RefCell<Vec<(u64, Result<(), FrontError>)>>) };
+    let done = unsafe { &*(ctx as *const DoneList) };
     done.borrow_mut().push((d.token, d.result));
 }
 
