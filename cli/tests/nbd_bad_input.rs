@@ -47,6 +47,14 @@ fn transmission(s: &Serve) -> Raw {
     c
 }
 
+/// A connection in transmission whose client asked for the block sizes,
+/// and so promised to respect them.
+fn sized_transmission(s: &Serve) -> Raw {
+    let mut c = Raw::connect(s, 1);
+    c.go_asking("t", &[3]);
+    c
+}
+
 #[test]
 fn unknown_options_get_err_unsup_and_negotiation_goes_on() {
     let s = server();
@@ -127,7 +135,7 @@ fn unknown_client_flags_bad_option_magic_and_unknown_export_name_close_the_conne
 #[test]
 fn bad_requests_get_error_replies_and_the_connection_goes_on() {
     let s = server();
-    let mut c = transmission(&s);
+    let mut c = sized_transmission(&s);
     let cases: &[(u16, u16, u64, u32, u32, &str)] = &[
         (0, 99, 0, 512, EINVAL, "unknown command"),
         (1 << 9, CMD_READ, 0, 512, EINVAL, "unknown flag"),

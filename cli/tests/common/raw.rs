@@ -78,9 +78,18 @@ impl Raw {
 
     /// NBD_OPT_GO for `name`; returns the transmission flags.
     pub fn go(&mut self, name: &str) -> u16 {
+        self.go_asking(name, &[])
+    }
+
+    /// NBD_OPT_GO for `name` asking for the NBD_INFO_* items `infos`
+    /// (NBD_INFO_BLOCK_SIZE = 3 promises to respect the block sizes).
+    pub fn go_asking(&mut self, name: &str, infos: &[u16]) -> u16 {
         let mut d = (name.len() as u32).to_be_bytes().to_vec();
         d.extend_from_slice(name.as_bytes());
-        d.extend_from_slice(&0u16.to_be_bytes());
+        d.extend_from_slice(&(infos.len() as u16).to_be_bytes());
+        for i in infos {
+            d.extend_from_slice(&i.to_be_bytes());
+        }
         self.option(OPT_GO, &d);
         let mut flags = None;
         loop {

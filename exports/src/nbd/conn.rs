@@ -12,8 +12,11 @@
 //! - One recv is in flight per connection: into the receive buffer, or, for
 //!   the rest of a WRITE's payload, straight into the request's I/O buffer
 //!   (only payload bytes that arrived with the header are copied).
-//! - Requests run as bios on the reactor's channel of the export's device,
-//!   split at the device's `max_io_bytes`; many are in flight at once.
+//! - Requests go to the device through the export front
+//!   ([`crate::front`]): split at the device's `max_io_bytes`, FUA emulated
+//!   with a flush where the device lacks it, and, for a client that did not
+//!   negotiate block sizes, byte-granular requests served by read-modify-write;
+//!   many are in flight at once.
 //! - Replies go out in completion order. One sendmsg is in flight at a
 //!   time; replies that complete meanwhile are batched into the next one, as
 //!   iovecs pointing at each request's header and, for reads, its buffer:
@@ -22,7 +25,7 @@
 //!   what the socket buffer cannot take goes to the ring, which sends it as
 //!   room appears.
 //! - Large reads are not copied at all where the device can lend them: a
-//!   single-bio READ of [`LEND_MIN`] bytes or more allows it
+//!   READ of [`LEND_MIN`] bytes or more that fits one bio allows it
 //!   ([`BioFlags::MAY_LEND`]); a RAM disk under linear or striped then
 //!   points the bio at its own memory instead of copying into the request's
 //!   buffer. Lent memory is valid only inside the end_io, so the reply is
@@ -42,9 +45,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use udm_core::io_uring::{opcode, types};
-use udm_core::{
-    BioFlags, BioPtr, Caps, Channel, Op, Poller, Reactor, RingOp, Status, SECTOR_SHIFT,
-};
+use udm_core::{Channel, Poller, Reactor, RingOp};
+
+use crate::front::{self, Front, FrontError, FrontOp, ReqFlags, Submitted};
 
 use super::handshake::{Handshake, Negotiated, Outcome, MAX_OPTION_DATA};
 use super::proto::{self, Command, ExportInfo, Refusal, Request, TxParams};
@@ -318,15 +321,10 @@ struct ConnOp {
 
 /// What the transmission phase needs, fixed at GO/EXPORT_NAME.
 struct Tx {
-    chan: Rc<dyn Channel>,
+    /// The connection's front to the export's device.
+    front: Rc<Front>,
     params: TxParams,
     structured: bool,
-    /// The device honours FUA itself; otherwise a FUA write is followed by
-    /// a flush when the device has a volatile cache.
-    fua_native: bool,
-    flush_after_fua: bool,
-    /// Largest bio, in bytes (the device's max_io_bytes, block-aligned).
-    max_bio: u32,
 }
 
 /// One request, from header to reply. Recycled per connection.
@@ -339,10 +337,10 @@ struct Req {
     buf: *mut u8,
     cap: usize,
     received: usize,
-    pending: u32,
-    status: Status,
+    /// Submitted to the front and not finished yet.
+    pending: bool,
+    result: Result<(), FrontError>,
     refusal: Option<Refusal>,
-    post_flush: bool,
     counted: u64,
     hdr: [u8; HDR_LEN],
     hdr_len: usize,
@@ -469,41 +467,23 @@ fn send_complete(op: *mut RingOp, res: i32, _flags: u32) {
     c.dirty();
 }
 
-fn req_end_io(bio: BioPtr) {
-    let r = bio.private() as *mut Req;
-    let st = bio.status();
-    // Valid until this function returns (BioFlags::MAY_LEND's contract).
-    let lent = match bio.segs().first() {
-        Some(s) if bio.flags.contains(BioFlags::LENT) => s.base.cast_const(),
-        _ => std::ptr::null(),
-    };
-    drop(bio);
-    // SAFETY: private is a request of a live connection: a connection is not
+/// The front's completion of a request: `ctx` is the request.
+fn req_done(ctx: *mut (), done: front::Done<'_>) {
+    let r = ctx.cast::<Req>();
+    // SAFETY: ctx is a request of a live connection: a connection is not
     // freed while it has active requests, and a request is not recycled
-    // while bios are pending on it.
+    // while the front holds it (pending).
     let req = unsafe { &mut *r };
-    if !st.is_ok() && req.status.is_ok() {
-        req.status = st;
-    }
-    req.pending -= 1;
-    if req.pending > 0 {
-        return;
-    }
+    req.pending = false;
+    req.result = done.result;
     // SAFETY: the request's connection is live (see above).
     let c = unsafe { &mut *req.conn };
-    if req.post_flush && req.status.is_ok() {
-        // FUA on a device with a volatile cache but no native FUA: the write
-        // is durable once a flush after it completes.
-        req.post_flush = false;
-        c.submit_flush(r);
-        return;
+    // Lent memory is valid only until this function returns
+    // (BioFlags::MAY_LEND's contract): the reply goes out from here.
+    match done.lent {
+        Some(lent) if req.result.is_ok() => c.send_lent(r, lent.as_ptr()),
+        _ => c.reply(r),
     }
-    // Only single-bio reads may be lent, so this is the last bio. (A
-    // "lent" pointer that is the request's own buffer lent nothing.)
-    if !lent.is_null() && lent != req.buf.cast_const() {
-        return c.send_lent(r, lent);
-    }
-    c.reply(r);
 }
 
 impl Conn {
@@ -745,24 +725,23 @@ impl Conn {
                 return;
             }
         };
-        let limits = e.dev.limits();
-        let caps = e.dev.caps();
-        let lbs = limits.logical_block_size.max(512);
-        let max_bio = (limits.max_io_bytes.min(1 << 30) / lbs * lbs).max(lbs);
+        // SAFETY: the connection lives on this reactor and is freed by its
+        // worker's poller, so the reactor outlives the front, which is used
+        // on this thread only.
+        let front = unsafe { Front::new(self.worker.reactor(), &*e.dev, chan) };
         self.export = Some(e.info.name.clone());
         self.tx = Some(Tx {
-            chan,
+            front,
             params: TxParams {
                 size: e.info.size,
                 flags: e.info.flags,
-                min_block: e.info.min_block,
+                // A client that did not ask for block sizes may send any
+                // byte range: the front serves it by read-modify-write.
+                min_block: if neg.block_sizes { e.info.min_block } else { 1 },
                 max_payload: e.info.max_payload,
                 block_status: neg.block_status,
             },
             structured: neg.structured,
-            fua_native: caps.contains(Caps::FUA),
-            flush_after_fua: caps.contains(Caps::FLUSH),
-            max_bio,
         });
     }
 
@@ -778,10 +757,9 @@ impl Conn {
                 buf: std::ptr::null_mut(),
                 cap: 0,
                 received: 0,
-                pending: 0,
-                status: Status::Ok,
+                pending: false,
+                result: Ok(()),
                 refusal: None,
-                post_flush: false,
                 counted: 0,
                 hdr: [0; HDR_LEN],
                 hdr_len: 0,
@@ -796,10 +774,9 @@ impl Conn {
         req.offset = h.offset;
         req.len = h.len;
         req.received = 0;
-        req.pending = 0;
-        req.status = Status::Ok;
+        req.pending = false;
+        req.result = Ok(());
         req.refusal = None;
-        req.post_flush = false;
         req.counted = 0;
         req.hdr_len = 0;
         req.data_len = 0;
@@ -892,74 +869,59 @@ impl Conn {
         }
     }
 
-    /// Submits the request's bios.
+    /// Hands the request to the front.
     fn submit(&mut self, r: *mut Req) {
         let Some(tx) = self.tx.as_ref() else { return };
         // SAFETY: an active request of this connection.
         let req = unsafe { &mut *r };
-        let (op, fua, fast) = match req.cmd {
-            Command::Read => (Op::Read, false, false),
-            Command::Write { fua } => (Op::Write, fua, false),
-            Command::Trim { fua } => (Op::Discard, fua, false),
-            Command::WriteZeroes { fua, fast } => (Op::WriteZeroes, fua, fast),
-            Command::Flush => {
-                self.submit_flush(r);
-                return;
-            }
+        let none = ReqFlags::default();
+        let (op, flags) = match req.cmd {
+            Command::Read => (
+                FrontOp::Read,
+                ReqFlags {
+                    may_lend: req.len >= LEND_MIN,
+                    ..none
+                },
+            ),
+            Command::Write { fua } => (FrontOp::Write, ReqFlags { fua, ..none }),
+            Command::Trim { fua } => (FrontOp::Discard, ReqFlags { fua, ..none }),
+            Command::WriteZeroes { fua, fast } => (
+                FrontOp::WriteZeroes,
+                ReqFlags {
+                    fua,
+                    fast_zero: fast,
+                    ..none
+                },
+            ),
+            Command::Flush => (FrontOp::Flush, none),
             Command::Cache | Command::BlockStatus { .. } | Command::Disc => {
                 self.reply(r);
                 return;
             }
         };
-        if req.len == 0 {
-            // Unspecified by the spec; nothing to do, so succeed.
-            self.reply(r);
-            return;
+        let fr = front::Request {
+            op,
+            offset: req.offset,
+            len: req.len,
+            flags,
+            buf: req.buf,
+            token: req.cookie,
+            done: req_done,
+            ctx: r.cast(),
+        };
+        req.pending = true;
+        // SAFETY: for reads and writes, `buf` holds `len` bytes (ensure_buf
+        // in `request`), and the connection leaves it alone until the
+        // request is recycled, after the front finished it and the reply
+        // was sent.
+        match unsafe { tx.front.submit(fr) } {
+            Submitted::Later => {}
+            Submitted::Now(result) => {
+                req.pending = false;
+                req.result = result;
+                self.reply(r);
+            }
         }
-        req.post_flush = fua && !tx.fua_native && tx.flush_after_fua;
-        let step = tx.max_bio;
-        let n = req.len.div_ceil(step);
-        req.pending = n;
-        let reactor = self.worker.reactor();
-        for i in 0..n {
-            let off = i * step;
-            let len = step.min(req.len - off);
-            let mut bio = reactor.alloc_bio();
-            let sector = (req.offset + off as u64) >> SECTOR_SHIFT;
-            if op.has_data() {
-                bio.op = op;
-                bio.sector = sector;
-                // SAFETY: [off, off+len) lies in the request's buffer, which
-                // stays allocated and untouched by the connection until the
-                // request is recycled, after every bio completed and the
-                // reply was sent.
-                unsafe { bio.add_seg(req.buf.add(off as usize), len as usize) };
-            } else {
-                bio.set_dataless(op, sector, len);
-            }
-            if fua && tx.fua_native {
-                bio.flags.insert(BioFlags::FUA);
-            }
-            if fast {
-                bio.flags.insert(BioFlags::NOUNMAP_FAST);
-            }
-            if op == Op::Read && n == 1 && len >= LEND_MIN {
-                bio.flags.insert(BioFlags::MAY_LEND);
-            }
-            bio.set_end_io(req_end_io, r.cast());
-            tx.chan.submit(bio);
-        }
-    }
-
-    fn submit_flush(&mut self, r: *mut Req) {
-        let Some(tx) = self.tx.as_ref() else { return };
-        // SAFETY: an active request of this connection.
-        let req = unsafe { &mut *r };
-        req.pending = 1;
-        let mut bio = self.worker.reactor().alloc_bio();
-        bio.set_dataless(Op::Flush, 0, 0);
-        bio.set_end_io(req_end_io, r.cast());
-        tx.chan.submit(bio);
     }
 
     /// Encodes the request's reply and queues it for the next sendmsg.
@@ -968,15 +930,13 @@ impl Conn {
         // SAFETY: an active request of this connection.
         let req = unsafe { &mut *r };
         let mut failure = req.refusal.map(|f| (f.error, f.msg));
-        if failure.is_none() && !req.status.is_ok() {
-            let fast = matches!(req.cmd, Command::WriteZeroes { fast: true, .. });
-            let e = match req.status {
-                Status::Ok => 0,
-                Status::NotSupp if fast => proto::ENOTSUP,
-                Status::NotSupp | Status::Inval => proto::EINVAL,
-                Status::NoSpace => proto::ENOSPC,
-                Status::NoMem => proto::ENOMEM,
-                Status::IoErr | Status::Again => proto::EIO,
+        if let (None, Err(fe)) = (failure, req.result) {
+            let e = match fe {
+                FrontError::NotFast => proto::ENOTSUP,
+                FrontError::NotSupported | FrontError::Invalid => proto::EINVAL,
+                FrontError::NoSpace => proto::ENOSPC,
+                FrontError::NoMemory => proto::ENOMEM,
+                FrontError::Io => proto::EIO,
             };
             eprintln!(
                 "{}: {:?} of {} bytes at {}: {}",
@@ -984,7 +944,7 @@ impl Conn {
                 req.cmd,
                 req.len,
                 req.offset,
-                req.status
+                fe
             );
             failure = Some((e, "device error"));
         }

@@ -27,6 +27,10 @@ pub struct Negotiated {
     pub structured: bool,
     /// `base:allocation` was selected for this export.
     pub block_status: bool,
+    /// The client asked for NBD_INFO_BLOCK_SIZE in its NBD_OPT_GO, and so
+    /// promised to respect the block sizes. A client that did not may send
+    /// requests at any byte offset and length.
+    pub block_sizes: bool,
 }
 
 /// How the connection goes on after a call to [`Handshake::feed`].
@@ -229,7 +233,7 @@ impl Handshake {
                     return Outcome::Close(format!("EXPORT_NAME: no export '{name}'"));
                 };
                 proto::put_export_name_reply(out, &exports[i], self.no_zeroes);
-                Outcome::Transmission(self.negotiated(i, &exports[i]))
+                Outcome::Transmission(self.negotiated(i, &exports[i], false))
             }
             proto::OPT_ABORT => {
                 proto::put_option_reply(out, option, proto::REP_ACK, &[]);
@@ -256,7 +260,8 @@ impl Handshake {
                 proto::put_info(out, option, &exports[i], &r.infos);
                 proto::put_option_reply(out, option, proto::REP_ACK, &[]);
                 if option == proto::OPT_GO {
-                    Outcome::Transmission(self.negotiated(i, &exports[i]))
+                    let sizes = r.infos.contains(&proto::INFO_BLOCK_SIZE);
+                    Outcome::Transmission(self.negotiated(i, &exports[i], sizes))
                 } else {
                     Outcome::Continue
                 }
@@ -323,7 +328,7 @@ impl Handshake {
         }
     }
 
-    fn negotiated(&self, i: usize, e: &ExportInfo) -> Negotiated {
+    fn negotiated(&self, i: usize, e: &ExportInfo, block_sizes: bool) -> Negotiated {
         // BLOCK_STATUS is allowed when the last SET_META_CONTEXT named this
         // export (by its name, or "" for the default one).
         let block_status = self.structured
@@ -335,6 +340,7 @@ impl Handshake {
             export: i,
             structured: self.structured,
             block_status,
+            block_sizes,
         }
     }
 }
@@ -387,8 +393,25 @@ mod tests {
             Outcome::Transmission(Negotiated {
                 export: 0,
                 structured: true,
-                block_status: true
+                block_status: true,
+                block_sizes: false,
             })
+        );
+    }
+
+    #[test]
+    fn go_that_asks_for_block_sizes_promises_to_respect_them() {
+        let mut h = Handshake::new();
+        let mut input = 1u32.to_be_bytes().to_vec();
+        let mut go = 0u32.to_be_bytes().to_vec();
+        go.extend_from_slice(&1u16.to_be_bytes());
+        go.extend_from_slice(&INFO_BLOCK_SIZE.to_be_bytes());
+        input.extend(opt(OPT_GO, &go));
+        let mut out = Vec::new();
+        let (_, o) = h.feed(&input, &exports(), &mut out);
+        assert!(
+            matches!(o, Outcome::Transmission(n) if n.block_sizes),
+            "{o:?}"
         );
     }
 
