@@ -1,11 +1,13 @@
 //! NBD export, per `doc/proto.md` of the NetworkBlockDevice project.
 //!
 //! ```text
-//!   server.rs   listeners, export table, connection placement, shutdown
+//!   server.rs   listeners, connection placement, shutdown (export.rs: what
+//!               each export advertises)
 //!      │ fd via ReactorHandle::send
 //!      ▼
-//!   conn.rs     one connection on one reactor: recv/sendmsg on the reactor's
-//!      │        io_uring, handshake bytes → handshake.rs, requests → bios
+//!   conn/       one connection on one reactor: recv on the reactor's io_uring,
+//!      │        handshake bytes → handshake.rs, requests → the export front
+//!      │        (crate::front); send.rs: replies batched into one sendmsg
 //!      ▼
 //!   handshake.rs  option negotiation as a state machine over bytes
 //!   proto.rs      wire constants, types, pure parse/encode (fuzzed)
@@ -15,6 +17,7 @@
 //! trusted networks only (unix sockets and loopback by default).
 
 pub mod conn;
+pub mod export;
 pub mod fuzzing;
 pub mod handshake;
 pub mod proto;

@@ -1,0 +1,300 @@
+//! The send path of a connection: replies encoded into each request's
+//! header, batched into one `sendmsg` of header and data iovecs, offered
+//! to the socket directly first and to the ring for what it cannot take;
+//! lent reads sent from their end_io.
+
+use std::os::fd::AsRawFd;
+
+use udm_core::io_uring::{opcode, types};
+
+use super::*;
+
+impl Conn {
+    /// Encodes the request's reply and queues it for the next sendmsg.
+    pub(super) fn reply(&mut self, r: *mut Req) {
+        let structured = self.tx.as_ref().is_some_and(|t| t.structured);
+        // SAFETY: an active request of this connection.
+        let req = unsafe { &mut *r };
+        let mut failure = req.refusal.map(|f| (f.error, f.msg));
+        if let (None, Err(fe)) = (failure, req.result) {
+            let e = match fe {
+                FrontError::NotFast => proto::ENOTSUP,
+                FrontError::NotSupported | FrontError::Invalid => proto::EINVAL,
+                FrontError::NoSpace => proto::ENOSPC,
+                FrontError::NoMemory => proto::ENOMEM,
+                FrontError::Io => proto::EIO,
+            };
+            eprintln!(
+                "{}: {:?} of {} bytes at {}: {}",
+                self.tag(),
+                req.cmd,
+                req.len,
+                req.offset,
+                fe
+            );
+            failure = Some((e, "device error"));
+        }
+        if failure.is_none() && matches!(req.cmd, Command::BlockStatus { .. }) && req.len == 0 {
+            failure = Some((proto::EINVAL, "zero-length block status"));
+        }
+        req.data_len = 0;
+        req.hdr_len = match failure {
+            Some((e, msg)) if structured => {
+                proto::encode_error_chunk(&mut req.hdr, req.cookie, e, msg)
+            }
+            Some((e, _)) => proto::encode_simple_reply(&mut req.hdr, e, req.cookie),
+            None => match req.cmd {
+                Command::Read => {
+                    req.data_len = req.len as usize;
+                    if !structured {
+                        proto::encode_simple_reply(&mut req.hdr, 0, req.cookie)
+                    } else if req.len == 0 {
+                        proto::encode_none_chunk(&mut req.hdr, req.cookie)
+                    } else {
+                        proto::encode_read_chunk(&mut req.hdr, req.cookie, req.offset, req.len)
+                    }
+                }
+                // The device keeps no allocation map: the whole range is
+                // reported as allocated data (flags 0), which the spec
+                // allows for any block.
+                Command::BlockStatus { .. } => proto::encode_block_status(
+                    &mut req.hdr,
+                    req.cookie,
+                    proto::META_BASE_ALLOCATION_ID,
+                    req.len,
+                    0,
+                ),
+                _ => proto::encode_simple_reply(&mut req.hdr, 0, req.cookie),
+            },
+        };
+        self.ready.push_back(r);
+        self.dirty();
+    }
+
+    /// Sends handshake bytes and queued replies in one sendmsg, unless one
+    /// is in flight (its completion sends what queued up meanwhile).
+    pub(super) fn flush_sends(&mut self) {
+        if self.send_inflight {
+            return;
+        }
+        if self.write_dead {
+            self.hs_out.clear();
+            while let Some(r) = self.ready.pop_front() {
+                self.recycle(r);
+            }
+            return;
+        }
+        self.iov.clear();
+        self.iov_at = 0;
+        self.lent_iovs.clear();
+        if !self.hs_out.is_empty() {
+            std::mem::swap(&mut self.hs_out, &mut self.hs_sending);
+            self.iov.push(libc::iovec {
+                iov_base: self.hs_sending.as_mut_ptr().cast(),
+                iov_len: self.hs_sending.len(),
+            });
+        }
+        while self.iov.len() + 2 <= MAX_IOV {
+            let Some(r) = self.ready.pop_front() else {
+                break;
+            };
+            // SAFETY: an active request of this connection.
+            let req = unsafe { &mut *r };
+            self.iov.push(libc::iovec {
+                iov_base: req.hdr.as_mut_ptr().cast(),
+                iov_len: req.hdr_len,
+            });
+            if req.data_len > 0 {
+                let data = if req.lent.is_null() {
+                    req.buf.cast_const()
+                } else {
+                    self.lent_iovs.push((self.iov.len(), r));
+                    req.lent
+                };
+                self.iov.push(libc::iovec {
+                    iov_base: data.cast_mut().cast(),
+                    iov_len: req.data_len,
+                });
+            }
+            self.sending.push(r);
+        }
+        if self.iov.is_empty() {
+            return;
+        }
+        self.send_direct();
+    }
+
+    /// Offers the batch to the socket with a plain non-blocking sendmsg and
+    /// hands only what it did not take to the ring. On an idle socket (QD1,
+    /// and most batches) that is all of it: the reply leaves in this turn,
+    /// with no SQE, no CQE and no second io_uring_enter to reap the send's
+    /// completion before the reactor can sleep; the client is woken while
+    /// the server goes straight to its wait. Ordering is kept because this
+    /// runs only when no ring send is in flight (flush_sends' guard).
+    pub(super) fn send_direct(&mut self) {
+        self.point_msg();
+        // SAFETY: msg names iov[iov_at..], whose buffers (hs_sending, the
+        // headers and buffers of the `sending` requests, or memory lent for
+        // a read, which is valid because a batch holds lent iovecs only
+        // while send_lent runs inside that read's end_io) are live; the
+        // kernel copies from them before the call returns.
+        let n = unsafe {
+            libc::sendmsg(
+                self.fd.as_raw_fd(),
+                &self.msg,
+                libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+            )
+        };
+        if n < 0 {
+            let err = std::io::Error::last_os_error();
+            match err.raw_os_error() {
+                // A full socket buffer (or a signal): the ring waits for room.
+                Some(libc::EAGAIN) | Some(libc::EINTR) => self.push_send(),
+                Some(e) => self.send_failed(format!("send: {}", errno_str(-e))),
+                None => self.push_send(),
+            }
+            return;
+        }
+        self.sends_direct += 1;
+        // A partial send (the socket buffer filled up): the rest through
+        // the ring, which sends it as room appears.
+        if !self.advance_sent(n as usize) {
+            self.push_send();
+        }
+    }
+
+    /// Replies to a read whose data the device lent: sends it now, with
+    /// every reply queued before it, and copies into the request's buffer
+    /// whatever still needs the data afterwards (the part of the batch the
+    /// socket did not take, or the whole reply when it cannot be sent now),
+    /// so that nothing refers to the lent memory once the end_io returns.
+    pub(super) fn send_lent(&mut self, r: *mut Req, lent: *const u8) {
+        self.lent += 1;
+        // SAFETY: an active request of this connection.
+        unsafe { (*r).lent = lent };
+        self.reply(r);
+        self.flush_sends();
+        // SAFETY: `r` is still this connection's (sent and recycled onto the
+        // free list, or queued); a recycled request has `lent` cleared.
+        let req = unsafe { &mut *r };
+        if !req.lent.is_null() {
+            // Not in the batch: queued behind a send in flight, or beyond
+            // the batch's iovecs.
+            // SAFETY: lent data of data_len bytes (valid during this end_io)
+            // and the request's own buffer, which holds len >= data_len
+            // bytes; distinct memory.
+            unsafe { std::ptr::copy_nonoverlapping(req.lent, req.buf, req.data_len) };
+            req.lent = std::ptr::null();
+            self.lent_copied += 1;
+        }
+    }
+
+    /// Before the rest of a batch goes to the ring, which sends it later:
+    /// the unsent part of each lent reply is copied into its request's
+    /// buffer, and its iovec points there.
+    pub(super) fn unlend_rest(&mut self) {
+        for &(i, r) in &self.lent_iovs {
+            // SAFETY: a request of the batch being sent, still active.
+            let req = unsafe { &mut *r };
+            if i < self.iov_at {
+                req.lent = std::ptr::null(); // sent whole
+                continue;
+            }
+            let v = &mut self.iov[i];
+            // Bytes of this reply already sent (advance_sent moves the base).
+            let done = v.iov_base as usize - req.lent as usize;
+            // SAFETY: [done, done + iov_len) lies in the reply's data_len
+            // bytes, in the lent memory (valid: we are inside its end_io)
+            // and in the request's buffer alike; distinct memory.
+            unsafe {
+                std::ptr::copy_nonoverlapping(req.lent.add(done), req.buf.add(done), v.iov_len);
+                v.iov_base = req.buf.add(done).cast();
+            }
+            req.lent = std::ptr::null();
+            self.lent_copied += 1;
+        }
+        self.lent_iovs.clear();
+    }
+
+    pub(super) fn point_msg(&mut self) {
+        self.msg.msg_iov = self.iov[self.iov_at..].as_mut_ptr();
+        self.msg.msg_iovlen = self.iov.len() - self.iov_at;
+    }
+
+    pub(super) fn push_send(&mut self) {
+        // The ring sends later, after any end_io that lent memory returned.
+        self.unlend_rest();
+        self.point_msg();
+        self.sends_ring += 1;
+        let e = opcode::SendMsg::new(types::Fd(self.fd.as_raw_fd()), &self.msg)
+            .flags((libc::MSG_NOSIGNAL | libc::MSG_WAITALL) as u32)
+            .build();
+        self.send_inflight = true;
+        let op: *mut RingOp = &mut self.send_op.op;
+        // SAFETY: the msghdr, the iovec array and every buffer it names
+        // (hs_sending, the headers and buffers of the requests in `sending`)
+        // belong to this connection and are neither moved nor freed until
+        // the send completes: the iov vector is only modified in
+        // flush_sends/on_sent while no send is in flight, `sending` requests
+        // are recycled after it, and the connection is not freed while
+        // send_inflight. No iovec points at lent memory: unlend_rest above
+        // repointed every one.
+        unsafe { self.worker.reactor().ring().push_op(e, op) };
+    }
+
+    pub(super) fn on_sent(&mut self, res: i32) {
+        if res <= 0 {
+            self.send_failed(if res == 0 {
+                "send: no progress".to_string()
+            } else {
+                format!("send: {}", errno_str(res))
+            });
+            return;
+        }
+        if !self.advance_sent(res as usize) {
+            // A short send: the rest, from where it stopped.
+            self.push_send();
+        }
+    }
+
+    /// Accounts for `n` bytes of the batch sent. Returns true when the
+    /// batch is done (its requests are recycled); otherwise the iovecs now
+    /// start at the first byte not yet sent.
+    pub(super) fn advance_sent(&mut self, n: usize) -> bool {
+        let mut left = n;
+        while left > 0 && self.iov_at < self.iov.len() {
+            let v = &mut self.iov[self.iov_at];
+            if left >= v.iov_len {
+                left -= v.iov_len;
+                self.iov_at += 1;
+            } else {
+                // SAFETY: left < iov_len: still inside the same buffer.
+                v.iov_base = unsafe { v.iov_base.cast::<u8>().add(left) }.cast();
+                v.iov_len -= left;
+                left = 0;
+            }
+        }
+        if self.iov_at < self.iov.len() {
+            return false;
+        }
+        self.hs_sending.clear();
+        while let Some(r) = self.sending.pop() {
+            self.recycle(r);
+        }
+        true
+    }
+
+    /// The socket can no longer be written: the batch is dropped and the
+    /// connection closes.
+    pub(super) fn send_failed(&mut self, why: String) {
+        self.write_dead = true;
+        self.hs_sending.clear();
+        let sent: Vec<*mut Req> = self.sending.drain(..).collect();
+        for r in sent {
+            self.recycle(r);
+        }
+        self.begin_close(why);
+        // SAFETY: plain syscall on our own socket; wakes a pending recv.
+        unsafe { libc::shutdown(self.fd.as_raw_fd(), libc::SHUT_RDWR) };
+    }
+}
