@@ -234,12 +234,12 @@ impl Server {
                         }
                     });
                     if !sent {
-                        eprintln!("udm: nbd: reactor {} is gone; connection dropped", h.id());
+                        tracing::warn!("nbd: reactor {} is gone; connection dropped", h.id());
                     }
                 }
             }
         }
-        eprintln!("udm: nbd: shutting down: no new connections; finishing requests in flight");
+        tracing::info!("nbd: shutting down: no new connections; finishing requests in flight");
         drop(self.listeners);
         // Each worker finishes its connections' requests, then its reactor
         // loop ends.
@@ -250,7 +250,7 @@ impl Server {
         });
         for r in pool.join() {
             if let Err(e) = r {
-                eprintln!("udm: nbd: {e}");
+                tracing::warn!("nbd: {e}");
             }
         }
         Ok(())
@@ -282,7 +282,7 @@ fn accept(l: &Listener, addr: &Listen) -> Option<(OwnedFd, String)> {
                 Some(libc::EINTR) | Some(libc::ECONNABORTED) => continue,
                 Some(libc::EAGAIN) => return None,
                 _ => {
-                    eprintln!("udm: nbd: accept on {addr}: {e}");
+                    tracing::warn!("nbd: accept on {addr}: {e}");
                     // Out of descriptors or similar: back off a little
                     // rather than spin on a listener that stays readable.
                     std::thread::sleep(std::time::Duration::from_millis(10));

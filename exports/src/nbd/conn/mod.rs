@@ -184,7 +184,7 @@ impl Worker {
         for c in conns {
             // SAFETY: as in stop().
             let conn = unsafe { &mut *c };
-            eprintln!(
+            tracing::warn!(
                 "{}: still busy after {STOP_GRACE:?}; cutting it",
                 conn.tag()
             );
@@ -490,7 +490,7 @@ fn req_done(ctx: *mut (), done: front::Done<'_>) {
 
 impl Conn {
     fn tag(&self) -> String {
-        format!("udm: nbd: connection {} ({})", self.id, self.peer)
+        format!("nbd: connection {} ({})", self.id, self.peer)
     }
 
     /// Puts the connection on its worker's list for the end of the turn
@@ -505,7 +505,7 @@ impl Conn {
 
     fn log_close(&self) {
         let export = self.export.as_deref().unwrap_or("-");
-        eprintln!(
+        tracing::info!(
             "{}: export '{}': {} requests ({} refused); sends: {} direct, {} on the ring; \
              lent reads: {} ({} copied); closed: {}",
             self.tag(),
@@ -691,7 +691,7 @@ impl Conn {
                 Err(e) => {
                     // Without the magic the stream cannot be resynchronised:
                     // the spec's hard disconnect.
-                    eprintln!("{}: request: {e}; disconnecting", self.tag());
+                    tracing::warn!("{}: request: {e}; disconnecting", self.tag());
                     self.begin_close(format!("protocol error: request {e}"));
                     return;
                 }
@@ -722,7 +722,7 @@ impl Conn {
         let chan = match self.worker.channel(neg.export) {
             Ok(c) => c,
             Err(why) => {
-                eprintln!("{}: {why}", self.tag());
+                tracing::warn!("{}: {why}", self.tag());
                 self.begin_close(why);
                 return;
             }
@@ -807,7 +807,7 @@ impl Conn {
             Ok(c) => c,
             Err(refusal) => {
                 self.refused += 1;
-                eprintln!(
+                tracing::warn!(
                     "{}: refused command {} (flags {:#x}, offset {}, length {}): {}",
                     self.tag(),
                     h.cmd,

@@ -24,7 +24,7 @@ impl Conn {
                 FrontError::NoMemory => proto::ENOMEM,
                 FrontError::Io => proto::EIO,
             };
-            eprintln!(
+            tracing::warn!(
                 "{}: {:?} of {} bytes at {}: {}",
                 self.tag(),
                 req.cmd,
