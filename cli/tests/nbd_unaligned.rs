@@ -78,6 +78,16 @@ h.shutdown()
 print("sized ok")
 "#;
 
+/// Export `t`: a writecache with 4 KiB blocks over RAM devices.
+const WRITECACHE_4K: &[&str] = &[
+    "--dev",
+    "o=ram:16M",
+    "--dev",
+    "c=ram:8M",
+    "--dev",
+    "t=0 32768 writecache s o c 4096 0",
+];
+
 fn script(s: &Serve, text: &str, seed: u64, min_block: u32) -> String {
     text.replace("URI", &format!("{:?}", s.uri("t")))
         .replace("SEED", &seed.to_string())
@@ -93,28 +103,14 @@ fn byte_granular_requests_on_512_byte_blocks() {
 
 #[test]
 fn byte_granular_requests_on_4k_blocks_through_a_writecache() {
-    let s = Serve::start(&[
-        "--dev",
-        "o=ram:16M",
-        "--dev",
-        "c=ram:8M",
-        "--dev",
-        "t=0 32768 writecache s o c 4096 0",
-    ]);
+    let s = Serve::start(WRITECACHE_4K);
     let out = run("nbdsh", &["-c", &script(&s, BYTES_SCRIPT, 2, 4096)]);
     assert!(out.contains("bytes ok"), "{out}");
 }
 
 #[test]
 fn a_client_that_negotiated_block_sizes_gets_einval_for_unaligned_requests() {
-    let s = Serve::start(&[
-        "--dev",
-        "o=ram:16M",
-        "--dev",
-        "c=ram:8M",
-        "--dev",
-        "t=0 32768 writecache s o c 4096 0",
-    ]);
+    let s = Serve::start(WRITECACHE_4K);
     let out = run("nbdsh", &["-c", &script(&s, SIZED_SCRIPT, 0, 4096)]);
     assert!(out.contains("sized ok"), "{out}");
 }
