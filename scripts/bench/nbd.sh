@@ -13,7 +13,8 @@
 #   SERVERS="udm udm-null nbdkit-null" JOBS="randwrite-4k-qd32" picks a subset
 #   (udm-null: udm over the null backend, the server's cost without storing data;
 #   udm-b: the udm binary at $UDM_B, to compare two builds side by side;
-#   udm+OPTS: udm serve with OPTS, commas for spaces, e.g. udm+--adaptive,100)
+#   udm+OPTS: udm serve with OPTS, commas for spaces, e.g. udm+--adaptive,100;
+#   udm-b+OPTS: the same for the build at $UDM_B)
 #   PIN=same runs server and fio on CPU 0, PIN=split the server on CPU 1 and fio
 #   on CPU 0. Unpinned (the default), QD1 figures follow where the scheduler puts
 #   the two: on one vCPU a request costs no cross-CPU wakeup, on two it costs two
@@ -68,11 +69,12 @@ start() { # server -> sets PID and URI
         "${SPIN[@]}" "${UDM_B:?udm-b needs UDM_B=/path/to/udm}" serve --dev ram0=ram:1G \
             --dev 'lin=0 2097152 linear ram0 0' --listen "unix:$sock" >"$W/$s.log" 2>&1 &
         URI="nbd+unix:///lin?socket=$sock" ;;
-    udm+*) # udm serve with extra options, commas for spaces: udm+--adaptive,100
-        local extra
-        read -r -a extra <<<"${s#udm+}"
+    udm+* | udm-b+*) # udm serve with extra options, commas for spaces: udm+--adaptive,100
+        local extra bin=$UDM
+        [ "${s%%+*}" = udm-b ] && bin=${UDM_B:?udm-b needs UDM_B=/path/to/udm}
+        read -r -a extra <<<"${s#*+}"
         extra=(${extra[@]//,/ })
-        "${SPIN[@]}" "$UDM" serve "${extra[@]}" --dev ram0=ram:1G --dev 'lin=0 2097152 linear ram0 0' \
+        "${SPIN[@]}" "$bin" serve "${extra[@]}" --dev ram0=ram:1G --dev 'lin=0 2097152 linear ram0 0' \
             --listen "unix:$sock" >"$W/$s.log" 2>&1 &
         URI="nbd+unix:///lin?socket=$sock" ;;
     udm-interrupt) # reactors always sleep when idle (the default spins adaptively)

@@ -7,14 +7,17 @@ use std::os::fd::AsRawFd;
 
 use udm_core::io_uring::{opcode, types};
 
-use super::*;
+use super::super::proto::{self, Command};
+use super::req::ReqId;
+use super::{errno_str, Conn, MAX_IOV};
+use crate::front::FrontError;
+use udm_core::RingOp;
 
 impl Conn {
     /// Encodes the request's reply and queues it for the next sendmsg.
-    pub(super) fn reply(&mut self, r: *mut Req) {
+    pub(super) fn reply(&mut self, id: ReqId) {
         let structured = self.tx.as_ref().is_some_and(|t| t.structured);
-        // SAFETY: an active request of this connection.
-        let req = unsafe { &mut *r };
+        let req = &self.reqs[id];
         let mut failure = req.refusal.map(|f| (f.error, f.msg));
         if let (None, Err(fe)) = (failure, req.result) {
             let e = match fe {
@@ -37,37 +40,37 @@ impl Conn {
         if failure.is_none() && matches!(req.cmd, Command::BlockStatus { .. }) && req.len == 0 {
             failure = Some((proto::EINVAL, "zero-length block status"));
         }
+        let req = &mut self.reqs[id];
         req.data_len = 0;
+        let hdr = &mut req.bufs.hdr[..];
         req.hdr_len = match failure {
-            Some((e, msg)) if structured => {
-                proto::encode_error_chunk(&mut req.hdr, req.cookie, e, msg)
-            }
-            Some((e, _)) => proto::encode_simple_reply(&mut req.hdr, e, req.cookie),
+            Some((e, msg)) if structured => proto::encode_error_chunk(hdr, req.cookie, e, msg),
+            Some((e, _)) => proto::encode_simple_reply(hdr, e, req.cookie),
             None => match req.cmd {
                 Command::Read => {
                     req.data_len = req.len as usize;
                     if !structured {
-                        proto::encode_simple_reply(&mut req.hdr, 0, req.cookie)
+                        proto::encode_simple_reply(hdr, 0, req.cookie)
                     } else if req.len == 0 {
-                        proto::encode_none_chunk(&mut req.hdr, req.cookie)
+                        proto::encode_none_chunk(hdr, req.cookie)
                     } else {
-                        proto::encode_read_chunk(&mut req.hdr, req.cookie, req.offset, req.len)
+                        proto::encode_read_chunk(hdr, req.cookie, req.offset, req.len)
                     }
                 }
                 // The device keeps no allocation map: the whole range is
                 // reported as allocated data (flags 0), which the spec
                 // allows for any block.
                 Command::BlockStatus { .. } => proto::encode_block_status(
-                    &mut req.hdr,
+                    hdr,
                     req.cookie,
                     proto::META_BASE_ALLOCATION_ID,
                     req.len,
                     0,
                 ),
-                _ => proto::encode_simple_reply(&mut req.hdr, 0, req.cookie),
+                _ => proto::encode_simple_reply(hdr, 0, req.cookie),
             },
         };
-        self.ready.push_back(r);
+        self.ready.push_back(id);
         self.dirty();
     }
 
@@ -79,8 +82,8 @@ impl Conn {
         }
         if self.write_dead {
             self.hs_out.clear();
-            while let Some(r) = self.ready.pop_front() {
-                self.recycle(r);
+            while let Some(id) = self.ready.pop_front() {
+                self.recycle(id);
             }
             return;
         }
@@ -95,20 +98,19 @@ impl Conn {
             });
         }
         while self.iov.len() + 2 <= MAX_IOV {
-            let Some(r) = self.ready.pop_front() else {
+            let Some(id) = self.ready.pop_front() else {
                 break;
             };
-            // SAFETY: an active request of this connection.
-            let req = unsafe { &mut *r };
+            let req = &mut self.reqs[id];
             self.iov.push(libc::iovec {
-                iov_base: req.hdr.as_mut_ptr().cast(),
+                iov_base: req.hdr().cast(),
                 iov_len: req.hdr_len,
             });
             if req.data_len > 0 {
                 let data = if req.lent.is_null() {
-                    req.buf.cast_const()
+                    req.data().cast_const()
                 } else {
-                    self.lent_iovs.push((self.iov.len(), r));
+                    self.lent_iovs.push((self.iov.len(), id));
                     req.lent
                 };
                 self.iov.push(libc::iovec {
@@ -116,7 +118,7 @@ impl Conn {
                     iov_len: req.data_len,
                 });
             }
-            self.sending.push(r);
+            self.sending.push(id);
         }
         if self.iov.is_empty() {
             return;
@@ -155,7 +157,7 @@ impl Conn {
             }
             return;
         }
-        self.sends_direct += 1;
+        self.stats.sends_direct += 1;
         // A partial send (the socket buffer filled up): the rest through
         // the ring, which sends it as room appears.
         if !self.advance_sent(n as usize) {
@@ -168,24 +170,26 @@ impl Conn {
     /// whatever still needs the data afterwards (the part of the batch the
     /// socket did not take, or the whole reply when it cannot be sent now),
     /// so that nothing refers to the lent memory once the end_io returns.
-    pub(super) fn send_lent(&mut self, r: *mut Req, lent: *const u8) {
-        self.lent += 1;
-        // SAFETY: an active request of this connection.
-        unsafe { (*r).lent = lent };
-        self.reply(r);
+    pub(super) fn send_lent(&mut self, id: ReqId, lent: *const u8) {
+        self.stats.lent += 1;
+        self.reqs[id].lent = lent;
+        self.reply(id);
         self.flush_sends();
-        // SAFETY: `r` is still this connection's (sent and recycled onto the
-        // free list, or queued); a recycled request has `lent` cleared.
-        let req = unsafe { &mut *r };
+        // Sent whole, the request was recycled (and its key may not be
+        // reused before this returns: nothing allocates a request here).
+        if !self.reqs.contains(id) {
+            return;
+        }
+        let req = &mut self.reqs[id];
         if !req.lent.is_null() {
             // Not in the batch: queued behind a send in flight, or beyond
             // the batch's iovecs.
             // SAFETY: lent data of data_len bytes (valid during this end_io)
             // and the request's own buffer, which holds len >= data_len
             // bytes; distinct memory.
-            unsafe { std::ptr::copy_nonoverlapping(req.lent, req.buf, req.data_len) };
+            unsafe { std::ptr::copy_nonoverlapping(req.lent, req.data(), req.data_len) };
             req.lent = std::ptr::null();
-            self.lent_copied += 1;
+            self.stats.lent_copied += 1;
         }
     }
 
@@ -193,9 +197,8 @@ impl Conn {
     /// the unsent part of each lent reply is copied into its request's
     /// buffer, and its iovec points there.
     pub(super) fn unlend_rest(&mut self) {
-        for &(i, r) in &self.lent_iovs {
-            // SAFETY: a request of the batch being sent, still active.
-            let req = unsafe { &mut *r };
+        for &(i, id) in &self.lent_iovs {
+            let req = &mut self.reqs[id];
             if i < self.iov_at {
                 req.lent = std::ptr::null(); // sent whole
                 continue;
@@ -207,11 +210,12 @@ impl Conn {
             // bytes, in the lent memory (valid: we are inside its end_io)
             // and in the request's buffer alike; distinct memory.
             unsafe {
-                std::ptr::copy_nonoverlapping(req.lent.add(done), req.buf.add(done), v.iov_len);
-                v.iov_base = req.buf.add(done).cast();
+                let buf = req.data().add(done);
+                std::ptr::copy_nonoverlapping(req.lent.add(done), buf, v.iov_len);
+                v.iov_base = buf.cast();
             }
             req.lent = std::ptr::null();
-            self.lent_copied += 1;
+            self.stats.lent_copied += 1;
         }
         self.lent_iovs.clear();
     }
@@ -225,14 +229,15 @@ impl Conn {
         // The ring sends later, after any end_io that lent memory returned.
         self.unlend_rest();
         self.point_msg();
-        self.sends_ring += 1;
+        self.stats.sends_ring += 1;
         let e = opcode::SendMsg::new(types::Fd(self.fd.as_raw_fd()), &self.msg)
             .flags((libc::MSG_NOSIGNAL | libc::MSG_WAITALL) as u32)
             .build();
         self.send_inflight = true;
         let op: *mut RingOp = &mut self.send_op.op;
         // SAFETY: the msghdr, the iovec array and every buffer it names
-        // (hs_sending, the headers and buffers of the requests in `sending`)
+        // (hs_sending, the headers and data buffers of the requests in
+        // `sending`, heap memory that a growing request slab does not move)
         // belong to this connection and are neither moved nor freed until
         // the send completes: the iov vector is only modified in
         // flush_sends/on_sent while no send is in flight, `sending` requests
@@ -278,8 +283,8 @@ impl Conn {
             return false;
         }
         self.hs_sending.clear();
-        while let Some(r) = self.sending.pop() {
-            self.recycle(r);
+        while let Some(id) = self.sending.pop() {
+            self.recycle(id);
         }
         true
     }
@@ -289,9 +294,8 @@ impl Conn {
     pub(super) fn send_failed(&mut self, why: String) {
         self.write_dead = true;
         self.hs_sending.clear();
-        let sent: Vec<*mut Req> = self.sending.drain(..).collect();
-        for r in sent {
-            self.recycle(r);
+        while let Some(id) = self.sending.pop() {
+            self.recycle(id);
         }
         self.begin_close(why);
         // SAFETY: plain syscall on our own socket; wakes a pending recv.
