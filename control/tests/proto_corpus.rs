@@ -4,6 +4,7 @@
 #![allow(clippy::unwrap_used)]
 
 use udm_control::{decode, Op, Reply};
+use udm_core::fuzz_corpus::corpus;
 
 /// The fuzz target's property, for one input.
 fn check(data: &[u8]) -> bool {
@@ -24,15 +25,10 @@ fn check(data: &[u8]) -> bool {
 
 #[test]
 fn the_committed_corpus_decodes_without_panics() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/control_proto");
-    let mut n = 0;
-    let mut ok = 0;
-    for e in std::fs::read_dir(&dir).unwrap() {
-        let data = std::fs::read(e.unwrap().path()).unwrap();
-        n += 1;
-        ok += check(&data) as usize;
-    }
-    assert!(n >= 12, "{n} corpus files in {}", dir.display());
+    let inputs = corpus("control_proto").unwrap();
+    let n = inputs.len();
+    let ok = inputs.iter().filter(|(_, data)| check(data)).count();
+    assert!(n >= 12, "{n} corpus files");
     // Both sides are covered: requests that decode and ones that do not.
     assert!(ok >= 6 && ok < n, "{ok} of {n} decoded");
 }

@@ -22,6 +22,7 @@ pub mod bio;
 pub mod buf;
 pub mod device;
 pub mod error;
+pub mod fuzz_corpus;
 pub mod pool;
 pub mod reactor;
 pub mod ring;

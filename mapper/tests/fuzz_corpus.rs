@@ -6,31 +6,12 @@
 #![allow(clippy::unwrap_used)] // helpers too: allow-unwrap-in-tests only covers #[test] fns
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use udm_backends::RamDevice;
+use udm_core::fuzz_corpus::corpus;
 use udm_core::{BlockDevice, Error};
 use udm_mapper::fuzzing;
-
-fn corpus(target: &str) -> Vec<(PathBuf, Vec<u8>)> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../fuzz/corpus")
-        .join(target);
-    let mut files: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-        .map(|e| e.unwrap().path())
-        .collect();
-    files.sort();
-    assert!(files.len() >= 10, "corpus {} has its seeds", dir.display());
-    files
-        .into_iter()
-        .map(|p| {
-            let b = std::fs::read(&p).unwrap();
-            (p, b)
-        })
-        .collect()
-}
 
 /// The devices the `table` fuzz target resolves, fresh for each input.
 fn devices() -> HashMap<&'static str, Arc<dyn BlockDevice>> {
@@ -57,7 +38,9 @@ fn the_table_corpus_runs_clean() {
         "writecache_features",
         "writecache_shared_cache",
     ];
-    for (path, data) in corpus("table") {
+    let seeds = corpus("table").unwrap();
+    assert!(seeds.len() >= 10, "the table corpus has its seeds");
+    for (name, data) in seeds {
         let devs = devices();
         let resolve = |name: &str| -> Result<Arc<dyn BlockDevice>, Error> {
             devs.get(name)
@@ -65,8 +48,7 @@ fn the_table_corpus_runs_clean() {
                 .ok_or_else(|| Error::invalid(format!("no device '{name}'")))
         };
         let built = fuzzing::table(&data, &resolve);
-        let name = path.file_name().unwrap().to_str().unwrap();
-        if valid.contains(&name) {
+        if valid.contains(&name.as_str()) {
             assert!(built, "seed '{name}' builds a table");
         }
     }
@@ -74,7 +56,7 @@ fn the_table_corpus_runs_clean() {
 
 #[test]
 fn the_writecache_metadata_corpus_runs_clean() {
-    for (_path, data) in corpus("writecache_meta") {
+    for (_name, data) in corpus("writecache_meta").unwrap() {
         fuzzing::writecache_meta(&data);
     }
 }
