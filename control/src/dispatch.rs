@@ -31,6 +31,16 @@ pub fn execute(ctl: &Control, op: Op) -> Result<Value, Error> {
         }
         Op::Create { name, spec } => value(ctl.create(&name, &spec)),
         Op::Remove { name, mode } => value(ctl.remove(&name, mode)),
+        Op::RemoveAll { mode } => value(ctl.remove_all(mode)),
+        Op::Wait {
+            name,
+            event_nr,
+            timeout_ms,
+        } => value(ctl.wait(
+            &name,
+            event_nr,
+            timeout_ms.map(std::time::Duration::from_millis),
+        )),
         Op::Load { name, table } => value(ctl.load(&name, &table)),
         Op::Suspend { name, flush } => value(ctl.suspend(&name, flush)),
         Op::Resume { name } => value(ctl.resume(&name)),

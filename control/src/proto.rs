@@ -87,6 +87,23 @@ pub enum Op {
         #[serde(default)]
         mode: RemoveMode,
     },
+    /// Removes every device, top of the stack first.
+    RemoveAll {
+        /// How.
+        #[serde(default)]
+        mode: RemoveMode,
+    },
+    /// Waits until a device's event counter passes `event_nr`.
+    Wait {
+        /// The device.
+        name: String,
+        /// The counter to pass (default 0: any event).
+        #[serde(default)]
+        event_nr: u64,
+        /// Give up after this many milliseconds (default: wait on).
+        #[serde(default)]
+        timeout_ms: Option<u64>,
+    },
     /// Stages an inactive table.
     Load {
         /// The device.
@@ -123,8 +140,23 @@ pub enum Op {
 
 /// The ops' names, as requests spell them.
 pub const OPS: &[&str] = &[
-    "version", "ls", "targets", "info", "status", "table", "deps", "message", "create", "remove",
-    "load", "suspend", "resume", "clear", "reload",
+    "version",
+    "ls",
+    "targets",
+    "info",
+    "status",
+    "table",
+    "deps",
+    "message",
+    "create",
+    "remove",
+    "remove_all",
+    "wait",
+    "load",
+    "suspend",
+    "resume",
+    "clear",
+    "reload",
 ];
 
 /// A request: an op with the protocol version and the client's id.
@@ -172,6 +204,7 @@ pub fn code(kind: ErrorKind) -> &'static str {
         ErrorKind::Busy => "busy",
         ErrorKind::Os => "os",
         ErrorKind::Io => "io",
+        ErrorKind::TimedOut => "timed_out",
     }
 }
 
@@ -183,6 +216,7 @@ pub fn kind(code: &str) -> ErrorKind {
         "unsupported" => ErrorKind::Unsupported,
         "busy" => ErrorKind::Busy,
         "os" => ErrorKind::Os,
+        "timed_out" => ErrorKind::TimedOut,
         _ => ErrorKind::Io,
     }
 }

@@ -52,9 +52,12 @@ pub enum RemoveMode {
     /// Refused while the device has holders.
     #[default]
     Normal,
-    /// Removed even while held, failing the holders' I/O (not supported yet).
+    /// Removed even while held: a mapped device's table is first replaced
+    /// by one that fails every I/O with EIO (as `dmsetup remove --force`),
+    /// so what still holds it sees errors, never a hang.
     Force,
-    /// Removed when its last holder goes (not supported yet).
+    /// Removed now if nothing holds it, else marked and removed when its
+    /// last holder goes.
     Deferred,
 }
 
@@ -71,6 +74,11 @@ pub struct Entry {
     spec: String,
     holds: Vec<Holder>,
     inactive: Option<Inactive>,
+    /// Table swaps and removals-by-force so far (target events are added
+    /// by [`Entry::event_nr`]).
+    events: u64,
+    /// Removed when its last holder goes.
+    deferred: bool,
 }
 
 impl Entry {
@@ -97,6 +105,15 @@ impl Entry {
     /// The inactive table's lines, if one is loaded.
     pub fn inactive_lines(&self) -> Option<&[String]> {
         self.inactive.as_ref().map(|i| i.lines.as_slice())
+    }
+    /// The device's event counter (dm's `event_nr`): table swaps, and the
+    /// events its live table's targets raised.
+    pub fn event_nr(&self) -> u64 {
+        self.events + self.mapped().map_or(0, |m| m.table().events())
+    }
+    /// Whether a deferred remove is pending.
+    pub fn deferred_remove(&self) -> bool {
+        self.deferred
     }
 }
 
@@ -171,6 +188,8 @@ impl Registry {
             spec: spec.to_string(),
             holds: Vec::new(),
             inactive: None,
+            events: 0,
+            deferred: false,
         });
         Ok(dev)
     }
@@ -249,26 +268,63 @@ impl Registry {
         })
     }
 
-    /// Removes device `name`; refused (Busy, naming the holder) while it
-    /// has holders.
-    pub fn remove(&mut self, name: &str, mode: RemoveMode) -> Result<Arc<dyn BlockDevice>, Error> {
+    /// Removes device `name`, as `mode` says; returns it unless the remove
+    /// was deferred. Normal: refused (Busy, naming the holder) while it has
+    /// holders. Deferred: marked, and removed by [`Registry::reap`] once
+    /// nothing holds it. Force: removed whatever holds it; the caller has
+    /// made a held mapped device fail its I/O first (see
+    /// [`Registry::error_table`]).
+    pub fn remove(
+        &mut self,
+        name: &str,
+        mode: RemoveMode,
+    ) -> Result<Option<Arc<dyn BlockDevice>>, Error> {
         let pos = self.position(name)?;
-        match mode {
-            RemoveMode::Normal => {}
-            RemoveMode::Force | RemoveMode::Deferred => {
-                return Err(Error::new(
-                    ErrorKind::Unsupported,
-                    format!("remove '{name}': {mode:?} removal is not supported"),
-                ))
-            }
-        }
-        if let Some(h) = self.holders(name).into_iter().next() {
-            return Err(Error::new(
+        let holder = self.holders(name).into_iter().next();
+        match (mode, holder) {
+            (RemoveMode::Normal, Some(h)) => Err(Error::new(
                 ErrorKind::Busy,
                 format!("device '{name}' is in use by {h}"),
-            ));
+            )),
+            (RemoveMode::Deferred, Some(_)) => {
+                self.entries[pos].deferred = true;
+                Ok(None)
+            }
+            _ => Ok(Some(self.entries.remove(pos).dev)),
         }
-        Ok(self.entries.remove(pos).dev)
+    }
+
+    /// Removes every device whose deferred remove is due (nothing holds it
+    /// any more), top of the stack first; returns them, to be dropped
+    /// outside the registry's lock.
+    pub fn reap(&mut self) -> Vec<Arc<dyn BlockDevice>> {
+        let mut gone = Vec::new();
+        while let Some(pos) = self
+            .entries
+            .iter()
+            .rposition(|e| e.deferred && self.holders(&e.name).is_empty())
+        {
+            gone.push(self.entries.remove(pos).dev);
+        }
+        gone
+    }
+
+    /// A table of the size of mapped device `name` that fails every I/O
+    /// (one `error` target), for a remove by force.
+    pub fn error_table(&self, name: &str) -> Result<Table, Error> {
+        let sectors = self.mapped(name)?.limits().sectors;
+        let specs = udm_mapper::parse(&format!("0 {sectors} error"))?;
+        let none = |n: &str| -> Result<Arc<dyn BlockDevice>, Error> {
+            Err(Error::invalid(format!("unexpected device '{n}'")))
+        };
+        Table::build(&specs, &self.targets, &none)
+    }
+
+    /// Counts an event on device `name` (a table swapped in).
+    pub fn event(&mut self, name: &str) {
+        if let Ok(pos) = self.position(name) {
+            self.entries[pos].events += 1;
+        }
     }
 
     fn position(&self, name: &str) -> Result<usize, Error> {
@@ -478,8 +534,6 @@ mod tests {
         r.hold("l", nbd.clone()).unwrap();
         let e = r.remove("l", RemoveMode::Normal).err().unwrap();
         assert!(e.to_string().contains("the nbd export 'l'"), "{e}");
-        let e = r.remove("l", RemoveMode::Force).err().unwrap();
-        assert_eq!(e.kind(), ErrorKind::Unsupported);
         r.release("l", &nbd).unwrap();
         assert!(r.release("l", &nbd).is_err());
         r.remove("l", RemoveMode::Normal).unwrap();

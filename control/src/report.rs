@@ -28,6 +28,15 @@ pub struct Info {
     pub inactive_table: bool,
     /// What holds it.
     pub holders: Vec<Holder>,
+    /// The devices its tables use (empty for a backend).
+    #[serde(default)]
+    pub deps: Vec<String>,
+    /// Its event counter (table swaps and target events; `udm wait`).
+    #[serde(default)]
+    pub event_nr: u64,
+    /// A deferred remove is pending: it goes when its last holder does.
+    #[serde(default)]
+    pub deferred_remove: bool,
 }
 
 impl fmt::Display for Info {
@@ -50,6 +59,10 @@ impl fmt::Display for Info {
         writeln!(f, "Block size:        {}", self.logical_block_size)?;
         writeln!(f, "Max I/O:           {}", self.max_io_bytes)?;
         writeln!(f, "Caps:              {}", self.caps)?;
+        writeln!(f, "Event number:      {}", self.event_nr)?;
+        if self.deferred_remove {
+            writeln!(f, "Deferred remove:   pending")?;
+        }
         let holders: Vec<String> = self.holders.iter().map(|h| h.to_string()).collect();
         write!(
             f,
@@ -322,6 +335,9 @@ mod tests {
             suspended: false,
             inactive_table: false,
             holders: vec![Holder::Table { device: "l".into() }],
+            deps: vec![],
+            event_nr: 0,
+            deferred_remove: false,
         };
         let j = serde_json::to_string(&i).unwrap();
         assert!(
@@ -332,5 +348,80 @@ mod tests {
         assert!(i
             .to_string()
             .contains("Holders:           the table of 'l'"));
+    }
+}
+
+impl List {
+    /// The devices as a forest, as `dmsetup ls --tree` draws it: each
+    /// device that no table uses at the root, the devices its tables use
+    /// below it (a device used by two tables appears under both).
+    pub fn tree(&self) -> String {
+        let used: Vec<&str> = self
+            .devices
+            .iter()
+            .flat_map(|d| d.deps.iter().map(String::as_str))
+            .collect();
+        let mut out = String::new();
+        for d in self
+            .devices
+            .iter()
+            .filter(|d| !used.contains(&d.name.as_str()))
+        {
+            self.draw(d, "", "", &mut out, 0);
+        }
+        out.pop();
+        out
+    }
+
+    fn draw(&self, d: &Info, first: &str, rest: &str, out: &mut String, depth: usize) {
+        out.push_str(&format!(
+            "{first}{} ({}, {} sectors)\n",
+            d.name, d.kind, d.sectors
+        ));
+        if depth > self.devices.len() {
+            return; // a cycle cannot be built, but a bad reply must not loop
+        }
+        for (i, dep) in d.deps.iter().enumerate() {
+            let last = i + 1 == d.deps.len();
+            let (branch, cont) = if last {
+                ("└─", "  ")
+            } else {
+                ("├─", "│ ")
+            };
+            let f = format!("{rest} {branch}");
+            let r = format!("{rest} {cont}");
+            match self.devices.iter().find(|x| &x.name == dep) {
+                Some(x) => self.draw(x, &f, &r, out, depth + 1),
+                None => out.push_str(&format!("{f}{dep}\n")),
+            }
+        }
+    }
+}
+
+/// `wait`: the device's event counter once it passed the one waited for.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Event {
+    /// The device.
+    pub name: String,
+    /// Its event counter.
+    pub event_nr: u64,
+}
+
+impl fmt::Display for Event {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: event {}", self.name, self.event_nr)
+    }
+}
+
+/// `remove --all`: the devices removed, top of the stack first.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Removed {
+    /// Their names.
+    pub removed: Vec<String>,
+}
+
+impl fmt::Display for Removed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.removed.join("\n"))
     }
 }

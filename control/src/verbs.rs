@@ -10,15 +10,16 @@
 //! message.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use udm_core::{BlockDevice, Error, ErrorKind};
 use udm_mapper::MappedDevice;
 
 use crate::registry::{Holder, Registry, RemoveMode};
 use crate::report::{
-    Deps, DeviceStatus, DeviceTable, Done, Info, List, MessageReply, Status, Tables, TargetInfo,
-    TargetLines, Targets, Version,
+    Deps, DeviceStatus, DeviceTable, Done, Event, Info, List, MessageReply, Removed, Status,
+    Tables, TargetInfo, TargetLines, Targets, Version,
 };
 
 /// The control protocol's version.
@@ -27,6 +28,8 @@ pub const PROTOCOL_VERSION: u32 = 1;
 /// A device registry shared by the threads that act on it.
 pub struct Control {
     reg: Mutex<Registry>,
+    /// Signalled, with `reg`, when an event counter moves or a device goes.
+    events: Condvar,
     /// Held by a change, and by [`Control::close`] for good.
     changes: Mutex<()>,
     closing: AtomicBool,
@@ -54,6 +57,7 @@ impl Control {
     pub fn new(reg: Registry) -> Control {
         Control {
             reg: Mutex::new(reg),
+            events: Condvar::new(),
             changes: Mutex::new(()),
             closing: AtomicBool::new(false),
         }
@@ -95,9 +99,26 @@ impl Control {
         self.registry().hold(name, holder)
     }
 
-    /// Releases `holder` from device `name`.
+    /// Releases `holder` from device `name`; a deferred remove that was
+    /// waiting for it happens now.
     pub fn release(&self, name: &str, holder: &Holder) -> Result<(), Error> {
-        self.registry().release(name, holder)
+        let gone = {
+            let mut r = self.registry();
+            r.release(name, holder)?;
+            r.reap()
+        };
+        self.gone(gone);
+        Ok(())
+    }
+
+    /// Drops removed devices outside the registry's lock (a backend may
+    /// join workers) and wakes waiters, whose device may be among them.
+    fn gone(&self, devs: Vec<Arc<dyn BlockDevice>>) {
+        let any = !devs.is_empty();
+        drop(devs);
+        if any {
+            self.events.notify_all();
+        }
     }
 
     /// Takes the change lock, unless closing.
@@ -115,6 +136,7 @@ impl Control {
     /// and a shutdown can drain and flush it.
     pub fn close(&self) {
         self.closing.store(true, Ordering::Release);
+        self.events.notify_all(); // waiters give up
         drop(lock(&self.changes));
         for d in self.devices() {
             if let Some(m) = d.as_any().downcast_ref::<MappedDevice>() {
@@ -142,12 +164,138 @@ impl Control {
         info_of(&r, name)
     }
 
-    /// `remove NAME`: refused (Busy, naming the holder) while it is held.
+    /// `remove NAME`: refused (Busy, naming the holder) while it is held,
+    /// unless by force or deferred (see [`RemoveMode`]). A force remove of
+    /// a held backend is refused: only a mapped device's I/O can be made
+    /// to fail.
     pub fn remove(&self, name: &str, mode: RemoveMode) -> Result<Done, Error> {
         let _g = self.change()?;
-        let dev = self.registry().remove(name, mode)?;
-        drop(dev); // outside the registry's lock: a backend may join workers
+        self.remove_locked(name, mode)?;
         Ok(Done {})
+    }
+
+    fn remove_locked(&self, name: &str, mode: RemoveMode) -> Result<(), Error> {
+        let ctx = |e: Error| e.context(format!("remove '{name}'"));
+        if mode == RemoveMode::Force {
+            let (held, error_table) = {
+                let r = self.registry();
+                let e = r.entry(name)?;
+                let held = !r.holders(name).is_empty();
+                let t = match (held, e.mapped().is_some()) {
+                    (true, true) => Some(r.error_table(name).map_err(ctx)?),
+                    _ => None,
+                };
+                (held, t)
+            };
+            match error_table {
+                Some(t) => {
+                    let d = self.registry().mapped(name)?;
+                    let m = mapped(&d);
+                    // Drain what is in flight on the old table, then every
+                    // new I/O fails: the holders see EIO, never a hang.
+                    if !m.is_suspended() {
+                        m.suspend(false).map_err(ctx)?;
+                    }
+                    m.load(t);
+                    m.resume().map_err(ctx)?;
+                    self.registry().event(name);
+                }
+                None if held => {
+                    return Err(ctx(Error::new(
+                        ErrorKind::Busy,
+                        format!(
+                            "'{name}' is a backend in use by {}: only a mapped device's I/O can be failed; remove its holders first",
+                            self.registry().holders(name)[0]
+                        ),
+                    )))
+                }
+                None => {}
+            }
+        }
+        let gone = {
+            let mut r = self.registry();
+            let dev = r.remove(name, mode)?;
+            let mut gone = r.reap();
+            gone.extend(dev);
+            gone
+        };
+        self.gone(gone);
+        Ok(())
+    }
+
+    /// `remove --all`: every device, top of the stack first, as `mode`
+    /// says. Stops at the first that cannot go (naming it and its holder);
+    /// those removed before it stay removed.
+    pub fn remove_all(&self, mode: RemoveMode) -> Result<Removed, Error> {
+        let _g = self.change()?;
+        let names: Vec<String> = {
+            let r = self.registry();
+            r.entries()
+                .iter()
+                .rev()
+                .map(|e| e.name().to_string())
+                .collect()
+        };
+        let mut removed = Vec::new();
+        for n in names {
+            if self.registry().entry(&n).is_err() {
+                continue; // reaped with a deferred remove
+            }
+            self.remove_locked(&n, mode).map_err(|e| {
+                if removed.is_empty() {
+                    e
+                } else {
+                    e.context(format!("after removing {}", removed.join(", ")))
+                }
+            })?;
+            removed.push(n);
+        }
+        Ok(Removed { removed })
+    }
+
+    /// `wait NAME EVENT_NR`: returns once the device's event counter
+    /// passes `event_nr` (at once if it has), or after `timeout` with
+    /// a TimedOut error; an error if the device is removed meanwhile.
+    pub fn wait(
+        &self,
+        name: &str,
+        event_nr: u64,
+        timeout: Option<Duration>,
+    ) -> Result<Event, Error> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut r = self.registry();
+        loop {
+            let now = r.entry(name)?.event_nr();
+            if now > event_nr {
+                return Ok(Event {
+                    name: name.to_string(),
+                    event_nr: now,
+                });
+            }
+            if self.is_closing() {
+                return Err(Error::new(ErrorKind::Busy, "shutting down"));
+            }
+            // Target events are counted by the targets, not signalled:
+            // look again every so often.
+            let mut step = Duration::from_millis(100);
+            if let Some(d) = deadline {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(Error::new(
+                        ErrorKind::TimedOut,
+                        format!(
+                            "wait '{name}': still at event {now} (waited for more than {event_nr})"
+                        ),
+                    ));
+                }
+                step = step.min(left);
+            }
+            r = self
+                .events
+                .wait_timeout(r, step)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|p| p.into_inner().0);
+        }
     }
 
     /// `load NAME TABLE`: stages an inactive table.
@@ -162,9 +310,13 @@ impl Control {
     /// `clear NAME`: drops the inactive table.
     pub fn clear(&self, name: &str) -> Result<Done, Error> {
         let _g = self.change()?;
-        let mut r = self.registry();
-        r.mapped(name)?;
-        r.clear(name)?;
+        let gone = {
+            let mut r = self.registry();
+            r.mapped(name)?;
+            r.clear(name)?;
+            r.reap()
+        };
+        self.gone(gone);
         Ok(Done {})
     }
 
@@ -201,10 +353,23 @@ impl Control {
         }
         // Taken only now: until it is live, the inactive table holds its
         // devices in the registry.
-        if let Some(t) = self.registry().take_inactive(name)? {
-            m.load(t);
-        }
+        let swapped = match self.registry().take_inactive(name)? {
+            Some(t) => {
+                m.load(t);
+                true
+            }
+            None => false,
+        };
         m.resume().map_err(ctx)?;
+        if swapped {
+            let gone = {
+                let mut r = self.registry();
+                r.event(name);
+                r.reap()
+            };
+            self.events.notify_all();
+            self.gone(gone);
+        }
         Ok(Done {})
     }
 
@@ -369,6 +534,9 @@ fn info_of(r: &Registry, name: &str) -> Result<Info, Error> {
         suspended: e.mapped().is_some_and(|m| m.is_suspended()),
         inactive_table: e.inactive_lines().is_some(),
         holders: r.holders(name),
+        deps: r.deps(name)?,
+        event_nr: e.event_nr(),
+        deferred_remove: e.deferred_remove(),
     })
 }
 
@@ -479,6 +647,99 @@ mod tests {
             c.reload("lin", "0 2048 zero").unwrap_err().kind(),
             ErrorKind::Busy
         );
+    }
+
+    #[test]
+    fn a_deferred_remove_happens_when_the_last_holder_goes() {
+        let c = stack();
+        c.remove("ram0", RemoveMode::Deferred).unwrap();
+        let i = c.info("ram0").unwrap();
+        assert!(i.deferred_remove, "held by lin: only marked");
+        assert!(i.to_string().contains("Deferred remove:   pending"));
+        let nbd = Holder::Export {
+            name: "lin".into(),
+            protocol: "nbd".into(),
+        };
+        c.hold("lin", nbd.clone()).unwrap();
+        c.remove("lin", RemoveMode::Deferred).unwrap();
+        assert!(c.info("lin").is_ok() && c.info("ram0").is_ok());
+        // The export goes: lin goes, then ram0, which only lin held.
+        c.release("lin", &nbd).unwrap();
+        assert_eq!(c.info("lin").unwrap_err().kind(), ErrorKind::NotFound);
+        assert_eq!(c.info("ram0").unwrap_err().kind(), ErrorKind::NotFound);
+        // Nothing holds ram1: a deferred remove is immediate.
+        c.remove("ram1", RemoveMode::Deferred).unwrap();
+        assert!(c.ls().devices.is_empty());
+    }
+
+    #[test]
+    fn a_forced_remove_fails_the_holders_io_and_refuses_held_backends() {
+        let c = Control::build(&[
+            "ram0=ram:1M",
+            "lin=0 2048 linear ram0 0",
+            "top=0 2048 linear lin 0",
+            "ram1=ram:1M",
+            "l1=0 2048 linear ram1 0",
+        ])
+        .unwrap();
+        let top = c.get("top").unwrap();
+        c.remove("lin", RemoveMode::Force).unwrap();
+        assert!(c.info("lin").is_err(), "gone from the registry");
+        // top still holds the device, whose table now fails every I/O.
+        let top = top.as_any().downcast_ref::<MappedDevice>().unwrap().table();
+        let lin = top.devices[0]
+            .as_any()
+            .downcast_ref::<MappedDevice>()
+            .unwrap();
+        assert_eq!(lin.table().table_lines(), vec!["0 2048 error".to_string()]);
+        // ram0 is free now (the error table uses no device): it just goes.
+        c.remove("ram0", RemoveMode::Force).unwrap();
+        // A backend held by a table cannot be made to fail: refused.
+        let e = c.remove("ram1", RemoveMode::Force).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Busy);
+        assert!(
+            e.to_string()
+                .contains("only a mapped device's I/O can be failed"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn remove_all_goes_top_down_and_stops_at_a_held_device() {
+        let c = stack();
+        let nbd = Holder::Export {
+            name: "lin".into(),
+            protocol: "nbd".into(),
+        };
+        c.hold("lin", nbd.clone()).unwrap();
+        let e = c.remove_all(RemoveMode::Normal).unwrap_err().to_string();
+        assert!(e.contains("in use by the nbd export 'lin'"), "{e}");
+        c.release("lin", &nbd).unwrap();
+        let r = c.remove_all(RemoveMode::Normal).unwrap();
+        assert_eq!(r.removed, vec!["lin", "ram1", "ram0"]);
+    }
+
+    #[test]
+    fn wait_returns_when_a_table_swap_passes_the_event_number() {
+        let c = Arc::new(stack());
+        assert_eq!(c.info("lin").unwrap().event_nr, 0);
+        let e = c
+            .wait("lin", 0, Some(Duration::from_millis(50)))
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::TimedOut);
+        let c2 = c.clone();
+        let t = std::thread::spawn(move || c2.wait("lin", 0, Some(Duration::from_secs(10))));
+        std::thread::sleep(Duration::from_millis(50));
+        c.reload("lin", "0 2048 linear ram1 0").unwrap();
+        assert_eq!(t.join().unwrap().unwrap().event_nr, 1);
+        // Already past: at once.
+        assert_eq!(c.wait("lin", 0, None).unwrap().event_nr, 1);
+        // A device removed under a waiter ends the wait with an error.
+        let c3 = c.clone();
+        let t = std::thread::spawn(move || c3.wait("lin", 5, Some(Duration::from_secs(10))));
+        std::thread::sleep(Duration::from_millis(50));
+        c.remove("lin", RemoveMode::Normal).unwrap();
+        assert_eq!(t.join().unwrap().unwrap_err().kind(), ErrorKind::NotFound);
     }
 
     #[test]

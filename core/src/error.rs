@@ -19,6 +19,8 @@ pub enum ErrorKind {
     Os,
     /// An I/O completed with an error.
     Io,
+    /// A wait ran out of time.
+    TimedOut,
 }
 
 /// A control-path error. `Display` gives one line, naming what is wrong.

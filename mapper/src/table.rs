@@ -339,6 +339,11 @@ impl Table {
         self.lines(StatusType::Table)
     }
 
+    /// Events raised by the table's targets ([`crate::Target::events`]).
+    pub fn events(&self) -> u64 {
+        self.targets.iter().map(|t| t.target.events()).sum()
+    }
+
     /// The table's status as `dmsetup status` prints it.
     pub fn status_lines(&self) -> Vec<String> {
         self.lines(StatusType::Info)

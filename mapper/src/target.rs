@@ -109,6 +109,14 @@ pub trait Target: Send + Sync {
     /// it was remapped to (0 if the target completed it itself).
     fn end_io(&self, _bio: &mut Bio, _dev: usize) {}
 
+    /// Events the target raised so far (dm's `dm_table_event`), e.g. a
+    /// writecache's first I/O error: the control plane adds them to the
+    /// device's event counter, which `udm wait` watches. Read off the I/O
+    /// path only.
+    fn events(&self) -> u64 {
+        0
+    }
+
     /// Handles a `udm message` sent to the target; returns its reply.
     fn message(&self, argv: &[&str]) -> Result<String, Error> {
         Err(Error::invalid(format!(

@@ -15,6 +15,7 @@
 #   udm-b: the udm binary at $UDM_B, to compare two builds side by side;
 #   udm+OPTS: udm serve with OPTS, commas for spaces, e.g. udm+--adaptive,100;
 #   udm-b+OPTS: the same for the build at $UDM_B)
+#   UDM=/path/to/udm measures that binary as "udm" (default: builds target/release/udm)
 #   PIN=same runs server and fio on CPU 0, PIN=split the server on CPU 1 and fio
 #   on CPU 0. Unpinned (the default), QD1 figures follow where the scheduler puts
 #   the two: on one vCPU a request costs no cross-CPU wakeup, on two it costs two
@@ -33,8 +34,10 @@ set -euo pipefail
 ROUNDS=${1:-3}
 RUNTIME=${2:-4}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-UDM=$ROOT/target/release/udm
-(cd "$ROOT" && cargo build --release -q -p udm)
+if [ -z "${UDM:-}" ]; then
+    UDM=$ROOT/target/release/udm
+    (cd "$ROOT" && cargo build --release -q -p udm)
+fi
 for t in fio nbdkit qemu-nbd qemu-storage-daemon; do
     command -v $t >/dev/null || { echo "bench/nbd: $t missing (scripts/setup.sh installs it)" >&2; exit 2; }
 done

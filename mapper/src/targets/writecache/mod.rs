@@ -387,6 +387,12 @@ impl Target for Writecache {
         true
     }
 
+    /// One event, when the cache first fails (as dm-writecache's
+    /// `writecache_error`): the error sticks until the table is replaced.
+    fn events(&self) -> u64 {
+        (self.shared.lock().error != 0) as u64
+    }
+
     fn status(&self, ty: StatusType, out: &mut String) {
         let sh = &*self.shared;
         match ty {
