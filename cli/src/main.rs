@@ -2,19 +2,22 @@
 //!
 //! ```text
 //! udm bench [--dev NAME=SPEC]... [--target NAME] [options]   drive a device in process
-//! udm serve [--dev NAME=SPEC]... [--export NAME] [--listen ADDR] [--control PATH]
-//!                                                            serve devices over NBD
-//! udm table   [--control PATH | --dev NAME=SPEC...] [DEVICE]...   tables and status
-//! udm status  [--control PATH | --dev NAME=SPEC...] [DEVICE]...   dmsetup-style status
-//! udm message [--control PATH | --dev NAME=SPEC...] DEVICE [SECTOR] MSG...
-//! udm reload  --control PATH DEVICE 'TABLE'                  load + suspend + resume
+//! udm serve [--dev NAME=SPEC]... [--export NAME] [--listen ADDR]   a fixed stack over NBD
+//! udm daemon [--config FILE]                                 devices and exports at runtime
+//! udm create | remove | load | suspend | resume | reload | clear | wait   (dmsetup's verbs)
+//! udm ls | info | deps | table | status | message | dump-config
+//! udm export add | remove | ls
 //! udm targets | udm version | udm completions SHELL
 //! ```
+//!
+//! Verbs find the daemon at --control PATH, else $UDM_CONTROL, else its
+//! default socket.
 
 mod alloc;
 mod bench;
 mod clock;
 mod cmds;
+mod daemon;
 mod progress;
 mod serve;
 
@@ -56,16 +59,43 @@ struct Cli {
 enum Cmd {
     /// Drive a device in process: IOPS, latency, CPU and allocations per I/O.
     Bench(bench::BenchArgs),
-    /// Export devices over NBD, with a control socket, until SIGINT/SIGTERM.
+    /// Export a fixed stack over NBD, with a control socket, until SIGINT/SIGTERM.
     Serve(serve::ServeArgs),
+    /// Run the daemon: devices and exports created and removed at runtime.
+    Daemon(daemon::DaemonArgs),
+    /// Create a device: a backend (SPEC) or a mapped device (--table).
+    Create(cmds::dev::CreateArgs),
+    /// Remove a device (refused while held, unless --force or --deferred).
+    Remove(cmds::dev::RemoveArgs),
+    /// Stage an inactive table on a mapped device (live at 'resume').
+    Load(cmds::dev::LoadArgs),
+    /// Hold a mapped device's new I/O and wait for what is in flight.
+    Suspend(cmds::dev::SuspendArgs),
+    /// Swap in the inactive table, if any, and release held I/O.
+    Resume(cmds::dev::NameArgs),
+    /// Load + suspend + resume a new table.
+    Reload(cmds::dev::LoadArgs),
+    /// Drop a mapped device's inactive table.
+    Clear(cmds::dev::NameArgs),
+    /// The devices (--tree: as a stack).
+    Ls(cmds::dev::LsArgs),
+    /// One device: size, state, tables, holders, event number.
+    Info(cmds::dev::NameArgs),
+    /// The devices a mapped device's tables use.
+    Deps(cmds::dev::NameArgs),
+    /// Wait until a device's event counter passes EVENT_NR.
+    Wait(cmds::dev::WaitArgs),
     /// Each device's size and caps, with its table and status lines.
     Table(cmds::TableArgs),
     /// dmsetup-style status lines of mapped devices.
     Status(cmds::StatusArgs),
     /// Send a message to a target (writecache: flush, clear_stats, …).
     Message(cmds::MessageArgs),
-    /// Load + suspend + resume a new table on a device of a running server.
-    Reload(cmds::ReloadArgs),
+    /// Add, remove and list a daemon's exports.
+    #[command(subcommand)]
+    Export(cmds::export::ExportCmd),
+    /// Print the daemon's devices and exports as a config file.
+    DumpConfig(cmds::CtlArgs),
     /// The target types tables may use.
     Targets(cmds::JsonArgs),
     /// udm's version and its control protocol's.
@@ -126,10 +156,23 @@ fn run(cmd: Cmd) -> Result<i32, Error> {
     match cmd {
         Cmd::Bench(a) => bench::main(a),
         Cmd::Serve(a) => serve::main(a),
+        Cmd::Daemon(a) => daemon::main(a),
+        Cmd::Create(a) => cmds::dev::create(a),
+        Cmd::Remove(a) => cmds::dev::remove(a),
+        Cmd::Load(a) => cmds::dev::load(a),
+        Cmd::Suspend(a) => cmds::dev::suspend(a),
+        Cmd::Resume(a) => cmds::dev::resume(a),
+        Cmd::Reload(a) => cmds::dev::reload(a),
+        Cmd::Clear(a) => cmds::dev::clear(a),
+        Cmd::Ls(a) => cmds::dev::ls(a),
+        Cmd::Info(a) => cmds::dev::info(a),
+        Cmd::Deps(a) => cmds::dev::deps(a),
+        Cmd::Wait(a) => cmds::dev::wait(a),
         Cmd::Table(a) => cmds::table(a),
         Cmd::Status(a) => cmds::status(a),
         Cmd::Message(a) => cmds::message(a),
-        Cmd::Reload(a) => cmds::reload(a),
+        Cmd::Export(c) => cmds::export::main(c),
+        Cmd::DumpConfig(a) => cmds::dev::dump_config(a),
         Cmd::Targets(a) => cmds::targets(a),
         Cmd::Version(a) => cmds::version(a),
         Cmd::Completions { shell } => {

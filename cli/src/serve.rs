@@ -255,7 +255,7 @@ impl Drop for Unlink {
 /// A socket pair whose second end becomes readable when SIGINT or SIGTERM
 /// arrives (signal-hook writes a byte to the first from the handler); the
 /// first end can also be written to, to wake the reader.
-fn signal_pipe() -> Result<(UnixStream, UnixStream), Error> {
+pub(crate) fn signal_pipe() -> Result<(UnixStream, UnixStream), Error> {
     let (wr, rd) = UnixStream::pair().map_err(|e| Error::os("signal socket", e))?;
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
         let w = wr.try_clone().map_err(|e| Error::os("signal socket", e))?;
@@ -273,7 +273,7 @@ const ADAPTIVE_DEFAULT_US: u64 = 100;
 
 /// The reactors' completion mode from `--poll`, `--interrupt`,
 /// `--hybrid USEC` and `--adaptive USEC` (the default).
-fn completion_mode(
+pub(crate) fn completion_mode(
     poll: bool,
     interrupt: bool,
     hybrid: Option<&str>,

@@ -253,10 +253,21 @@ fn bad_input_gets_one_line_naming_what_is_wrong() {
     }
 }
 
-/// `udm table` prints dmsetup-style table and status lines.
+/// `udm table --dev …` prints dmsetup-style table and status lines of a
+/// stack built in process.
 #[test]
 fn table_prints_dmsetup_lines() {
-    let (code, out, _) = udm(&["table"]);
+    let (code, out, _) = udm(&[
+        "table",
+        "--dev",
+        "ram0=ram:1G",
+        "--dev",
+        "ram1=ram:1G",
+        "--dev",
+        "lin=0 2097152 linear ram0 0",
+        "--dev",
+        "str=0 2097152 striped 2 128 ram0 0 ram1 0",
+    ]);
     assert_eq!(code, 0);
     assert!(out.contains("table:  0 2097152 linear ram0 0"), "{out}");
     assert!(

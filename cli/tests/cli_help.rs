@@ -7,13 +7,26 @@ mod common;
 
 use common::udm;
 
-const VERBS: [&str; 9] = [
+const VERBS: [&str; 22] = [
     "bench",
     "serve",
+    "daemon",
+    "create",
+    "remove",
+    "load",
+    "suspend",
+    "resume",
+    "reload",
+    "clear",
+    "ls",
+    "info",
+    "deps",
+    "wait",
     "table",
     "status",
     "message",
-    "reload",
+    "export",
+    "dump-config",
     "targets",
     "version",
     "completions",
@@ -86,7 +99,13 @@ fn argument_errors_are_one_line_with_exit_code_2() {
             &["bench", "--iodepth", "x"][..],
             "invalid value 'x' for '--iodepth <N>'",
         ),
-        (&["reload", "lin"][..], "<TABLE>"),
+        (&["reload"][..], "<NAME>"),
+        (
+            &["remove", "--force", "--deferred", "x"][..],
+            "cannot be used with",
+        ),
+        (&["export", "add", "lin"][..], "--nbd <ADDR>"),
+        (&["wait", "lin", "x"][..], "invalid value 'x'"),
     ] {
         let (code, _, err) = udm(args);
         assert_eq!(code, 2, "{args:?}");

@@ -171,7 +171,10 @@ fn status_table_and_message_act_on_the_running_server() {
     assert!(err.contains("unknown device 'nope'"), "{err}");
     let (code, _, err) = udm(&["status", "--control", "/nonexistent/ctl"]);
     assert_eq!(code, 2);
-    assert!(err.contains("is 'udm serve' running?"), "{err}");
+    assert!(
+        err.contains("is 'udm daemon' or 'udm serve' running?"),
+        "{err}"
+    );
     let (code, _, err) = udm(&["status", "--control", "x", "--dev", "a=ram:1M"]);
     assert_eq!(code, 2);
     assert!(err.contains("--control and --dev do not mix"), "{err}");
@@ -556,9 +559,10 @@ fn reload_swaps_tables_under_live_nbd_io_and_loses_nothing() {
         assert!(err.contains(want), "{table}: {err}");
         assert_eq!(err.lines().count(), 1, "{err}");
     }
+    // reload changes a running daemon's device: no in-process form.
     let (code, _, err) = udm(&["reload", "--dev", "a=ram:1M", "a", "0 8 zero"]);
     assert_eq!(code, 2);
-    assert!(err.contains("reload: needs --control"), "{err}");
+    assert!(err.contains("unknown option '--dev'"), "{err}");
     let (_, out, _) = ctl_udm(&s, "table", &["lin"]);
     assert!(!out.contains("suspended"), "{out}");
     // And the data is still there through the reloaded table.

@@ -24,7 +24,7 @@ impl Client {
         let s = UnixStream::connect(path).map_err(|e| {
             Error::os(
                 format!(
-                    "control socket '{}' (is 'udm serve' running?)",
+                    "control socket '{}' (is 'udm daemon' or 'udm serve' running?)",
                     path.display()
                 ),
                 e,

@@ -19,7 +19,10 @@
 
 mod backend;
 mod client;
+mod config;
 mod dispatch;
+mod exports;
+mod paths;
 pub mod proto;
 mod registry;
 pub mod report;
@@ -29,7 +32,10 @@ mod verbs;
 
 pub use backend::{backend_kind, is_backend_spec, open_backend, open_path, KINDS};
 pub use client::{request, Client};
+pub use config::{Config, DeviceDef, ExportDef};
 pub use dispatch::execute;
+pub use exports::{ExportInfo, ExportList, ExportService, ExportSpec};
+pub use paths::{control_socket, default_socket, CONTROL_ENV};
 pub use proto::{decode, Op, Reply, Request};
 pub use registry::{Entry, Holder, Registry, RemoveMode};
 pub use server::{bind, default_path, ControlServer, IDLE, MAX_CONNS};

@@ -93,6 +93,33 @@ pub enum Op {
         #[serde(default)]
         mode: RemoveMode,
     },
+    /// Starts serving a device (see [`crate::ExportSpec`]).
+    ExportAdd {
+        /// The device.
+        device: String,
+        /// `nbd`.
+        protocol: String,
+        /// Where it listens.
+        address: String,
+        /// The name clients ask for (default: the device's).
+        #[serde(default)]
+        name: Option<String>,
+        /// Refuse writes.
+        #[serde(default)]
+        read_only: bool,
+    },
+    /// Stops an export.
+    ExportRemove {
+        /// The export.
+        name: String,
+        /// Even with clients connected (they are disconnected in order).
+        #[serde(default)]
+        force: bool,
+    },
+    /// The exports.
+    ExportLs {},
+    /// The running state as a configuration (see [`crate::Config`]).
+    DumpConfig {},
     /// Waits until a device's event counter passes `event_nr`.
     Wait {
         /// The device.
@@ -152,6 +179,10 @@ pub const OPS: &[&str] = &[
     "remove",
     "remove_all",
     "wait",
+    "export_add",
+    "export_remove",
+    "export_ls",
+    "dump_config",
     "load",
     "suspend",
     "resume",

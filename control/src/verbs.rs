@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use udm_core::{BlockDevice, Error, ErrorKind};
 use udm_mapper::MappedDevice;
 
+use crate::exports::{ExportInfo, ExportList, ExportService, ExportSpec};
 use crate::registry::{Holder, Registry, RemoveMode};
 use crate::report::{
     Deps, DeviceStatus, DeviceTable, Done, Event, Info, List, MessageReply, Removed, Status,
@@ -30,6 +31,8 @@ pub struct Control {
     reg: Mutex<Registry>,
     /// Signalled, with `reg`, when an event counter moves or a device goes.
     events: Condvar,
+    /// What serves exports, in a daemon.
+    exports: Mutex<Option<Arc<dyn ExportService>>>,
     /// Held by a change, and by [`Control::close`] for good.
     changes: Mutex<()>,
     closing: AtomicBool,
@@ -58,6 +61,7 @@ impl Control {
         Control {
             reg: Mutex::new(reg),
             events: Condvar::new(),
+            exports: Mutex::new(None),
             changes: Mutex::new(()),
             closing: AtomicBool::new(false),
         }
@@ -118,6 +122,52 @@ impl Control {
         drop(devs);
         if any {
             self.events.notify_all();
+        }
+    }
+
+    /// Plugs in what serves exports (the daemon's NBD servers).
+    pub fn set_exports(&self, service: Arc<dyn ExportService>) {
+        *lock(&self.exports) = Some(service);
+    }
+
+    fn export_service(&self) -> Result<Arc<dyn ExportService>, Error> {
+        lock(&self.exports).clone().ok_or_else(|| {
+            Error::new(
+                ErrorKind::Unsupported,
+                "exports are managed by 'udm daemon' (this server has a fixed set)",
+            )
+        })
+    }
+
+    /// `export add`: serves a device.
+    pub fn export_add(&self, spec: ExportSpec) -> Result<ExportInfo, Error> {
+        let _g = self.change()?;
+        let what = format!("export of '{}'", spec.device);
+        self.export_service()?
+            .add(self, spec)
+            .map_err(|e| e.context(what))
+    }
+
+    /// `export remove NAME`: see [`ExportService::remove`]. A deferred
+    /// remove of the device that was waiting for it happens now.
+    pub fn export_remove(&self, name: &str, force: bool) -> Result<Done, Error> {
+        let _g = self.change()?;
+        self.export_service()?
+            .remove(self, name, force)
+            .map_err(|e| e.context(format!("export '{name}'")))?;
+        Ok(Done {})
+    }
+
+    /// `export ls`.
+    pub fn export_ls(&self) -> Result<ExportList, Error> {
+        Ok(self.export_service()?.list())
+    }
+
+    /// Stops every export (a daemon's shutdown).
+    pub fn stop_exports(&self) {
+        let s = lock(&self.exports).clone();
+        if let Some(s) = s {
+            s.stop_all(self);
         }
     }
 

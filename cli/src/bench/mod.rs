@@ -18,8 +18,16 @@ use udm_mapper::MappedDevice;
 use serde::Serialize;
 use udm_control::{parse_size, Control};
 
-use crate::cmds::DEFAULT_DEVS;
 use job::{run_job, JobCfg, JobOutput, JobResult, Pattern};
+
+/// The built-in stack: 1 GiB RAM disks ram0 and ram1, linear over ram0 and
+/// striped over both.
+pub const DEFAULT_DEVS: &[&str] = &[
+    "ram0=ram:1G",
+    "ram1=ram:1G",
+    "lin=0 2097152 linear ram0 0",
+    "str=0 2097152 striped 2 128 ram0 0 ram1 0",
+];
 
 const AFTER_HELP: &str = "\
 Without --dev, uses the built-in stack (ram0, ram1: 1 GiB RAM disks; lin:

@@ -16,7 +16,7 @@ use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use udm_core::{
@@ -122,6 +122,8 @@ impl Drop for Listener {
 /// A bound server, ready to [`Server::run`].
 pub struct Server {
     exports: Arc<Vec<Export>>,
+    /// Connections open now (accepted and not yet freed).
+    clients: Arc<AtomicUsize>,
     listeners: Vec<(Listener, Listen)>,
     cfg: ServerConfig,
 }
@@ -161,6 +163,7 @@ impl Server {
         }
         Ok(Server {
             exports: Arc::new(exports),
+            clients: Arc::new(AtomicUsize::new(0)),
             listeners,
             cfg,
         })
@@ -169,6 +172,12 @@ impl Server {
     /// The addresses bound (TCP port 0 resolved to the real port).
     pub fn addresses(&self) -> Vec<Listen> {
         self.listeners.iter().map(|(_, a)| a.clone()).collect()
+    }
+
+    /// The count of connections open now, kept up to date while the
+    /// server runs (from accept until the connection is freed).
+    pub fn clients(&self) -> Arc<AtomicUsize> {
+        self.clients.clone()
     }
 
     /// The export table.
@@ -180,9 +189,10 @@ impl Server {
     /// the requests in flight and returns.
     pub fn run(self, stop_fd: RawFd) -> Result<(), Error> {
         let exports = self.exports.clone();
+        let clients = self.clients.clone();
         let pool = ReactorPool::start(
             &PoolConfig::new("udm-nbd-", self.cfg.reactors, self.cfg.reactor),
-            move |_, r: &Reactor, _: &StopToken| reactor_main(r, exports.clone()),
+            move |_, r: &Reactor, _: &StopToken| reactor_main(r, exports.clone(), clients.clone()),
         )?;
         let handles = pool.handles();
         let next_id = AtomicU64::new(1);
@@ -226,6 +236,7 @@ impl Server {
                         break;
                     };
                     let id = next_id.fetch_add(1, Ordering::Relaxed);
+                    self.clients.fetch_add(1, Ordering::Relaxed);
                     let h = &handles[rr % handles.len()];
                     rr += 1;
                     let sent = h.send(move |r: &Reactor| {
@@ -234,6 +245,7 @@ impl Server {
                         }
                     });
                     if !sent {
+                        self.clients.fetch_sub(1, Ordering::Relaxed);
                         tracing::warn!("nbd: reactor {} is gone; connection dropped", h.id());
                     }
                 }
@@ -323,8 +335,8 @@ fn worker_of(r: &Reactor) -> Option<Rc<Worker>> {
 
 /// A reactor's life in the server: its worker serves the connections
 /// placed on it until the worker is stopped and they are all closed.
-fn reactor_main(reactor: &Reactor, exports: Arc<Vec<Export>>) {
-    let worker = Worker::new(reactor, exports);
+fn reactor_main(reactor: &Reactor, exports: Arc<Vec<Export>>, clients: Arc<AtomicUsize>) {
+    let worker = Worker::new(reactor, exports, clients);
     reactor.add_poller(worker.clone());
     reactor.set_local(WORKER_KEY, worker.clone());
     reactor.run_until(|| worker.stopping() && worker.connections() == 0);

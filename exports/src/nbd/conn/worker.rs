@@ -5,6 +5,7 @@
 use std::cell::{Cell, RefCell};
 use std::os::fd::AsRawFd;
 use std::rc::Rc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -34,12 +35,20 @@ pub struct Worker {
     stopping: Cell<bool>,
     /// When stopping, the moment connections still open are cut.
     cut_at: Cell<Option<Instant>>,
+    /// The server's count of open connections (decremented here as
+    /// connections are freed).
+    clients: Arc<AtomicUsize>,
 }
 
 impl Worker {
     /// A worker for `reactor`, which must outlive it (the server keeps both
-    /// on the reactor's thread and drops the worker first).
-    pub fn new(reactor: &Reactor, exports: Arc<Vec<Export>>) -> Rc<Worker> {
+    /// on the reactor's thread and drops the worker first). `clients` is
+    /// the server's count of open connections, each counted at accept.
+    pub fn new(
+        reactor: &Reactor,
+        exports: Arc<Vec<Export>>,
+        clients: Arc<AtomicUsize>,
+    ) -> Rc<Worker> {
         let infos = exports.iter().map(|e| e.info.clone()).collect();
         let n = exports.len();
         Rc::new(Worker {
@@ -52,6 +61,7 @@ impl Worker {
             scratch: RefCell::new(Vec::new()),
             stopping: Cell::new(false),
             cut_at: Cell::new(None),
+            clients,
         })
     }
 
@@ -155,6 +165,7 @@ impl Poller for Worker {
                 let conn = unsafe { Box::from_raw(c) };
                 conn.log_close();
                 drop(conn);
+                self.clients.fetch_sub(1, Ordering::Relaxed);
             }
         }
         batch.clear();

@@ -1,11 +1,16 @@
-//! `udm status`, `table`, `message`, `reload`, `targets` and `version`:
 //! dmsetup's verbs, each a call of `udm-control`.
 //!
-//! Each acts either on a running `udm serve` through its control socket
-//! (`--control PATH`) or, without it, on a stack built in this process from
-//! `--dev` specs (useful only to check a stack: it is gone when the command
-//! exits). Both ways run the same [`Op`] through `udm-control`'s `execute`
-//! (in the server for `--control`), so the output is the same.
+//! Every verb acts on a running daemon (`udm daemon`, or `udm serve`)
+//! through its control socket: `--control PATH`, else `$UDM_CONTROL`, else
+//! the default path ([`udm_control::default_socket`]). The read-only verbs
+//! here (`table`, `status`, `message`) can instead act on a stack built in
+//! this process from `--dev` specs (to check a stack: it is gone when the
+//! command exits). Both ways run the same [`Op`] through `udm-control`'s
+//! `execute` (in the daemon for a socket), so the output is the same.
+//! [`dev`]: the verbs that change devices; [`export`]: exports.
+
+pub mod dev;
+pub mod export;
 
 use std::fmt::Display;
 use std::io::IsTerminal;
@@ -15,33 +20,50 @@ use std::sync::Arc;
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use udm_control::report::{Done, MessageReply, Status, Tables};
+use udm_control::report::{DeviceStatus, MessageReply, Status, Tables};
 use udm_control::{execute, Client, Control, Op};
 use udm_core::{Error, ErrorKind};
 
 use crate::progress::{finish_bar, progress};
 
-/// The built-in stack: 1 GiB RAM disks ram0 and ram1, linear over ram0 and
-/// striped over both.
-pub const DEFAULT_DEVS: &[&str] = &[
-    "ram0=ram:1G",
-    "ram1=ram:1G",
-    "lin=0 2097152 linear ram0 0",
-    "str=0 2097152 striped 2 128 ram0 0 ram1 0",
-];
-
 /// Where a command acts.
 #[derive(clap::Args, Debug)]
 pub struct OnArgs {
-    /// Act on the devices of a running 'udm serve' through its control socket.
+    /// The daemon's control socket (default: $UDM_CONTROL, else the
+    /// daemon's default path).
     #[arg(long, value_name = "PATH")]
     control: Option<PathBuf>,
-    /// Act on a stack built here: a device NAME=SPEC (repeatable).
+    /// Act instead on a stack built here: a device NAME=SPEC (repeatable).
     #[arg(long = "dev", value_name = "NAME=SPEC")]
     devs: Vec<String>,
     /// Print the result as JSON.
     #[arg(long)]
     json: bool,
+}
+
+/// Options of the verbs that act on a daemon only.
+#[derive(clap::Args, Debug)]
+pub struct CtlArgs {
+    /// The daemon's control socket (default: $UDM_CONTROL, else the
+    /// daemon's default path).
+    #[arg(long, value_name = "PATH")]
+    control: Option<PathBuf>,
+    /// Print the result as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+impl CtlArgs {
+    /// Runs `op` on the daemon and prints its result.
+    fn run<T: DeserializeOwned + Serialize + Display>(&self, op: Op) -> Result<i32, Error> {
+        let r: T = self.call(op)?;
+        print(&r, self.json)
+    }
+
+    /// Runs `op` on the daemon.
+    fn call<T: DeserializeOwned>(&self, op: Op) -> Result<T, Error> {
+        Client::connect(&udm_control::control_socket(self.control.clone()))?.call_as(op)
+    }
 }
 
 /// A running server's control socket, or a stack built in this process.
@@ -54,11 +76,10 @@ impl On {
     fn new(a: &OnArgs) -> Result<On, Error> {
         match &a.control {
             Some(_) if !a.devs.is_empty() => Err(Error::invalid(
-                "--control and --dev do not mix: --control acts on the devices of a running 'udm serve'",
+                "--control and --dev do not mix: --control acts on the devices of a running daemon",
             )),
-            Some(p) => Ok(On::Control(p.clone())),
-            None if a.devs.is_empty() => Ok(On::Local(Arc::new(Control::build(DEFAULT_DEVS)?))),
-            None => Ok(On::Local(Arc::new(Control::build(&a.devs)?))),
+            None if !a.devs.is_empty() => Ok(On::Local(Arc::new(Control::build(&a.devs)?))),
+            p => Ok(On::Control(udm_control::control_socket(p.clone()))),
         }
     }
 
@@ -106,14 +127,32 @@ pub fn status(a: StatusArgs) -> Result<i32, Error> {
 pub struct TableArgs {
     #[command(flatten)]
     on: OnArgs,
+    /// The inactive tables (loaded, not yet resumed) instead.
+    #[arg(long)]
+    inactive: bool,
     /// Devices to report (default: every device).
     devices: Vec<String>,
 }
 
-/// `udm table [--control PATH | --dev …] [DEVICE]...`
+/// `udm table [--control PATH | --dev …] [--inactive] [DEVICE]...`
 pub fn table(a: TableArgs) -> Result<i32, Error> {
     let r: Tables = On::new(&a.on)?.call(Op::Table { names: a.devices })?;
-    print(&r, a.on.json)
+    if !a.inactive {
+        return print(&r, a.on.json);
+    }
+    let inactive = Status {
+        devices: r
+            .devices
+            .into_iter()
+            .filter_map(|d| {
+                Some(DeviceStatus {
+                    name: d.name,
+                    lines: d.inactive?,
+                })
+            })
+            .collect(),
+    };
+    print(&inactive, a.on.json)
 }
 
 /// `udm message`.
@@ -189,32 +228,6 @@ pub fn message(a: MessageArgs) -> Result<i32, Error> {
     });
     finish_bar(&done, drawer);
     print(&r?, a.on.json)
-}
-
-/// `udm reload`.
-#[derive(clap::Args, Debug)]
-pub struct ReloadArgs {
-    #[command(flatten)]
-    on: OnArgs,
-    /// The mapped device.
-    device: String,
-    /// The new table: dm table lines, separated by newlines or ';'.
-    table: String,
-}
-
-/// `udm reload --control PATH DEVICE 'TABLE'`: load + suspend + resume of a
-/// new table on a device of a running server.
-pub fn reload(a: ReloadArgs) -> Result<i32, Error> {
-    if a.on.control.is_none() {
-        return Err(Error::invalid(
-            "reload: needs --control PATH: it changes a device of a running 'udm serve'",
-        ));
-    }
-    let r: Done = On::new(&a.on)?.call(Op::Reload {
-        name: a.device,
-        table: a.table,
-    })?;
-    print(&r, a.on.json)
 }
 
 /// Options of commands that only print.

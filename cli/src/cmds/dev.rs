@@ -1,0 +1,266 @@
+//! The verbs that change a daemon's devices (`create`, `remove`, `load`,
+//! `suspend`, `resume`, `reload`, `clear`), watch them (`ls`, `info`,
+//! `deps`, `wait`) and save them (`dump-config`).
+
+use std::io::{IsTerminal, Read};
+
+use udm_control::report::{Deps, Done, Event, Info, List, Removed};
+use udm_control::{Config, Op, RemoveMode};
+use udm_core::Error;
+
+use super::{print, CtlArgs};
+
+/// A table from the command line, or from stdin (as dmsetup reads it)
+/// when it is not given and stdin is not a terminal.
+fn table_text(given: Option<String>, verb: &str) -> Result<String, Error> {
+    if let Some(t) = given {
+        return Ok(t);
+    }
+    let stdin = std::io::stdin();
+    if stdin.is_terminal() {
+        return Err(Error::invalid(format!(
+            "{verb}: expected a table ('START LEN TYPE ARGS', lines separated by newlines or ';'), as an argument or on stdin"
+        )));
+    }
+    let mut t = String::new();
+    stdin
+        .lock()
+        .read_to_string(&mut t)
+        .map_err(|e| Error::os("reading the table from stdin", e))?;
+    Ok(t)
+}
+
+/// `udm create`.
+#[derive(clap::Args, Debug)]
+pub struct CreateArgs {
+    #[command(flatten)]
+    ctl: CtlArgs,
+    /// The new device's name.
+    name: String,
+    /// A backend: ram:SIZE[,prealloc], null:SIZE[,delay=US],
+    /// file:PATH[,size=SIZE][,buffered|direct][,sqpoll][,iopoll][,ro].
+    #[arg(conflicts_with = "table")]
+    spec: Option<String>,
+    /// A mapped device's table ('-' or none with stdin not a terminal:
+    /// read from stdin).
+    #[arg(long, value_name = "TABLE")]
+    table: Option<String>,
+}
+
+/// `udm create NAME SPEC | --table TABLE`.
+pub fn create(a: CreateArgs) -> Result<i32, Error> {
+    let spec = match (a.spec, a.table) {
+        (Some(s), None) => s,
+        (None, Some(t)) if t != "-" => t,
+        _ => table_text(None, "create")?,
+    };
+    // Quiet on success, as dmsetup's; the device's info with --json.
+    let info: Info = a.ctl.call(Op::Create { name: a.name, spec })?;
+    if a.ctl.json {
+        print(&info, true)?;
+    }
+    Ok(0)
+}
+
+/// `udm remove`.
+#[derive(clap::Args, Debug)]
+pub struct RemoveArgs {
+    #[command(flatten)]
+    ctl: CtlArgs,
+    /// Even while held: a mapped device's table is replaced by one that
+    /// fails every I/O, so whatever still uses it gets EIO.
+    #[arg(long, conflicts_with = "deferred")]
+    force: bool,
+    /// Now if nothing holds it, else when its last holder goes.
+    #[arg(long)]
+    deferred: bool,
+    /// Every device, top of the stack first.
+    #[arg(long, conflicts_with = "name")]
+    all: bool,
+    /// The device.
+    #[arg(required_unless_present = "all")]
+    name: Option<String>,
+}
+
+/// `udm remove [--force|--deferred] NAME | --all`.
+pub fn remove(a: RemoveArgs) -> Result<i32, Error> {
+    let mode = if a.force {
+        RemoveMode::Force
+    } else if a.deferred {
+        RemoveMode::Deferred
+    } else {
+        RemoveMode::Normal
+    };
+    match a.name {
+        Some(name) if !a.all => a.ctl.run::<Done>(Op::Remove { name, mode }),
+        _ => a.ctl.run::<Removed>(Op::RemoveAll { mode }),
+    }
+}
+
+/// `udm load` and `udm reload`.
+#[derive(clap::Args, Debug)]
+pub struct LoadArgs {
+    #[command(flatten)]
+    ctl: CtlArgs,
+    /// The mapped device.
+    name: String,
+    /// The table (none, or '-', with stdin not a terminal: read from stdin).
+    #[arg(value_name = "TABLE")]
+    table_arg: Option<String>,
+    /// The table (as the argument).
+    #[arg(long, value_name = "TABLE", conflicts_with = "table_arg")]
+    table: Option<String>,
+}
+
+impl LoadArgs {
+    fn text(&mut self, verb: &str) -> Result<String, Error> {
+        let t = self.table_arg.take().or(self.table.take());
+        table_text(t.filter(|t| t != "-"), verb)
+    }
+}
+
+/// `udm load NAME TABLE`: stages an inactive table (live at `resume`).
+pub fn load(mut a: LoadArgs) -> Result<i32, Error> {
+    let table = a.text("load")?;
+    a.ctl.run::<Done>(Op::Load {
+        name: a.name,
+        table,
+    })
+}
+
+/// `udm reload NAME TABLE`: load + suspend + resume.
+pub fn reload(mut a: LoadArgs) -> Result<i32, Error> {
+    let table = a.text("reload")?;
+    a.ctl.run::<Done>(Op::Reload {
+        name: a.name,
+        table,
+    })
+}
+
+/// `udm suspend`.
+#[derive(clap::Args, Debug)]
+pub struct SuspendArgs {
+    #[command(flatten)]
+    ctl: CtlArgs,
+    /// Do not flush the devices below once the I/O in flight drained.
+    #[arg(long)]
+    noflush: bool,
+    /// The mapped device.
+    name: String,
+}
+
+/// `udm suspend [--noflush] NAME`: holds new I/O, waits for I/O in flight.
+pub fn suspend(a: SuspendArgs) -> Result<i32, Error> {
+    a.ctl.run::<Done>(Op::Suspend {
+        name: a.name,
+        flush: !a.noflush,
+    })
+}
+
+/// Verbs that take one device.
+#[derive(clap::Args, Debug)]
+pub struct NameArgs {
+    #[command(flatten)]
+    ctl: CtlArgs,
+    /// The device.
+    name: String,
+}
+
+/// `udm resume NAME`: swaps in the inactive table, if any; releases I/O.
+pub fn resume(a: NameArgs) -> Result<i32, Error> {
+    a.ctl.run::<Done>(Op::Resume { name: a.name })
+}
+
+/// `udm clear NAME`: drops the inactive table.
+pub fn clear(a: NameArgs) -> Result<i32, Error> {
+    a.ctl.run::<Done>(Op::Clear { name: a.name })
+}
+
+/// `udm info NAME`.
+pub fn info(a: NameArgs) -> Result<i32, Error> {
+    a.ctl.run::<Info>(Op::Info { name: a.name })
+}
+
+/// `udm deps NAME`.
+pub fn deps(a: NameArgs) -> Result<i32, Error> {
+    a.ctl.run::<Deps>(Op::Deps { name: a.name })
+}
+
+/// `udm ls`.
+#[derive(clap::Args, Debug)]
+pub struct LsArgs {
+    #[command(flatten)]
+    ctl: CtlArgs,
+    /// Draw the stack: each device over the devices its table uses.
+    #[arg(long)]
+    tree: bool,
+}
+
+/// `udm ls [--tree]`.
+pub fn ls(a: LsArgs) -> Result<i32, Error> {
+    let l: List = a.ctl.call(Op::Ls {})?;
+    if a.tree && !a.ctl.json {
+        let t = l.tree();
+        if !t.is_empty() {
+            println!("{t}");
+        }
+        return Ok(0);
+    }
+    print(&l, a.ctl.json)
+}
+
+/// `udm wait`.
+#[derive(clap::Args, Debug)]
+pub struct WaitArgs {
+    #[command(flatten)]
+    ctl: CtlArgs,
+    /// Give up after this many seconds (exit 1).
+    #[arg(long, value_name = "SECS")]
+    timeout: Option<f64>,
+    /// The device.
+    name: String,
+    /// Return once the device's event counter passes this (default 0: at
+    /// its first event; 'udm info' shows the counter).
+    #[arg(default_value_t = 0)]
+    event_nr: u64,
+}
+
+/// `udm wait NAME [EVENT_NR]`: returns when the device's event counter
+/// passes EVENT_NR (a table swapped in, a target's event).
+pub fn wait(a: WaitArgs) -> Result<i32, Error> {
+    let timeout_ms = match a.timeout {
+        Some(t) if t.is_finite() && t >= 0.0 => Some((t * 1000.0) as u64),
+        Some(t) => {
+            return Err(Error::invalid(format!(
+                "--timeout {t}: expected seconds, 0 or more"
+            )))
+        }
+        None => None,
+    };
+    match a.ctl.call::<Event>(Op::Wait {
+        name: a.name,
+        event_nr: a.event_nr,
+        timeout_ms,
+    }) {
+        Ok(e) => print(&e, a.ctl.json),
+        Err(e) if e.kind() == udm_core::ErrorKind::TimedOut => {
+            eprintln!("udm: {e}");
+            Ok(1)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// `udm dump-config`: the daemon's devices and exports as a configuration
+/// file (TOML; JSON with --json) that `udm daemon --config` recreates.
+pub fn dump_config(a: CtlArgs) -> Result<i32, Error> {
+    let c: Config = a.call(Op::DumpConfig {})?;
+    if a.json {
+        let s =
+            serde_json::to_string(&c).map_err(|e| Error::invalid(format!("encoding JSON: {e}")))?;
+        println!("{s}");
+        return Ok(0);
+    }
+    print!("{}", c.to_toml()?);
+    Ok(0)
+}

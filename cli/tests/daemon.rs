@@ -1,0 +1,582 @@
+//! `udm daemon` driven as an administrator would: the dmsetup verbs from
+//! the command line, exports added and removed live under fio, a restart
+//! from `udm dump-config`, and a control socket under abuse.
+
+#![allow(clippy::unwrap_used)] // helpers too: allow-unwrap-in-tests only covers #[test] fns
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{run, TempDir};
+use serde_json::Value;
+use udm_control::{Client, Op};
+
+/// A running `udm daemon` on a control socket in a temporary directory;
+/// SIGTERM (then SIGKILL) when dropped.
+struct Daemon {
+    child: Option<Child>,
+    ctl: PathBuf,
+    dir: TempDir,
+}
+
+impl Daemon {
+    fn start(extra: &[&str]) -> Daemon {
+        let dir = TempDir::new("daemon");
+        Daemon::start_in(dir, extra)
+    }
+
+    fn start_in(dir: TempDir, extra: &[&str]) -> Daemon {
+        let ctl = dir.path("run/control");
+        let child = Command::new(env!("CARGO_BIN_EXE_udm"))
+            .arg("daemon")
+            .args(extra)
+            .env("UDM_CONTROL", &ctl)
+            .stdout(std::fs::File::create(dir.path("stdout")).unwrap())
+            .stderr(std::fs::File::create(dir.path("stderr")).unwrap())
+            .spawn()
+            .unwrap();
+        let d = Daemon {
+            child: Some(child),
+            ctl,
+            dir,
+        };
+        let t0 = Instant::now();
+        while !d.out().contains("daemon ready") {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "no start: {}",
+                d.log()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        d
+    }
+
+    fn out(&self) -> String {
+        std::fs::read_to_string(self.dir.path("stdout")).unwrap_or_default()
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path("stderr")).unwrap_or_default()
+    }
+
+    /// `udm ARGS` against this daemon (found through $UDM_CONTROL).
+    fn udm(&self, args: &[&str]) -> (i32, String, String) {
+        let out = Command::new(env!("CARGO_BIN_EXE_udm"))
+            .args(args)
+            .env("UDM_CONTROL", &self.ctl)
+            .output()
+            .unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
+    /// `udm ARGS`, which must succeed; its stdout.
+    fn ok(&self, args: &[&str]) -> String {
+        let (code, out, err) = self.udm(args);
+        assert_eq!(code, 0, "udm {args:?}: {err}");
+        out
+    }
+
+    /// `udm ARGS`, which must fail; its one-line error.
+    fn fails(&self, args: &[&str]) -> String {
+        let (code, _, err) = self.udm(args);
+        assert_ne!(code, 0, "udm {args:?} succeeded");
+        assert_eq!(err.lines().count(), 1, "{err}");
+        err
+    }
+
+    /// Stops with SIGTERM; the exit status.
+    fn stop(&mut self) -> std::process::ExitStatus {
+        let mut c = self.child.take().unwrap();
+        // SAFETY: signals our own child.
+        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+        let t0 = Instant::now();
+        loop {
+            if let Some(st) = c.try_wait().unwrap() {
+                return st;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "no stop: {}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.as_ref().unwrap().id()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SAFETY: signals our own child.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let t0 = Instant::now();
+            while t0.elapsed() < Duration::from_secs(5) {
+                if c.try_wait().ok().flatten().is_some() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+#[test]
+fn the_daemon_starts_empty_owns_its_socket_and_stops_clean() {
+    let mut d = Daemon::start(&[]);
+    let meta = std::fs::metadata(&d.ctl).unwrap();
+    assert!(meta.file_type().is_socket());
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    assert_eq!(
+        std::fs::metadata(d.ctl.parent().unwrap())
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777,
+        0o700
+    );
+    assert_eq!(d.ok(&["ls"]), "");
+    // A second daemon on the same socket is refused.
+    let (code, _, err) = d.udm(&["daemon"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("another server is listening on it"), "{err}");
+    assert_eq!(d.stop().code(), Some(0), "{}", d.log());
+    assert!(!d.ctl.exists(), "the socket is removed at exit");
+    // A verb without a daemon says so.
+    let e = d.fails(&["ls"]);
+    assert!(
+        e.contains("control socket") && e.contains("udm daemon"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_stale_socket_is_reclaimed() {
+    let dir = TempDir::new("stale");
+    std::fs::create_dir_all(dir.path("run")).unwrap();
+    // A socket file nobody listens on, as a killed daemon leaves it.
+    drop(std::os::unix::net::UnixListener::bind(dir.path("run/control")).unwrap());
+    let d = Daemon::start_in(dir, &[]);
+    d.ok(&["create", "r", "ram:1M"]);
+    assert!(d.ok(&["ls"]).starts_with("r\tram"));
+}
+
+#[test]
+fn dmsetup_verbs_manage_a_stack() {
+    let d = Daemon::start(&[]);
+    d.ok(&["create", "ram0", "ram:64M"]);
+    d.ok(&["create", "ram1", "ram:64M"]);
+    d.ok(&["create", "lin", "--table", "0 131072 linear ram0 0"]);
+    // The table on stdin, as dmsetup reads it.
+    let mut c = Command::new(env!("CARGO_BIN_EXE_udm"))
+        .args(["create", "str"])
+        .env("UDM_CONTROL", &d.ctl)
+        .stdin(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    c.stdin
+        .take()
+        .unwrap()
+        .write_all(b"0 131072 striped 2 128 ram0 0 ram1 0\n")
+        .unwrap();
+    assert!(c.wait().unwrap().success());
+    assert_eq!(
+        d.ok(&["ls", "--tree"]),
+        "lin (mapped, 131072 sectors)\n └─ram0 (ram, 131072 sectors)\n\
+         str (mapped, 131072 sectors)\n ├─ram0 (ram, 131072 sectors)\n └─ram1 (ram, 131072 sectors)\n"
+    );
+    assert_eq!(d.ok(&["deps", "str"]), "2 dependencies\t: (ram0) (ram1)\n");
+    let info: Value = serde_json::from_str(&d.ok(&["info", "--json", "lin"])).unwrap();
+    assert_eq!(info["sectors"], 131072);
+    assert_eq!(info["holders"], serde_json::json!([]));
+
+    // A busy remove is refused, naming the holder.
+    let e = d.fails(&["remove", "ram0"]);
+    assert!(
+        e.contains("device 'ram0' is in use by the table of 'lin'"),
+        "{e}"
+    );
+
+    // load / suspend / resume / clear, and the event counter moves on a swap.
+    d.ok(&["load", "lin", "0 131072 linear ram1 0"]);
+    assert_eq!(
+        d.ok(&["table", "--inactive", "lin"]),
+        "lin: 0 131072 linear ram1 0\n"
+    );
+    d.ok(&["suspend", "lin"]);
+    assert!(d
+        .ok(&["info", "lin"])
+        .contains("State:             SUSPENDED"));
+    let waiter = Command::new(env!("CARGO_BIN_EXE_udm"))
+        .args(["wait", "lin", "0"])
+        .env("UDM_CONTROL", &d.ctl)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    d.ok(&["resume", "lin"]);
+    let out = waiter.wait_with_output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "lin: event 1\n");
+    assert!(d.ok(&["table", "lin"]).contains("linear ram1 0"));
+    let (code, _, err) = d.udm(&["wait", "lin", "1", "--timeout", "0.1"]);
+    assert_eq!(code, 1, "{err}");
+    d.ok(&["load", "lin", "0 131072 zero"]);
+    d.ok(&["clear", "lin"]);
+    assert_eq!(d.ok(&["table", "--inactive", "lin"]), "");
+
+    // Deferred: ram0 goes once str (its last holder) goes.
+    d.ok(&["remove", "--deferred", "ram0"]);
+    assert!(d
+        .ok(&["info", "ram0"])
+        .contains("Deferred remove:   pending"));
+    d.ok(&["remove", "str"]);
+    assert!(d.fails(&["info", "ram0"]).contains("unknown device 'ram0'"));
+
+    // Force: lin fails its I/O (a table above still uses it), then goes.
+    d.ok(&["create", "top", "--table", "0 131072 linear lin 0"]);
+    d.ok(&["remove", "--force", "lin"]);
+    assert!(d.fails(&["info", "lin"]).contains("unknown device"));
+    assert_eq!(d.ok(&["remove", "--all"]), "top\nram1\n");
+    assert_eq!(d.ok(&["ls"]), "");
+
+    // Bad input: one line naming what is wrong.
+    for (args, want) in [
+        (&["create", "x", "disk:1G"][..], "unknown backend 'disk:'"),
+        (
+            &["create", "x", "--table", "0 8 frob"][..],
+            "unknown target type 'frob'",
+        ),
+        (&["remove", "nope"][..], "unknown device 'nope'"),
+        (&["resume", "nope"][..], "unknown device 'nope'"),
+        (
+            &["export", "add", "nope", "--nbd", "unix:/tmp/x"][..],
+            "unknown device 'nope'",
+        ),
+    ] {
+        let e = d.fails(args);
+        assert!(e.contains(want), "{args:?}: {e}");
+    }
+}
+
+/// Runs fio with verification against `uri`; returns its output.
+fn fio_verify(uri: &str, seconds: f32) -> Child {
+    Command::new("fio")
+        .args([
+            "--name=v",
+            "--verify_state_save=0",
+            "--ioengine=nbd",
+            &format!("--uri={uri}"),
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=16",
+            "--size=16M",
+            &format!("--rate_iops={}", (4096.0 / seconds) as u32),
+            "--verify=crc32c",
+            "--verify_backlog=128",
+            "--do_verify=1",
+            "--verify_fatal=1",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("fio (installed by scripts/setup.sh)")
+}
+
+#[test]
+fn exports_come_and_go_while_fio_verifies_through_one() {
+    let d = Daemon::start(&[]);
+    let sock = d.dir.path("lin.sock");
+    d.ok(&["create", "ram0", "ram:64M"]);
+    d.ok(&["create", "lin", "--table", "0 32768 linear ram0 0"]);
+    let addr = format!("unix:{}", sock.display());
+    let out = d.ok(&["export", "add", "lin", "--nbd", &addr]);
+    let uri = format!("nbd+unix:///lin?socket={}", sock.display());
+    assert!(out.contains(&uri), "{out}");
+    let fio = common::KillOnDrop(Some(fio_verify(&uri, 2.0)));
+    // Beside and above the exported device, devices come and go, a table
+    // is reloaded, and a second export is added and removed.
+    let t0 = Instant::now();
+    let mut rounds = 0;
+    while t0.elapsed() < Duration::from_millis(1500) {
+        d.ok(&["create", "side", "--table", "0 32768 linear ram0 32768"]);
+        d.ok(&["create", "above", "--table", "0 32768 linear lin 0"]);
+        let a2 = format!("unix:{}", d.dir.path("side.sock").display());
+        d.ok(&["export", "add", "side", "--nbd", &a2]);
+        d.ok(&[
+            "reload",
+            "side",
+            "0 16384 linear ram0 32768\n16384 16384 zero",
+        ]);
+        d.ok(&["export", "remove", "side"]);
+        d.ok(&["remove", "above"]);
+        d.ok(&["remove", "side"]);
+        rounds += 1;
+    }
+    // The export in use cannot go from under fio unless forced.
+    let ls: Value = serde_json::from_str(&d.ok(&["export", "ls", "--json"])).unwrap();
+    assert_eq!(ls["exports"][0]["clients"], 1, "{ls}");
+    let e = d.fails(&["export", "remove", "lin"]);
+    assert!(e.contains("1 clients connected"), "{e}");
+    let e = d.fails(&["remove", "lin"]);
+    assert!(e.contains("in use by the nbd export 'lin'"), "{e}");
+    let out = fio.wait_with_output();
+    assert!(
+        out.contains("err= 0"),
+        "fio failed after {rounds} rounds:\n{out}"
+    );
+    assert!(rounds >= 3, "{rounds}");
+    // Idle now: removed without force; then the device is free.
+    let t0 = Instant::now();
+    while d.udm(&["export", "remove", "lin"]).0 != 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "fio's connection never closed"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!sock.exists(), "the listen socket goes with the export");
+    d.ok(&["remove", "lin"]);
+}
+
+#[test]
+fn a_forced_export_remove_under_load_never_hangs() {
+    let d = Daemon::start(&[]);
+    let sock = d.dir.path("x.sock");
+    d.ok(&["create", "r", "ram:64M"]);
+    d.ok(&[
+        "export",
+        "add",
+        "r",
+        "--nbd",
+        &format!("unix:{}", sock.display()),
+    ]);
+    let uri = format!("nbd+unix:///r?socket={}", sock.display());
+    let fio = common::KillOnDrop(Some(
+        Command::new("fio")
+            .args([
+                "--name=l",
+                "--ioengine=nbd",
+                &format!("--uri={uri}"),
+                "--rw=randrw",
+                "--bs=64k",
+                "--iodepth=32",
+                "--size=64M",
+                "--time_based",
+                "--runtime=30",
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    ));
+    let t0 = Instant::now();
+    while !d.ok(&["export", "ls"]).contains("1 clients") {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let t0 = Instant::now();
+    d.ok(&["export", "remove", "--force", "r"]);
+    assert!(t0.elapsed() < Duration::from_secs(8), "{:?}", t0.elapsed());
+    let out = fio.wait_with_output();
+    assert!(!out.is_empty());
+    // The device is free and the daemon well.
+    d.ok(&["remove", "r"]);
+    assert_eq!(d.ok(&["ls"]), "");
+}
+
+/// Files used by the daemon, their bytes and tables kept across restarts.
+#[test]
+fn dump_config_then_restart_recreates_the_stack_and_its_data() {
+    let dir = TempDir::new("restart");
+    let img0 = dir.path("a.img");
+    let img1 = dir.path("b.img");
+    let sock = dir.path("nbd.sock");
+    let cfg = dir.path("udm.toml");
+    let dir_path = dir.0.clone();
+    let mut d = Daemon::start_in(dir, &[]);
+    d.ok(&["create", "a", &format!("file:{},size=16M", img0.display())]);
+    d.ok(&["create", "b", &format!("file:{},size=16M", img1.display())]);
+    d.ok(&["create", "s", "--table", "0 65536 striped 2 8 a 0 b 0"]);
+    d.ok(&[
+        "reload",
+        "s",
+        "0 32768 striped 2 8 a 0 b 0\n32768 16384 linear b 16384\n49152 16384 linear a 16384",
+    ]);
+    d.ok(&[
+        "export",
+        "add",
+        "s",
+        "--nbd",
+        &format!("unix:{}", sock.display()),
+    ]);
+    let uri = format!("nbd+unix:///s?socket={}", sock.display());
+    let data = dir_path.join("data");
+    common::random_file(&data, 8 << 20, 7);
+    run("nbdcopy", &[data.to_str().unwrap(), &uri]);
+    let tree = d.ok(&["ls", "--tree"]);
+    let tables = d.ok(&["table"]);
+    std::fs::write(&cfg, d.ok(&["dump-config"])).unwrap();
+    assert_eq!(d.stop().code(), Some(0), "{}", d.log());
+    let dir = TempDir(dir_path.clone());
+    std::mem::forget(d); // its TempDir is `dir` now
+    let d = Daemon::start_in(dir, &["--config", cfg.to_str().unwrap()]);
+    assert_eq!(d.ok(&["ls", "--tree"]), tree);
+    assert_eq!(d.ok(&["table"]), tables);
+    let back = dir_path.join("back");
+    run("nbdcopy", &[&uri, back.to_str().unwrap()]);
+    let want = std::fs::read(&data).unwrap();
+    let got = std::fs::read(&back).unwrap();
+    assert!(
+        got[..want.len()] == want[..],
+        "data differs after the restart"
+    );
+}
+
+#[test]
+fn a_config_error_names_the_line_and_leaves_nothing() {
+    let dir = TempDir::new("badcfg");
+    let cfg = dir.path("udm.toml");
+    std::fs::write(
+        &cfg,
+        "[[device]]\nname = \"r\"\nspec = \"ram:1M\"\n\n[[device]]\nname = \"l\"\ntable = \"0 4096 linear r 0\"\n",
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_udm"))
+        .args(["daemon", "--config", cfg.to_str().unwrap()])
+        .env("UDM_CONTROL", dir.path("control"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("line 5: device 'l'") && err.contains("too small"),
+        "{err}"
+    );
+    assert!(!dir.path("control").exists());
+}
+
+/// Counts of the daemon's open descriptors and threads, and its RSS (KiB).
+fn usage(pid: u32) -> (usize, usize, u64) {
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count();
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field = |k: &str| -> u64 {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(k))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap()
+    };
+    (fds, field("Threads:") as usize, field("VmRSS:"))
+}
+
+#[test]
+fn a_thousand_create_remove_cycles_leave_fds_threads_and_rss_flat() {
+    let d = Daemon::start(&[]);
+    let mut c = Client::connect(&d.ctl).unwrap();
+    let cycle = |c: &mut Client, i: usize| {
+        c.call(Op::Create {
+            name: "r".into(),
+            spec: "ram:4M".into(),
+        })
+        .unwrap();
+        c.call(Op::Create {
+            name: "l".into(),
+            spec: format!("0 {} linear r 0", 8 * (1 + i % 1000)),
+        })
+        .unwrap();
+        c.call(Op::Remove {
+            name: "l".into(),
+            mode: Default::default(),
+        })
+        .unwrap();
+        c.call(Op::Remove {
+            name: "r".into(),
+            mode: Default::default(),
+        })
+        .unwrap();
+    };
+    for i in 0..100 {
+        cycle(&mut c, i);
+    }
+    let before = usage(d.pid());
+    for i in 0..1000 {
+        cycle(&mut c, i);
+    }
+    let after = usage(d.pid());
+    assert_eq!(after.0, before.0, "descriptors: {before:?} -> {after:?}");
+    assert_eq!(after.1, before.1, "threads: {before:?} -> {after:?}");
+    assert!(
+        after.2 <= before.2 + 2048,
+        "RSS KiB: {before:?} -> {after:?}"
+    );
+}
+
+#[test]
+fn a_control_socket_under_abuse_answers_errors_and_keeps_serving() {
+    let d = Daemon::start(&[]);
+    d.ok(&["create", "r", "ram:1M"]);
+    let ask = |bytes: &[u8]| -> Option<Value> {
+        let s = UnixStream::connect(&d.ctl).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let _ = (&s).write_all(bytes);
+        let mut l = String::new();
+        BufReader::new(&s).read_line(&mut l).ok()?;
+        serde_json::from_str(&l).ok()
+    };
+    let code = |v: Option<Value>| v.unwrap()["error"]["code"].as_str().unwrap().to_string();
+    assert_eq!(code(ask(b"garbage\n")), "invalid");
+    assert_eq!(
+        code(ask(b"{\"v\":1,\"id\":1,\"op\":\"frob\"}\n")),
+        "invalid"
+    );
+    let mut big = vec![b'x'; 10 << 20];
+    big.push(b'\n');
+    assert_eq!(code(ask(&big)), "invalid");
+    // Half a line, then gone.
+    drop({
+        let s = UnixStream::connect(&d.ctl).unwrap();
+        (&s).write_all(b"{\"v\":1,\"op\":").unwrap();
+        s
+    });
+    // 100 clients at once: each gets an answer (a result or 'busy').
+    let threads: Vec<_> = (0..100)
+        .map(|_| {
+            let p = d.ctl.clone();
+            std::thread::spawn(move || {
+                let s = UnixStream::connect(&p).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+                (&s).write_all(b"{\"v\":1,\"id\":2,\"op\":\"ls\"}\n")
+                    .unwrap();
+                let mut l = String::new();
+                BufReader::new(&s).read_line(&mut l).unwrap();
+                let v: Value = serde_json::from_str(&l).unwrap();
+                v.get("ok").is_some() || v["error"]["code"] == "busy"
+            })
+        })
+        .collect();
+    for t in threads {
+        assert!(t.join().unwrap());
+    }
+    assert!(d.ok(&["ls"]).starts_with("r\tram"));
+}

@@ -1,0 +1,93 @@
+//! Exports as the control plane sees them: what `export add` asks for,
+//! what `export ls` reports, and the [`ExportService`] a daemon plugs into
+//! its [`Control`] to serve them. The control library knows no protocol:
+//! the service (the daemon, which links the exports) does.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+use udm_core::Error;
+
+use crate::verbs::Control;
+
+/// `export add`'s arguments.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExportSpec {
+    /// The device to serve.
+    pub device: String,
+    /// The protocol: `nbd`.
+    pub protocol: String,
+    /// Where it listens: `unix:PATH`, `HOST:PORT`, `:PORT` or `PORT`.
+    pub address: String,
+    /// The name clients ask for (default: the device's name).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Refuse writes.
+    #[serde(default)]
+    pub read_only: bool,
+}
+
+/// One export, as `export ls` reports it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExportInfo {
+    /// The export's name (what clients ask for).
+    pub name: String,
+    /// The device it serves.
+    pub device: String,
+    /// `nbd`.
+    pub protocol: String,
+    /// Where it listens, as given.
+    pub address: String,
+    /// A URI a client can use.
+    pub uri: String,
+    /// Writes refused.
+    pub read_only: bool,
+    /// Clients connected now.
+    pub clients: usize,
+}
+
+impl fmt::Display for ExportInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}\t{}\t{}\t{}{}\t{} clients",
+            self.name,
+            self.device,
+            self.protocol,
+            self.uri,
+            if self.read_only { "\tread-only" } else { "" },
+            self.clients
+        )
+    }
+}
+
+/// `export ls`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExportList {
+    /// The exports, in the order they were added.
+    pub exports: Vec<ExportInfo>,
+}
+
+impl fmt::Display for ExportList {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let lines: Vec<String> = self.exports.iter().map(|e| e.to_string()).collect();
+        f.write_str(&lines.join("\n"))
+    }
+}
+
+/// What serves exports for a [`Control`] (set with
+/// [`Control::set_exports`]). Each export holds its device
+/// ([`crate::Holder::Export`]) from `add` until it is removed.
+pub trait ExportService: Send + Sync {
+    /// Starts serving `spec`.
+    fn add(&self, ctl: &Control, spec: ExportSpec) -> Result<ExportInfo, Error>;
+    /// Stops the export `name`: refused (Busy) while clients are connected
+    /// unless `force`, which disconnects them in order once their requests
+    /// in flight complete.
+    fn remove(&self, ctl: &Control, name: &str, force: bool) -> Result<(), Error>;
+    /// The exports.
+    fn list(&self) -> ExportList;
+    /// Stops every export (the daemon's shutdown), as a forced remove.
+    fn stop_all(&self, ctl: &Control);
+}
