@@ -1,14 +1,15 @@
 //! Exports as the control plane sees them: what `export add` asks for,
 //! what `export ls` reports, and the [`ExportService`] a daemon plugs into
-//! its [`Control`] to serve them. The control library knows no protocol:
-//! the service (the daemon, which links the exports) does.
+//! its [`crate::Control`] to serve them. The control library knows no
+//! protocol: the service (the daemon, which links the exports) does.
 
 use std::fmt;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
-use udm_core::Error;
+use udm_core::{BlockDevice, Error};
 
-use crate::verbs::Control;
+use crate::registry::Holder;
 
 /// `export add`'s arguments.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -76,18 +77,30 @@ impl fmt::Display for ExportList {
     }
 }
 
-/// What serves exports for a [`Control`] (set with
-/// [`Control::set_exports`]). Each export holds its device
-/// ([`crate::Holder::Export`]) from `add` until it is removed.
+/// What an [`ExportService`] needs of the device registry: devices by
+/// name, and holds on them.
+pub trait Devices {
+    /// The device called `name`.
+    fn device(&self, name: &str) -> Option<Arc<dyn BlockDevice>>;
+    /// Registers `holder` on device `name`: it cannot be removed until
+    /// released.
+    fn hold(&self, name: &str, holder: Holder) -> Result<(), Error>;
+    /// Releases `holder`'s hold on device `name`.
+    fn release(&self, name: &str, holder: &Holder) -> Result<(), Error>;
+}
+
+/// What serves exports for a [`crate::Control`] (set with
+/// [`crate::Control::set_exports`]). Each export holds its device
+/// ([`Holder::Export`]) from `add` until it is removed.
 pub trait ExportService: Send + Sync {
     /// Starts serving `spec`.
-    fn add(&self, ctl: &Control, spec: ExportSpec) -> Result<ExportInfo, Error>;
+    fn add(&self, devs: &dyn Devices, spec: ExportSpec) -> Result<ExportInfo, Error>;
     /// Stops the export `name`: refused (Busy) while clients are connected
     /// unless `force`, which disconnects them in order once their requests
     /// in flight complete.
-    fn remove(&self, ctl: &Control, name: &str, force: bool) -> Result<(), Error>;
+    fn remove(&self, devs: &dyn Devices, name: &str, force: bool) -> Result<(), Error>;
     /// The exports.
     fn list(&self) -> ExportList;
     /// Stops every export (the daemon's shutdown), as a forced remove.
-    fn stop_all(&self, ctl: &Control);
+    fn stop_all(&self, devs: &dyn Devices);
 }

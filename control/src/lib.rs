@@ -34,7 +34,7 @@ pub use backend::{backend_kind, is_backend_spec, open_backend, open_path, KINDS}
 pub use client::{request, Client};
 pub use config::{Config, DeviceDef, ExportDef};
 pub use dispatch::execute;
-pub use exports::{ExportInfo, ExportList, ExportService, ExportSpec};
+pub use exports::{Devices, ExportInfo, ExportList, ExportService, ExportSpec};
 pub use paths::{control_socket, default_socket, CONTROL_ENV};
 pub use proto::{decode, Op, Reply, Request};
 pub use registry::{Entry, Holder, Registry, RemoveMode};

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-use udm_control::{Control, ExportInfo, ExportList, ExportService, ExportSpec, Holder};
+use udm_control::{Devices, ExportInfo, ExportList, ExportService, ExportSpec, Holder};
 use udm_core::{Error, ErrorKind, ReactorConfig};
 use udm_exports::nbd::{Export, Listen, Server, ServerConfig};
 
@@ -48,7 +48,7 @@ impl NbdExports {
     }
 
     /// Stops `r`'s server and waits for it, then releases its device.
-    fn stop(ctl: &Control, mut r: Running) {
+    fn stop(ctl: &dyn Devices, mut r: Running) {
         let _ = (&r.stop).write_all(&[1]);
         if let Some(t) = r.thread.take() {
             match t.join() {
@@ -71,7 +71,7 @@ fn uri(name: &str, l: &Listen) -> String {
 }
 
 impl ExportService for NbdExports {
-    fn add(&self, ctl: &Control, spec: ExportSpec) -> Result<ExportInfo, Error> {
+    fn add(&self, ctl: &dyn Devices, spec: ExportSpec) -> Result<ExportInfo, Error> {
         if spec.protocol != "nbd" {
             return Err(Error::new(
                 ErrorKind::Unsupported,
@@ -96,7 +96,7 @@ impl ExportService for NbdExports {
                 ),
             ));
         }
-        let dev = ctl.get(&spec.device).ok_or_else(|| {
+        let dev = ctl.device(&spec.device).ok_or_else(|| {
             Error::new(
                 ErrorKind::NotFound,
                 format!("unknown device '{}'", spec.device),
@@ -157,7 +157,7 @@ impl ExportService for NbdExports {
         Ok(info)
     }
 
-    fn remove(&self, ctl: &Control, name: &str, force: bool) -> Result<(), Error> {
+    fn remove(&self, ctl: &dyn Devices, name: &str, force: bool) -> Result<(), Error> {
         let r = {
             let mut running = self.running();
             let Some(i) = running.iter().position(|r| r.info.name == name) else {
@@ -191,7 +191,7 @@ impl ExportService for NbdExports {
         ExportList { exports }
     }
 
-    fn stop_all(&self, ctl: &Control) {
+    fn stop_all(&self, ctl: &dyn Devices) {
         let all: Vec<Running> = self.running().drain(..).collect();
         // Each server first stops accepting, then all drain together.
         for r in &all {
