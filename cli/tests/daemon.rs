@@ -166,6 +166,38 @@ fn the_daemon_starts_empty_owns_its_socket_and_stops_clean() {
     );
 }
 
+/// Under systemd (Type=notify) the daemon says READY=1 once its config's
+/// devices exist and its control socket accepts.
+#[test]
+fn readiness_is_notified_to_systemd() {
+    let dir = TempDir::new("notify");
+    let notify = std::os::unix::net::UnixDatagram::bind(dir.path("notify")).unwrap();
+    notify
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let cfg = dir.path("udm.toml");
+    std::fs::write(&cfg, "[[device]]\nname = \"r\"\nspec = \"ram:1M\"\n").unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_udm"))
+        .args(["daemon", "--config", cfg.to_str().unwrap()])
+        .env("UDM_CONTROL", dir.path("control"))
+        .env("NOTIFY_SOCKET", dir.path("notify"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let _kill = common::KillOnDrop(Some(child));
+    let mut b = [0u8; 256];
+    let n = notify.recv(&mut b).unwrap();
+    assert_eq!(String::from_utf8_lossy(&b[..n]).trim_end(), "READY=1");
+    // Ready means ready: the config's device is there.
+    let out = Command::new(env!("CARGO_BIN_EXE_udm"))
+        .args(["ls"])
+        .env("UDM_CONTROL", dir.path("control"))
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("r\tram"));
+}
+
 #[test]
 fn a_stale_socket_is_reclaimed() {
     let dir = TempDir::new("stale");
