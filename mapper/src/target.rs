@@ -180,6 +180,17 @@ pub trait Target: Send + Sync {
     /// Adjusts the stacked limits (dm's `io_hints`), e.g. a stripe's io_opt.
     fn io_hints(&self, _limits: &mut Limits) {}
 
+    /// Called on a control thread when a suspend begins, before it holds
+    /// new I/O and waits for the I/O in flight (dm's `presuspend`): where a
+    /// target that keeps bios back (delay) lets them go, so that the drain
+    /// does not wait for them.
+    fn presuspend(&self) {}
+
+    /// Called on a control thread when the device resumes with this
+    /// target's table live (dm's `resume`): the match of
+    /// [`Target::presuspend`].
+    fn resume(&self) {}
+
     /// Called on a control thread once a suspend has drained the device's
     /// I/O (dm's `postsuspend`), e.g. for a cache to commit or write back.
     /// An error fails the suspend (the device stays suspended).

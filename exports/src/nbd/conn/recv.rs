@@ -12,9 +12,7 @@ use crate::front::{self, Front, FrontOp, ReqFlags, Submitted};
 use super::super::handshake::{Negotiated, Outcome};
 use super::super::proto::{self, Command, Request, TxParams};
 use super::req::ReqId;
-use super::{
-    errno_str, req_done, Conn, Tx, LEND_MIN, MAX_INFLIGHT_BYTES, MAX_REQS, RBUF_LEN,
-};
+use super::{errno_str, req_done, Conn, Tx, LEND_MIN, MAX_INFLIGHT_BYTES, MAX_REQS, RBUF_LEN};
 
 impl Conn {
     /// Posts the connection's recv, unless one is in flight or reading
