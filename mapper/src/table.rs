@@ -72,6 +72,7 @@ impl Registry {
                 targets::flakey::FLAKEY,
                 targets::delay::DELAY,
                 targets::dust::DUST,
+                targets::log_writes::LOG_WRITES,
             ],
         }
     }

@@ -5,6 +5,7 @@ pub mod dust;
 pub mod error;
 pub mod flakey;
 pub mod linear;
+pub mod log_writes;
 pub mod striped;
 pub mod writecache;
 pub mod zero;
