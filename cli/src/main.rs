@@ -8,6 +8,7 @@
 //! udm status  [--control PATH | --dev NAME=SPEC...] [DEVICE]...   dmsetup-style status
 //! udm message [--control PATH | --dev NAME=SPEC...] DEVICE [SECTOR] MSG...
 //! udm reload  --control PATH DEVICE 'TABLE'                  load + suspend + resume
+//! udm log-replay --log LOG --replay TARGET [--limit N | --end-mark NAME] [--check CMD]
 //! udm targets | udm version | udm completions SHELL
 //! ```
 
@@ -16,6 +17,7 @@ mod bench;
 mod clock;
 mod cmds;
 mod progress;
+mod replay;
 mod serve;
 
 use std::process::ExitCode;
@@ -66,6 +68,8 @@ enum Cmd {
     Message(cmds::MessageArgs),
     /// Load + suspend + resume a new table on a device of a running server.
     Reload(cmds::ReloadArgs),
+    /// Replay a dm-log-writes log onto a device, checking at flush points.
+    LogReplay(replay::ReplayArgs),
     /// The target types tables may use.
     Targets(cmds::JsonArgs),
     /// udm's version and its control protocol's.
@@ -130,6 +134,7 @@ fn run(cmd: Cmd) -> Result<i32, Error> {
         Cmd::Status(a) => cmds::status(a),
         Cmd::Message(a) => cmds::message(a),
         Cmd::Reload(a) => cmds::reload(a),
+        Cmd::LogReplay(a) => replay::main(a),
         Cmd::Targets(a) => cmds::targets(a),
         Cmd::Version(a) => cmds::version(a),
         Cmd::Completions { shell } => {
