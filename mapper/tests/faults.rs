@@ -448,7 +448,7 @@ fn delay_adds_its_latency_at_qd1_and_qd32_and_keeps_order() {
     });
     within(p50(qd32), "writes at QD32");
     // No bio is held once all completed.
-    assert_eq!(md.table().status_lines(), [format!("0 4096 delay 0 0")]);
+    assert_eq!(md.table().status_lines(), ["0 4096 delay 0 0"]);
 }
 
 #[test]
@@ -614,7 +614,7 @@ fn log_writes_replays_to_the_same_bytes_at_every_mark() {
 
 fn msg_err_on_bad_message(devs: &Devices) -> String {
     let md = devs.mapped("lw2", "0 64 log-writes data log");
-    msg(&md, "frob").unwrap_err().to_string()
+    msg(&md, "frob").expect_err("unknown message").to_string()
 }
 
 #[test]

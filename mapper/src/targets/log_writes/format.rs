@@ -15,7 +15,7 @@
 use udm_core::{Error, ErrorKind};
 
 /// `WRITE_LOG_MAGIC`.
-pub const MAGIC: u64 = 0x6a73_6677_7368_72;
+pub const MAGIC: u64 = 0x006a_7366_7773_6872;
 /// `WRITE_LOG_VERSION`.
 pub const VERSION: u64 = 1;
 /// The entry followed a flush (an empty flush is an entry of its own).
