@@ -8,6 +8,7 @@
 //! capabilities. So a simple target's `map` is a couple of lines.
 
 use std::rc::Rc;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use udm_core::{Bio, BioPtr, BlockDevice, Caps, Channel, Error, Limits, Reactor, Status};
@@ -141,6 +142,18 @@ pub trait Target: Send + Sync {
     /// fast path then does the remap itself and skips the call to `map`.
     /// Only meaningful with [`Target::no_clone`].
     fn remap_offset(&self) -> Option<u64> {
+        None
+    }
+
+    /// With [`Target::remap_offset`]: a flag that says when the offset
+    /// remap holds. While it is set the fast path remaps by the offset
+    /// without calling the target; while it is clear it calls `map`. For a
+    /// target that is a pure remap only in some states (dust with no bad
+    /// blocks), so that its pass-through state costs a load over linear's.
+    /// The target keeps the flag true exactly while `map` would only add the
+    /// offset to any bio of the target, whatever its
+    /// [`Target::max_io_len`] (which then matters only while it is clear).
+    fn remap_gate(&self) -> Option<&AtomicBool> {
         None
     }
 

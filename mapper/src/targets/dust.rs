@@ -53,6 +53,9 @@ struct Dust {
     /// Enabled and some block is bad: the one word the map reads when
     /// nothing is to fail. Changed under `bad`'s lock.
     armed: AtomicBool,
+    /// `!armed`: the fast path's [`Target::remap_gate`]. While set, the
+    /// core remaps by the offset without calling `map`.
+    pass: AtomicBool,
 }
 
 fn bad_arg(msg: String) -> Error {
@@ -89,6 +92,7 @@ fn dust_ctr(ctx: &CtrCtx<'_>, argv: &[&str]) -> Result<Box<dyn Target>, Error> {
         enabled: AtomicBool::new(false),
         quiet: AtomicBool::new(false),
         armed: AtomicBool::new(false),
+        pass: AtomicBool::new(true),
     }))
 }
 
@@ -99,10 +103,9 @@ impl Dust {
 
     /// Recomputes `armed` (with `bad` locked).
     fn rearm(&self, bad: &BTreeMap<u64, u8>) {
-        self.armed.store(
-            self.enabled.load(Ordering::Relaxed) && !bad.is_empty(),
-            Ordering::Relaxed,
-        );
+        let armed = self.enabled.load(Ordering::Relaxed) && !bad.is_empty();
+        self.armed.store(armed, Ordering::Release);
+        self.pass.store(!armed, Ordering::Release);
     }
 
     /// The map with bad blocks to look at. The core split the bio at block
@@ -164,6 +167,14 @@ impl Target for Dust {
 
     fn max_io_len(&self) -> u64 {
         1 << self.shift
+    }
+
+    fn remap_offset(&self) -> Option<u64> {
+        Some(self.devs[0].start)
+    }
+
+    fn remap_gate(&self) -> Option<&AtomicBool> {
+        Some(&self.pass)
     }
 
     fn status(&self, ty: StatusType, out: &mut String) {
