@@ -222,12 +222,7 @@ impl TableIo {
             FastMap::Offset(start, ch, gate)
                 if (t.max_io_len == 0 || !gate.is_null()) && aligned(start) =>
             {
-                Plan::Offset(OffsetPlan {
-                    w,
-                    start,
-                    ch,
-                    gate,
-                })
+                Plan::Offset(OffsetPlan { w, start, ch, gate })
             }
             // Table::build checked the window is the chunk, a multiple of
             // the block size.

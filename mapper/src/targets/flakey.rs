@@ -27,9 +27,9 @@
 //! was (as dm-flakey clones the pages). Time comes from a [`Clock`], which
 //! tests replace ([`ctr_with_clock`]).
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::Instant;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use udm_core::{Bio, BioFlags, BioPtr, Error, Op, Status};
 
@@ -57,10 +57,65 @@ pub const PROBABILITY_BASE: u32 = 1_000_000_000;
 pub trait Clock: Send + Sync {
     /// Milliseconds since the clock's origin; never decreases.
     fn now_ms(&self) -> u64;
+
+    /// Runs `f` once the clock reads `ms` or later: on a timer thread for
+    /// the real clock, inside [`ManualClock::advance_ms`] for the manual one.
+    fn at(&self, ms: u64, f: Timer);
 }
+
+/// A callback for [`Clock::at`].
+pub type Timer = Box<dyn FnOnce() + Send>;
 
 /// The real clock: milliseconds since it was made.
 pub struct MonotonicClock(Instant);
+
+/// The process's one timer thread for [`MonotonicClock::at`]: callbacks by
+/// due time, run in order (one thread for every flakey target; the
+/// callbacks only flip a flag).
+struct TimerThread {
+    queue: Mutex<Vec<(Instant, Timer)>>,
+    cv: Condvar,
+}
+
+fn timer_thread() -> Option<&'static TimerThread> {
+    static T: OnceLock<Option<&'static TimerThread>> = OnceLock::new();
+    *T.get_or_init(|| {
+        let t: &'static TimerThread = Box::leak(Box::new(TimerThread {
+            queue: Mutex::new(Vec::new()),
+            cv: Condvar::new(),
+        }));
+        std::thread::Builder::new()
+            .name("udm-flakey-timer".into())
+            .spawn(move || t.run())
+            .ok()
+            .map(|_| t)
+    })
+}
+
+impl TimerThread {
+    fn run(&self) {
+        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            let now = Instant::now();
+            if let Some(i) = q.iter().position(|(d, _)| *d <= now) {
+                let (_, f) = q.swap_remove(i);
+                drop(q);
+                f();
+                q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+                continue;
+            }
+            let wait = q
+                .iter()
+                .map(|(d, _)| d.saturating_duration_since(now))
+                .min()
+                .unwrap_or(Duration::from_secs(3600));
+            q = match self.cv.wait_timeout(q, wait) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
+        }
+    }
+}
 
 impl MonotonicClock {
     /// A clock starting now.
@@ -80,27 +135,63 @@ impl Clock for MonotonicClock {
     fn now_ms(&self) -> u64 {
         self.0.elapsed().as_millis() as u64
     }
+
+    fn at(&self, ms: u64, f: Timer) {
+        // Without a timer thread the gate stays shut and every bio goes
+        // through the map, which reads the clock: slower, still right.
+        if let Some(t) = timer_thread() {
+            let due = self.0 + Duration::from_millis(ms);
+            t.queue
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((due, f));
+            t.cv.notify_one();
+        }
+    }
 }
 
 /// A clock that moves only when told: for tests of the intervals.
 #[derive(Default)]
-pub struct ManualClock(AtomicU64);
+pub struct ManualClock {
+    now: AtomicU64,
+    timers: Mutex<Vec<(u64, Timer)>>,
+}
 
 impl ManualClock {
     /// A clock at 0.
     pub fn new() -> ManualClock {
-        ManualClock(AtomicU64::new(0))
+        ManualClock::default()
     }
 
-    /// Moves the clock forward by `ms` milliseconds.
+    /// Moves the clock forward by `ms` milliseconds and runs the timers
+    /// that fall due.
     pub fn advance_ms(&self, ms: u64) {
-        self.0.fetch_add(ms, Ordering::Relaxed);
+        let now = self.now.fetch_add(ms, Ordering::SeqCst) + ms;
+        let due: Vec<Timer> = {
+            let mut t = self.timers.lock().unwrap_or_else(|p| p.into_inner());
+            let (due, keep): (Vec<_>, Vec<_>) = t.drain(..).partition(|(d, _)| *d <= now);
+            *t = keep;
+            due.into_iter().map(|(_, f)| f).collect()
+        };
+        for f in due {
+            f();
+        }
     }
 }
 
 impl Clock for ManualClock {
     fn now_ms(&self) -> u64 {
-        self.0.load(Ordering::Relaxed)
+        self.now.load(Ordering::SeqCst)
+    }
+
+    fn at(&self, ms: u64, f: Timer) {
+        if ms <= self.now_ms() {
+            return f();
+        }
+        self.timers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((ms, f));
     }
 }
 
@@ -134,6 +225,10 @@ struct Flakey {
     /// Clock reading until which the device is known to be up: the map
     /// compares against it and computes the cycle only past it.
     up_until: AtomicU64,
+    /// The fast path's [`Target::remap_gate`]: set while up, so that the
+    /// core remaps by the offset without calling `map`; cleared by a clock
+    /// timer at `up_until` (and so within the timer's latency of it).
+    pass: Arc<AtomicBool>,
     /// xorshift state for the random features.
     rng: AtomicU64,
 }
@@ -188,10 +283,14 @@ pub fn ctr_with_clock(
         t0: clock.now_ms(),
         clock,
         up_until: AtomicU64::new(0),
+        pass: Arc::new(AtomicBool::new(false)),
         rng: AtomicU64::new(0x9e37_79b9_7f4a_7c15),
     };
     parse_features(&mut f, rest)?;
     f.up_until = AtomicU64::new(f.t0 + up as u64 * 1000);
+    if up > 0 {
+        f.open_gate(f.t0 + up as u64 * 1000);
+    }
     Ok(Box::new(f))
 }
 
@@ -281,10 +380,27 @@ impl Flakey {
         let pos = secs % cycle;
         if pos < self.up as u64 {
             let end = self.t0 + (secs - pos + self.up as u64) * 1000;
-            self.up_until.store(end, Ordering::Relaxed);
+            if self.up_until.swap(end, Ordering::Relaxed) != end {
+                self.open_gate(end);
+            }
             return false;
         }
         true
+    }
+
+    /// Lets the fast path remap until clock reading `until`, when a timer
+    /// shuts the gate again.
+    fn open_gate(&self, until: u64) {
+        self.pass.store(true, Ordering::Release);
+        let gate = Arc::downgrade(&self.pass);
+        self.clock.at(
+            until,
+            Box::new(move || {
+                if let Some(g) = gate.upgrade() {
+                    g.store(false, Ordering::Release);
+                }
+            }),
+        );
     }
 
     /// A random number below `PROBABILITY_BASE`-sized ranges and offsets.
@@ -425,6 +541,14 @@ impl Target for Flakey {
 
     fn no_clone(&self) -> bool {
         true
+    }
+
+    fn remap_offset(&self) -> Option<u64> {
+        Some(self.devs[0].start)
+    }
+
+    fn remap_gate(&self) -> Option<&AtomicBool> {
+        Some(&self.pass)
     }
 
     fn wants_end_io(&self) -> EndIoWhen {
