@@ -7,6 +7,7 @@
 //! udm create | remove | load | suspend | resume | reload | clear | wait   (dmsetup's verbs)
 //! udm ls | info | deps | table | status | message | dump-config
 //! udm export add | remove | ls
+//! udm log-replay --log LOG --replay TARGET [--limit N | --end-mark NAME] [--check CMD]
 //! udm targets | udm version | udm completions SHELL
 //! ```
 //!
@@ -19,6 +20,7 @@ mod clock;
 mod cmds;
 mod daemon;
 mod progress;
+mod replay;
 mod serve;
 
 use std::process::ExitCode;
@@ -96,6 +98,8 @@ enum Cmd {
     Export(cmds::export::ExportCmd),
     /// Print the daemon's devices and exports as a config file.
     DumpConfig(cmds::CtlArgs),
+    /// Replay a dm-log-writes log onto a device, checking at flush points.
+    LogReplay(replay::ReplayArgs),
     /// The target types tables may use.
     Targets(cmds::JsonArgs),
     /// udm's version and its control protocol's.
@@ -173,6 +177,7 @@ fn run(cmd: Cmd) -> Result<i32, Error> {
         Cmd::Message(a) => cmds::message(a),
         Cmd::Export(c) => cmds::export::main(c),
         Cmd::DumpConfig(a) => cmds::dev::dump_config(a),
+        Cmd::LogReplay(a) => replay::main(a),
         Cmd::Targets(a) => cmds::targets(a),
         Cmd::Version(a) => cmds::version(a),
         Cmd::Completions { shell } => {

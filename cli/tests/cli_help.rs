@@ -7,7 +7,7 @@ mod common;
 
 use common::udm;
 
-const VERBS: [&str; 22] = [
+const VERBS: [&str; 23] = [
     "bench",
     "serve",
     "daemon",
@@ -29,6 +29,7 @@ const VERBS: [&str; 22] = [
     "dump-config",
     "targets",
     "version",
+    "log-replay",
     "completions",
 ];
 
@@ -62,22 +63,46 @@ fn completions_are_printed_for_each_shell() {
 fn targets_and_version_print_text_or_json() {
     let (code, out, _) = udm(&["targets"]);
     assert_eq!(code, 0);
-    for t in ["linear", "striped", "zero", "error", "writecache"] {
+    for t in [
+        "linear",
+        "striped",
+        "zero",
+        "error",
+        "writecache",
+        "flakey",
+        "delay",
+        "dust",
+        "log-writes",
+    ] {
         assert!(out.lines().any(|l| l.starts_with(t)), "{t}: {out}");
     }
     let (_, out, _) = udm(&["targets", "--json"]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     let types = v["targets"].as_array().unwrap();
     let names: Vec<&str> = types.iter().filter_map(|t| t["name"].as_str()).collect();
-    assert_eq!(names, ["error", "linear", "striped", "writecache", "zero"]);
-    let linear = &types[1];
+    assert_eq!(
+        names,
+        [
+            "delay",
+            "dust",
+            "error",
+            "flakey",
+            "linear",
+            "log-writes",
+            "striped",
+            "writecache",
+            "zero"
+        ]
+    );
+    let linear = &types[4];
     assert_eq!(linear["version"].as_array().unwrap().len(), 3);
     assert_eq!(linear["usage"], "<dev> <offset>");
     assert_eq!(
         (linear["min_args"].as_u64(), linear["max_args"].as_u64()),
         (Some(2), Some(2))
     );
-    assert_eq!(types[3]["exclusive_args"], serde_json::json!([2]));
+    assert_eq!(types[7]["exclusive_args"], serde_json::json!([2]));
+    assert_eq!(types[5]["exclusive_args"], serde_json::json!([1]));
     let (_, out, _) = udm(&["version", "--json"]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["protocol"], 1);

@@ -98,6 +98,9 @@ impl MappedDevice {
             c.suspended = true;
             c.reactors.clone()
         };
+        for t in &self.table().targets {
+            t.target.presuspend();
+        }
         self.for_each_channel(&handles, |_, ch, g| {
             ch.set_suspended(true);
             // The channel's slow work drops the guard once nothing is in flight.
@@ -134,6 +137,9 @@ impl MappedDevice {
             c.suspended = false;
             (c.reactors.clone(), table)
         };
+        for t in &self.table().targets {
+            t.target.resume();
+        }
         self.for_each_channel(&handles, move |r, ch, g| {
             if let Some(t) = &table {
                 if let Err(e) = switch(r, ch, t.clone()) {

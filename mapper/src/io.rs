@@ -23,6 +23,7 @@
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::rc::{Rc, Weak};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use udm_core::{
@@ -113,6 +114,8 @@ struct OffsetPlan {
     start: u64,
     /// The target's device's channel (as [`FastMap::Offset`]'s).
     ch: *const dyn Channel,
+    /// The target's remap gate, or null (as [`FastMap::Offset`]'s).
+    gate: *const AtomicBool,
 }
 
 /// [`Plan::Stripes`]: the target, its geometry and its stripes.
@@ -132,6 +135,11 @@ impl OffsetPlan {
         let Some((rel, _)) = self.w.admit(&bio) else {
             return ch.submit_slow(bio);
         };
+        // SAFETY: a non-null gate points into the target, which the
+        // current TableIo keeps alive (see Window).
+        if !self.gate.is_null() && !unsafe { (*self.gate).load(Ordering::Relaxed) } {
+            return ch.submit_slow(bio);
+        }
         self.w.push(&mut bio);
         bio.sector = rel.wrapping_add(self.start);
         // SAFETY: `ch` is the current TableIo's channel to the device, and
@@ -208,8 +216,13 @@ impl TableIo {
         // And the remapped sector must stay aligned: the device's start is.
         let aligned = |start: u64| start & self.lbs_mask == 0;
         match t.fast {
-            FastMap::Offset(start, ch) if t.max_io_len == 0 && aligned(start) => {
-                Plan::Offset(OffsetPlan { w, start, ch })
+            // A gated target's max_io_len matters only while its gate is
+            // clear, and then the plan sends the bio to the slow path,
+            // which splits.
+            FastMap::Offset(start, ch, gate)
+                if (t.max_io_len == 0 || !gate.is_null()) && aligned(start) =>
+            {
+                Plan::Offset(OffsetPlan { w, start, ch, gate })
             }
             // Table::build checked the window is the chunk, a multiple of
             // the block size.
@@ -409,7 +422,13 @@ impl MapperChannel {
                         bio.push_end_io_ctx(tio.endio, tio as *const TableIo as *mut (), ti as u64);
                     tio.get();
                     return match t.fast {
-                        FastMap::Offset(start, ch) => {
+                        FastMap::Offset(start, ch, gate) => {
+                            // SAFETY: a non-null gate points into the
+                            // target, which `t` keeps alive.
+                            if !gate.is_null() && !unsafe { (*gate).load(Ordering::Relaxed) } {
+                                bio.sector = rel;
+                                return self.map_fast(tio, ti, bio);
+                            }
                             bio.sector = rel.wrapping_add(start);
                             // SAFETY: `ch` is `Rc::as_ptr(&t.chans[0])`, which
                             // `t` owns and never changes.

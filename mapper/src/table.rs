@@ -69,6 +69,10 @@ impl Registry {
                 targets::zero::ZERO,
                 targets::error::ERROR,
                 targets::writecache::WRITECACHE,
+                targets::flakey::FLAKEY,
+                targets::delay::DELAY,
+                targets::dust::DUST,
+                targets::log_writes::LOG_WRITES,
             ],
         }
     }

@@ -6,6 +6,7 @@
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::rc::{Rc, Weak};
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use udm_core::{
@@ -76,11 +77,12 @@ impl Stripes {
 #[derive(Clone, Copy)]
 pub(crate) enum FastMap {
     /// A pure offset remap ([`Target::remap_offset`]): what to add to the
-    /// target-relative sector, and device 0's channel. No call to the
-    /// target. (Added to the relative sector, which the range check left in
+    /// target-relative sector, device 0's channel, and the target's
+    /// [`Target::remap_gate`] (null for none): while the gate is clear the
+    /// target's `map` runs instead. No call to the target otherwise. (Added to the relative sector, which the range check left in
     /// a register, not to the bio's: the device's sector is then ready a
     /// load earlier, and at QD1 the device waits for it.)
-    Offset(u64, *const dyn Channel),
+    Offset(u64, *const dyn Channel, *const AtomicBool),
     /// [`Target::stripe_shifts`], every stripe at the same offset on its
     /// device (as in most striped tables): the geometry; the stripes'
     /// channels are the target's `devs`. No call to the target.
@@ -172,7 +174,13 @@ impl TableIo {
                     max_io_len: t.max_io_len,
                     end_io: t.end_io,
                     fast: match (t.remap_offset, t.fast_stripes) {
-                        (Some(o), _) => FastMap::Offset(o, Rc::as_ptr(&chans[0])),
+                        (Some(o), _) => FastMap::Offset(
+                            o,
+                            Rc::as_ptr(&chans[0]),
+                            t.target
+                                .remap_gate()
+                                .map_or(std::ptr::null(), |g| g as *const AtomicBool),
+                        ),
                         // Checked when the table was built (one device per
                         // stripe, whole rows, max_io_len the chunk, one
                         // start: see Table::build).

@@ -8,6 +8,7 @@
 //! capabilities. So a simple target's `map` is a couple of lines.
 
 use std::rc::Rc;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use udm_core::{Bio, BioPtr, BlockDevice, Caps, Channel, Error, Limits, Reactor, Status};
@@ -152,6 +153,18 @@ pub trait Target: Send + Sync {
         None
     }
 
+    /// With [`Target::remap_offset`]: a flag that says when the offset
+    /// remap holds. While it is set the fast path remaps by the offset
+    /// without calling the target; while it is clear it calls `map`. For a
+    /// target that is a pure remap only in some states (dust with no bad
+    /// blocks), so that its pass-through state costs a load over linear's.
+    /// The target keeps the flag true exactly while `map` would only add the
+    /// offset to any bio of the target, whatever its
+    /// [`Target::max_io_len`] (which then matters only while it is clear).
+    fn remap_gate(&self) -> Option<&AtomicBool> {
+        None
+    }
+
     /// For a target whose `map` stripes as dm's `striped` does with
     /// power-of-two geometry: chunk `c` (of `1 << chunk_shift` sectors) of
     /// the target goes to device `c & (n - 1)`, at chunk `c >> stripe_shift`
@@ -187,6 +200,17 @@ pub trait Target: Send + Sync {
 
     /// Adjusts the stacked limits (dm's `io_hints`), e.g. a stripe's io_opt.
     fn io_hints(&self, _limits: &mut Limits) {}
+
+    /// Called on a control thread when a suspend begins, before it holds
+    /// new I/O and waits for the I/O in flight (dm's `presuspend`): where a
+    /// target that keeps bios back (delay) lets them go, so that the drain
+    /// does not wait for them.
+    fn presuspend(&self) {}
+
+    /// Called on a control thread when the device resumes with this
+    /// target's table live (dm's `resume`): the match of
+    /// [`Target::presuspend`].
+    fn resume(&self) {}
 
     /// Called on a control thread once a suspend has drained the device's
     /// I/O (dm's `postsuspend`), e.g. for a cache to commit or write back.

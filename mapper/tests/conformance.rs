@@ -1,6 +1,7 @@
 //! The conformance suite every block device in udm must pass: the backends
 //! (ram, null, file in each of its modes, powercut) and the targets over
-//! them (linear, striped, zero, error, writecache). [`conformance`] takes a
+//! them (linear, striped, zero, error, writecache, flakey, delay, dust,
+//! log-writes). [`conformance`] takes a
 //! device factory and what the device promises ([`Expect`]: whether reads
 //! return data, zeroes, nothing or errors; its exact caps; its logical block
 //! size; whether discard leaves zeroes) and runs each check against a fresh
@@ -266,6 +267,96 @@ fn striped_over_ram_conforms() {
             ))
         },
         Expect::data("striped over ram", ram_caps()),
+    );
+}
+
+/// flakey in its up interval (an hour up, a second down): a pass-through.
+#[test]
+fn flakey_up_over_ram_conforms() {
+    conformance(
+        || {
+            let mut devs = Devices::new();
+            devs.ram("r", DEV_SECTORS + 64);
+            Fixture::plain(mapped(
+                &devs,
+                "flakey",
+                &format!("0 {DEV_SECTORS} flakey r 64 3600 1"),
+            ))
+        },
+        Expect::data("flakey (up) over ram", ram_caps()),
+    );
+}
+
+/// delay 0: a pure remap.
+#[test]
+fn delay_zero_over_ram_conforms() {
+    conformance(
+        || {
+            let mut devs = Devices::new();
+            devs.ram("r", DEV_SECTORS + 64);
+            Fixture::plain(mapped(
+                &devs,
+                "delay0",
+                &format!("0 {DEV_SECTORS} delay r 64 0"),
+            ))
+        },
+        Expect::data("delay 0 over ram", ram_caps()),
+    );
+}
+
+/// delay with every class delayed (reads 1 ms, writes 2 ms, flushes 1 ms,
+/// writes on a second device): every I/O takes at least the smallest.
+#[test]
+fn delay_over_ram_conforms() {
+    conformance(
+        || {
+            let mut devs = Devices::new();
+            devs.ram("r", DEV_SECTORS);
+            Fixture::plain(mapped(
+                &devs,
+                "delay",
+                &format!("0 {DEV_SECTORS} delay r 0 1 r 0 2 r 0 1"),
+            ))
+        },
+        Expect {
+            min_latency: Some(Duration::from_millis(1)),
+            ..Expect::data("delay over ram", ram_caps())
+        },
+    );
+}
+
+/// dust with no bad blocks (4 KiB blocks: I/O is split at each).
+#[test]
+fn dust_over_ram_conforms() {
+    conformance(
+        || {
+            let mut devs = Devices::new();
+            devs.ram("r", DEV_SECTORS);
+            Fixture::plain(mapped(
+                &devs,
+                "dust",
+                &format!("0 {DEV_SECTORS} dust r 0 4096"),
+            ))
+        },
+        Expect::data("dust over ram", ram_caps()),
+    );
+}
+
+/// log-writes over ram, logging to ram.
+#[test]
+fn log_writes_over_ram_conforms() {
+    conformance(
+        || {
+            let mut devs = Devices::new();
+            devs.ram("r", DEV_SECTORS);
+            devs.ram("log", 4 * DEV_SECTORS);
+            Fixture::plain(mapped(
+                &devs,
+                "lw",
+                &format!("0 {DEV_SECTORS} log-writes r log"),
+            ))
+        },
+        Expect::data("log-writes over ram", ram_caps()),
     );
 }
 

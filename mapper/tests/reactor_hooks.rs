@@ -224,7 +224,20 @@ fn the_registry_lists_every_type_described() {
     let reg = Registry::builtin();
     let types = reg.types();
     let names: Vec<&str> = types.iter().map(|t| t.name).collect();
-    assert_eq!(names, ["error", "linear", "striped", "writecache", "zero"]);
+    assert_eq!(
+        names,
+        [
+            "delay",
+            "dust",
+            "error",
+            "flakey",
+            "linear",
+            "log-writes",
+            "striped",
+            "writecache",
+            "zero"
+        ]
+    );
     let mut sorted = reg.names();
     sorted.sort();
     assert_eq!(sorted, names, "names() and types() agree");

@@ -1,7 +1,11 @@
-//! The built-in targets, one file each.
+//! The built-in targets, one file (or folder) each.
 
+pub mod delay;
+pub mod dust;
 pub mod error;
+pub mod flakey;
 pub mod linear;
+pub mod log_writes;
 pub mod striped;
 pub mod writecache;
 pub mod zero;

@@ -78,13 +78,18 @@ impl Devices {
 
     /// Builds `text` (dmsetup table syntax) over these devices.
     pub fn try_table(&self, text: &str) -> Result<Table, Error> {
+        self.try_table_in(&Registry::builtin(), text)
+    }
+
+    /// Builds `text` with the target types of `reg`.
+    pub fn try_table_in(&self, reg: &Registry, text: &str) -> Result<Table, Error> {
         let resolve = |name: &str| -> Result<Arc<dyn BlockDevice>, Error> {
             self.map
                 .get(name)
                 .cloned()
                 .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("no device '{name}'")))
         };
-        Table::from_text(text, &Registry::builtin(), &resolve)
+        Table::from_text(text, reg, &resolve)
     }
 
     /// Builds `text`, which the test expects to be valid.

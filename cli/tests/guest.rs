@@ -1,0 +1,95 @@
+//! udm against the Linux kernel, in the test guest (`scripts/guest/`,
+//! QEMU/TCG): what the kernel writes, udm reads the same way.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::{udm, TempDir};
+
+/// Boots the guest with `script` and `disks`; panics with its console
+/// unless the script succeeds.
+fn guest(dir: &TempDir, script: &str, disks: &[&Path]) {
+    let s = dir.path("test.sh");
+    std::fs::write(&s, script).unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = Command::new(root.join("scripts/guest/run.sh"))
+        .arg(&s)
+        .args(disks)
+        .env("UDM", env!("CARGO_BIN_EXE_udm"))
+        .output()
+        .expect("scripts/guest/run.sh");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "the guest's test failed:\n{text}");
+}
+
+fn image(path: &Path, len: u64) {
+    let f = std::fs::File::create(path).unwrap();
+    f.set_len(len).unwrap();
+}
+
+/// Linux's dm-log-writes logs two marked phases of writes; udm's
+/// log-replay replays the log to each mark and gets the bytes the device
+/// held at that mark.
+#[test]
+fn a_log_written_by_linux_dm_log_writes_replays_with_udm_to_each_mark() {
+    let dir = TempDir::new("guest-lw");
+    let (log, one, fin) = (
+        dir.path("log.img"),
+        dir.path("one.img"),
+        dir.path("final.img"),
+    );
+    for p in [&log, &one, &fin] {
+        image(p, 64 << 20);
+    }
+    guest(
+        &dir,
+        r#"
+insmod /lib/modules/brd.ko rd_size=65536 rd_nr=2
+dmsetup create lw --table "0 131072 log-writes /dev/ram0 /dev/ram1"
+dd if=/dev/urandom of=/tmp/one bs=4k count=256 2>/dev/null
+dd if=/tmp/one of=/dev/mapper/lw bs=4k conv=fsync 2>/dev/null
+dmsetup message lw 0 mark one
+dd if=/dev/urandom of=/dev/mapper/lw bs=4k count=128 seek=200 conv=fsync 2>/dev/null
+dmsetup message lw 0 mark two
+dmsetup status lw
+dmsetup remove lw
+dd if=/dev/ram1 of=/dev/vda bs=1M conv=fsync 2>/dev/null
+dd if=/tmp/one of=/dev/vdb bs=1M conv=fsync 2>/dev/null
+dd if=/dev/ram0 of=/dev/vdc bs=1M conv=fsync 2>/dev/null
+"#,
+        &[&log, &one, &fin],
+    );
+    let mb = 1 << 20;
+    for (mark, want, len) in [("one", &one, mb), ("two", &fin, 328 * 4096)] {
+        let out = dir.path(&format!("replayed-{mark}.img"));
+        image(&out, 64 << 20);
+        let (code, _, err) = udm(&[
+            "log-replay",
+            "--log",
+            log.to_str().unwrap(),
+            "--replay",
+            out.to_str().unwrap(),
+            "--end-mark",
+            mark,
+        ]);
+        assert_eq!(code, 0, "replay to '{mark}': {err}");
+        let got = std::fs::read(&out).unwrap();
+        let want = std::fs::read(want).unwrap();
+        assert!(
+            got[..len] == want[..len],
+            "replayed to '{mark}', the first {len} bytes differ from the device's"
+        );
+        if mark == "one" {
+            // The second phase's writes are not in yet.
+            assert!(got[mb..mb + 4096].iter().all(|&b| b == 0));
+        }
+    }
+}
