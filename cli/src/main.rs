@@ -17,6 +17,7 @@ mod clock;
 mod cmds;
 mod progress;
 mod serve;
+mod stats;
 
 use std::process::ExitCode;
 
@@ -66,6 +67,8 @@ enum Cmd {
     Message(cmds::MessageArgs),
     /// Load + suspend + resume a new table on a device of a running server.
     Reload(cmds::ReloadArgs),
+    /// A mapped device's I/O statistics (and latency histograms).
+    Stats(stats::StatsArgs),
     /// The target types tables may use.
     Targets(cmds::JsonArgs),
     /// udm's version and its control protocol's.
@@ -130,6 +133,7 @@ fn run(cmd: Cmd) -> Result<i32, Error> {
         Cmd::Status(a) => cmds::status(a),
         Cmd::Message(a) => cmds::message(a),
         Cmd::Reload(a) => cmds::reload(a),
+        Cmd::Stats(a) => stats::main(a),
         Cmd::Targets(a) => cmds::targets(a),
         Cmd::Version(a) => cmds::version(a),
         Cmd::Completions { shell } => {

@@ -20,16 +20,19 @@
 mod backend;
 mod client;
 mod dispatch;
+pub mod metrics;
 pub mod proto;
 mod registry;
 pub mod report;
 mod server;
 mod size;
+pub mod stats;
 mod verbs;
 
 pub use backend::{backend_kind, is_backend_spec, open_backend, open_path, KINDS};
 pub use client::{request, Client};
 pub use dispatch::execute;
+pub use metrics::{serve_metrics, MetricsServer};
 pub use proto::{decode, Op, Reply, Request};
 pub use registry::{Entry, Holder, Registry, RemoveMode};
 pub use server::{bind, default_path, ControlServer, IDLE, MAX_CONNS};
