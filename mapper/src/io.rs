@@ -55,9 +55,6 @@ enum Plan {
         /// Whether the fast path is on.
         fast: bool,
     },
-    /// Latency is timed ([`MapperChannel::set_timed`]): a frame with the
-    /// submit time, then the channel's `inner` plan.
-    Timed,
 }
 
 /// What a one-target plan checks a bio against: the target's range and the
@@ -230,10 +227,13 @@ impl TableIo {
 /// A mapped device's channel on one reactor.
 pub struct MapperChannel {
     /// What new bios take: the current table's plan ([`TableIo::plan`])
-    /// when not suspended and the fast path is on, else the slow path;
-    /// [`Plan::Timed`] while latency is timed.
+    /// when not suspended and the fast path is on, else the slow path.
+    /// While latency is timed it is the slow path's, whose entry
+    /// ([`MapperChannel::submit_other`]) times the bio and follows `inner`:
+    /// timing costs the untimed path nothing (a fourth plan would turn the
+    /// match into a jump table).
     plan: Cell<Plan>,
-    /// The plan under [`Plan::Timed`] (never `Timed` itself).
+    /// The plan itself, whether or not timed.
     inner: Cell<Plan>,
     /// Whether latency is timed.
     timed: Cell<bool>,
@@ -291,8 +291,11 @@ impl MapperChannel {
             Plan::Other { fast: false }
         };
         self.inner.set(plan);
-        self.plan
-            .set(if self.timed.get() { Plan::Timed } else { plan });
+        self.plan.set(if self.timed.get() {
+            Plan::Other { fast: false }
+        } else {
+            plan
+        });
     }
 
     /// Times (or, with false, stops timing) each new bio's latency into
@@ -385,14 +388,23 @@ impl Channel for MapperChannel {
             Plan::Offset(p) => p.map(bio, self),
             Plan::Stripes(p) => p.map(bio, self),
             Plan::Other { fast: true } => self.map_targets(bio),
-            Plan::Other { fast: false } => self.submit_slow(bio),
-            Plan::Timed => self.submit_timed(bio),
+            Plan::Other { fast: false } => self.submit_other(bio),
         }
     }
 }
 
 impl MapperChannel {
-    /// [`Plan::Timed`]: saves the submit time in a frame of the bio (when
+    /// The slow path's entry from [`Channel::submit`]: the timed path while
+    /// latency is timed, else the slow path.
+    #[cold]
+    fn submit_other(&self, bio: BioPtr) {
+        if self.timed.get() {
+            return self.submit_timed(bio);
+        }
+        self.submit_slow(bio)
+    }
+
+    /// Timing: saves the submit time in a frame of the bio (when
     /// one is free; else the bio goes untimed), then the inner plan.
     #[inline(never)]
     fn submit_timed(&self, mut bio: BioPtr) {
@@ -406,7 +418,7 @@ impl MapperChannel {
             Plan::Offset(p) => p.map(bio, self),
             Plan::Stripes(p) => p.map(bio, self),
             Plan::Other { fast: true } => self.map_targets(bio),
-            Plan::Other { fast: false } | Plan::Timed => self.submit_slow(bio),
+            Plan::Other { fast: false } => self.submit_slow(bio),
         }
     }
     /// The fast path on a table of [`Plan::Other`] (with `fast`).

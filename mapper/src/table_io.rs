@@ -237,7 +237,7 @@ impl TableIo {
     /// statistics, and out of `inflight`.
     #[inline(always)]
     pub fn done(&self, bio: &BioPtr) {
-        self.stats.complete(bio.op, bio.len(), bio.status().is_ok());
+        self.stats.complete(bio.op, bio.len(), bio.status());
         self.put();
     }
 
