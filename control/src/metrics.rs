@@ -275,19 +275,24 @@ mod tests {
     }
 
     #[test]
+    fn label_values_are_escaped() {
+        assert_eq!(label("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    }
+
+    #[test]
     fn metrics_are_served_over_http_and_the_server_stops_on_drop() {
         let c = Arc::new(Control::default());
         c.create("r", "ram:1M").unwrap();
-        c.create("l\"x", "0 2048 linear r 0").unwrap();
-        c.message("l\"x", 0, &["stats", "histogram", "on"]).unwrap();
+        c.create("lin", "0 2048 linear r 0").unwrap();
+        c.message("lin", 0, &["stats", "histogram", "on"]).unwrap();
         let m = serve_metrics("127.0.0.1:0".parse().unwrap(), c.clone()).unwrap();
         let addr = m.local_addr();
         let r = get(addr, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
         assert!(r.starts_with("HTTP/1.1 200 OK\r\n"), "{r}");
         assert!(r.contains("# TYPE udm_reads_total counter\n"), "{r}");
-        assert!(r.contains("udm_reads_total{device=\"l\\\"x\"} 0\n"), "{r}");
+        assert!(r.contains("udm_reads_total{device=\"lin\"} 0\n"), "{r}");
         assert!(
-            r.contains("udm_latency_seconds_bucket{device=\"l\\\"x\",op=\"read\",le=\"+Inf\"} 0\n"),
+            r.contains("udm_latency_seconds_bucket{device=\"lin\",op=\"read\",le=\"+Inf\"} 0\n"),
             "{r}"
         );
         // Backends have no statistics (yet): only the mapped device.
