@@ -179,7 +179,8 @@ pub fn render(control: &Control) -> String {
         })
         .collect();
     let mut o = String::new();
-    let counters: [(&str, &str, fn(&Dev) -> u64); 10] = [
+    type Counter = (&'static str, &'static str, fn(&Dev) -> u64);
+    let counters: [Counter; 10] = [
         ("udm_reads_total", "Completed reads.", |d| {
             d.snap.ios[Op::Read as usize]
         }),
