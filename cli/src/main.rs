@@ -22,6 +22,7 @@ mod daemon;
 mod progress;
 mod replay;
 mod serve;
+mod stats;
 
 use std::process::ExitCode;
 
@@ -100,6 +101,8 @@ enum Cmd {
     DumpConfig(cmds::CtlArgs),
     /// Replay a dm-log-writes log onto a device, checking at flush points.
     LogReplay(replay::ReplayArgs),
+    /// A mapped device's I/O statistics (and latency histograms).
+    Stats(stats::StatsArgs),
     /// The target types tables may use.
     Targets(cmds::JsonArgs),
     /// udm's version and its control protocol's.
@@ -178,6 +181,7 @@ fn run(cmd: Cmd) -> Result<i32, Error> {
         Cmd::Export(c) => cmds::export::main(c),
         Cmd::DumpConfig(a) => cmds::dev::dump_config(a),
         Cmd::LogReplay(a) => replay::main(a),
+        Cmd::Stats(a) => stats::main(a),
         Cmd::Targets(a) => cmds::targets(a),
         Cmd::Version(a) => cmds::version(a),
         Cmd::Completions { shell } => {

@@ -64,6 +64,9 @@ pub struct ServeArgs {
     /// Reactors busy-poll (a spinning core each, lowest latency).
     #[arg(long)]
     poll: bool,
+    /// Serve Prometheus metrics over HTTP at ADDR (e.g. 127.0.0.1:9100).
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<std::net::SocketAddr>,
 }
 
 /// The built-in stack of `udm serve`.
@@ -115,6 +118,7 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
         interrupt,
         hybrid,
         poll,
+        metrics,
     } = a;
     let reactor = completion_mode(poll, interrupt, hybrid.as_deref(), adaptive.as_deref())?;
     if reactors == 0 || reactors > 64 {
@@ -208,6 +212,14 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
         }
     }
     let ctl = ControlServer::start(ctl_listener, ctl_path.clone(), stack.clone())?;
+    let metrics = match metrics {
+        Some(addr) => {
+            let m = udm_control::serve_metrics(addr, stack.clone())?;
+            println!("udm: metrics at http://{}/metrics", m.local_addr());
+            Some(m)
+        }
+        None => None,
+    };
     // On a signal, the control socket closes first: no reload may leave a
     // device suspended, nor start, past this point, and a device a client
     // suspended resumes, so that the requests it holds finish. Then the
@@ -233,6 +245,7 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
     // Stopped by the watcher, or failed: either way the watcher finishes.
     let _ = (&wake).write_all(&[0]);
     let _ = watcher.join();
+    drop(metrics);
     r?;
     let all: Vec<Arc<dyn BlockDevice>> = stack.devices();
     let failed = server::flush_all(&all)?;

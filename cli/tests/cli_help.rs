@@ -7,7 +7,7 @@ mod common;
 
 use common::udm;
 
-const VERBS: [&str; 23] = [
+const VERBS: [&str; 24] = [
     "bench",
     "serve",
     "daemon",
@@ -30,6 +30,7 @@ const VERBS: [&str; 23] = [
     "targets",
     "version",
     "log-replay",
+    "stats",
     "completions",
 ];
 

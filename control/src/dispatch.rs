@@ -64,6 +64,11 @@ pub fn execute(ctl: &Control, op: Op) -> Result<Value, Error> {
         Op::Resume { name } => value(ctl.resume(&name)),
         Op::Clear { name } => value(ctl.clear(&name)),
         Op::Reload { name, table } => value(ctl.reload(&name, &table)),
+        Op::Stats {
+            name,
+            histogram,
+            clear,
+        } => value(ctl.stats(&name, histogram, clear)),
     }
 }
 

@@ -163,6 +163,17 @@ pub enum Op {
         /// Table text.
         table: String,
     },
+    /// A mapped device's I/O statistics.
+    Stats {
+        /// The device.
+        name: String,
+        /// With the latency histograms.
+        #[serde(default)]
+        histogram: bool,
+        /// Start the counts again from zero after this report.
+        #[serde(default)]
+        clear: bool,
+    },
 }
 
 /// The ops' names, as requests spell them.
@@ -188,6 +199,7 @@ pub const OPS: &[&str] = &[
     "resume",
     "clear",
     "reload",
+    "stats",
 ];
 
 /// A request: an op with the protocol version and the client's id.

@@ -173,6 +173,6 @@ fn parent_endio(mut bio: BioPtr) {
         return put_parent(p, true);
     }
     bio.pop_end_io();
-    tio.put();
+    tio.done(&bio);
     bio.endio();
 }

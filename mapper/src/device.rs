@@ -21,6 +21,7 @@ use udm_core::{
 };
 
 use crate::io::MapperChannel;
+use crate::stats::DevStats;
 use crate::table::Table;
 use crate::waiter::{lock, Guard, Waiter};
 
@@ -40,6 +41,7 @@ pub struct MappedDevice {
     /// Key of this device's channel in each reactor's locals.
     key: u64,
     ctl: Mutex<Control>,
+    stats: DevStats,
 }
 
 impl MappedDevice {
@@ -55,6 +57,7 @@ impl MappedDevice {
                 fast_path: true,
                 reactors: Vec::new(),
             }),
+            stats: DevStats::default(),
         })
     }
 
@@ -167,9 +170,57 @@ impl MappedDevice {
         })
     }
 
-    /// Sends a message to the target holding `sector`.
+    /// Sends a message to the target holding `sector`; `stats …` is the
+    /// device's own (see [`MappedDevice::stats_message`]).
     pub fn message(&self, sector: u64, argv: &[&str]) -> Result<String, Error> {
+        if argv.first() == Some(&"stats") {
+            return self.stats_message(&argv[1..]);
+        }
         self.table().message(sector, argv)
+    }
+
+    /// `stats histogram on|off` (latency timing) and `stats clear`.
+    fn stats_message(&self, argv: &[&str]) -> Result<String, Error> {
+        match argv {
+            ["histogram", on @ ("on" | "off")] => {
+                self.set_histogram(*on == "on")?;
+                Ok(String::new())
+            }
+            ["clear"] => {
+                self.stats.clear();
+                Ok(String::new())
+            }
+            _ => Err(Error::invalid(format!(
+                "message 'stats {}': expected 'stats histogram on|off' or 'stats clear'",
+                argv.join(" ")
+            ))),
+        }
+    }
+
+    /// The device's I/O statistics.
+    pub fn stats(&self) -> &DevStats {
+        &self.stats
+    }
+
+    /// Turns latency timing (the statistics' histograms) on or off.
+    pub fn set_histogram(&self, on: bool) -> Result<(), Error> {
+        let handles = {
+            let c = lock(&self.ctl);
+            self.stats.set_histogram_flag(on);
+            c.reactors.clone()
+        };
+        self.for_each_channel(&handles, move |_, ch, _g| ch.set_timed(on))
+    }
+
+    /// I/Os in flight, over every reactor (asked of each).
+    pub fn inflight(&self) -> Result<u64, Error> {
+        let handles = lock(&self.ctl).reactors.clone();
+        let n = Arc::new(AtomicU64::new(0));
+        let m = n.clone();
+        self.for_each_channel(&handles, move |_, ch, _g| {
+            m.fetch_add(ch.inflight(), Ordering::Relaxed);
+        })?;
+        Ok(n.load(Ordering::Relaxed))
     }
 
     /// Runs `f` on every reactor's channel to this device and waits for all.
@@ -250,8 +301,15 @@ impl BlockDevice for MappedDevice {
             return Ok(ch);
         }
         let mut c = lock(&self.ctl);
-        let ch = MapperChannel::open(c.live.clone(), reactor, c.suspended, c.fast_path)
-            .map_err(|e| e.context(format!("device '{}'", self.name)))?;
+        let ch = MapperChannel::open(
+            c.live.clone(),
+            reactor,
+            c.suspended,
+            c.fast_path,
+            self.stats.shard(),
+            self.stats.histogram(),
+        )
+        .map_err(|e| e.context(format!("device '{}'", self.name)))?;
         reactor.set_local(self.key, ch.clone());
         c.reactors.retain(|h| !h.is_closed());
         c.reactors.push(reactor.handle());

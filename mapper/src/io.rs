@@ -31,6 +31,7 @@ use udm_core::{
 };
 
 use crate::clone;
+use crate::stats::Shard;
 use crate::table::Table;
 use crate::table_io::{ChanState, FastMap, Stripes, TableIo, TargetIo};
 use crate::target::{Map, MapCtx};
@@ -240,7 +241,15 @@ impl TableIo {
 pub struct MapperChannel {
     /// What new bios take: the current table's plan ([`TableIo::plan`])
     /// when not suspended and the fast path is on, else the slow path.
+    /// While latency is timed it is the slow path's, whose entry
+    /// ([`MapperChannel::submit_other`]) times the bio and follows `inner`:
+    /// timing costs the untimed path nothing (a fourth plan would turn the
+    /// match into a jump table).
     plan: Cell<Plan>,
+    /// The plan itself, whether or not timed.
+    inner: Cell<Plan>,
+    /// Whether latency is timed.
+    timed: Cell<bool>,
     /// `current`'s address, so the hot path reads a pointer, not a RefCell.
     cur: Cell<*const TableIo>,
     current: RefCell<Rc<TableIo>>,
@@ -253,6 +262,8 @@ impl MapperChannel {
         reactor: &Reactor,
         suspended: bool,
         fast_path: bool,
+        stats: Arc<Shard>,
+        timed: bool,
     ) -> Result<Rc<MapperChannel>, Error> {
         let me: Weak<MapperChannel> = Weak::new();
         let state = Rc::new(ChanState {
@@ -266,10 +277,13 @@ impl MapperChannel {
             requeue_clones: RefCell::new(VecDeque::new()),
             retired: RefCell::new(Vec::new()),
             drain: RefCell::new(None),
+            stats,
         });
         let tio = Rc::new(TableIo::open(table, reactor, state.clone())?);
         let ch = MapperChannel {
             plan: Cell::new(Plan::Other { fast: false }),
+            inner: Cell::new(Plan::Other { fast: false }),
+            timed: Cell::new(timed),
             cur: Cell::new(Rc::as_ptr(&tio)),
             current: RefCell::new(tio),
             state,
@@ -284,11 +298,24 @@ impl MapperChannel {
     /// Makes the plan again; called whenever what it depends on changes.
     fn refresh(&self) {
         let st = &self.state;
-        self.plan.set(if !st.suspended.get() && st.fast_path.get() {
+        let plan = if !st.suspended.get() && st.fast_path.get() {
             self.tio().plan(self.cur.get())
         } else {
             Plan::Other { fast: false }
+        };
+        self.inner.set(plan);
+        self.plan.set(if self.timed.get() {
+            Plan::Other { fast: false }
+        } else {
+            plan
         });
+    }
+
+    /// Times (or, with false, stops timing) each new bio's latency into
+    /// the statistics' histograms.
+    pub(crate) fn set_timed(&self, on: bool) {
+        self.timed.set(on);
+        self.refresh();
     }
 
     /// Holds (or, with false, releases the hold on) new I/O.
@@ -374,12 +401,39 @@ impl Channel for MapperChannel {
             Plan::Offset(p) => p.map(bio, self),
             Plan::Stripes(p) => p.map(bio, self),
             Plan::Other { fast: true } => self.map_targets(bio),
-            Plan::Other { fast: false } => self.submit_slow(bio),
+            Plan::Other { fast: false } => self.submit_other(bio),
         }
     }
 }
 
 impl MapperChannel {
+    /// The slow path's entry from [`Channel::submit`]: the timed path while
+    /// latency is timed, else the slow path.
+    #[cold]
+    fn submit_other(&self, bio: BioPtr) {
+        if self.timed.get() {
+            return self.submit_timed(bio);
+        }
+        self.submit_slow(bio)
+    }
+
+    /// Timing: saves the submit time in a frame of the bio (when
+    /// one is free; else the bio goes untimed), then the inner plan.
+    #[inline(never)]
+    fn submit_timed(&self, mut bio: BioPtr) {
+        if bio.can_push() {
+            let st = &self.state.stats;
+            let now = st.now_ns();
+            let _ = bio.push_end_io_ctx(timed_endio, Arc::as_ptr(st) as *mut (), now);
+        }
+        // SAFETY: as in submit: `inner` changes only in `refresh`.
+        match unsafe { &*self.inner.as_ptr() } {
+            Plan::Offset(p) => p.map(bio, self),
+            Plan::Stripes(p) => p.map(bio, self),
+            Plan::Other { fast: true } => self.map_targets(bio),
+            Plan::Other { fast: false } => self.submit_slow(bio),
+        }
+    }
     /// The fast path on a table of [`Plan::Other`] (with `fast`).
     #[inline(never)]
     fn map_targets(&self, bio: BioPtr) {
@@ -503,6 +557,18 @@ impl MapperChannel {
             }
         }
     }
+}
+
+/// A timed bio completes: its latency goes into the histogram of its
+/// operation, then the caller's completion runs.
+fn timed_endio(mut bio: BioPtr) {
+    // SAFETY: pushed by `submit_timed` with the channel's shard, which the
+    // channel's state holds; the submitter keeps the channel open while its
+    // bio is in flight.
+    let st = unsafe { &*(bio.private() as *const Shard) };
+    st.latency(bio.op, st.now_ns().saturating_sub(bio.ctx()));
+    bio.pop_end_io();
+    bio.endio();
 }
 
 /// The fast path for a [`crate::Target::map_sector`] target `t` (index `ti`).

@@ -18,6 +18,7 @@ pub mod device;
 #[doc(hidden)]
 pub mod fuzzing;
 mod io;
+pub mod stats;
 pub mod table;
 mod table_io;
 pub mod target;

@@ -13,6 +13,7 @@ use udm_core::{
     BioPtr, BlockDevice, Channel, EndIo, Error, Poller, Reactor, Status, WorkQueue, SECTOR_SHIFT,
 };
 
+use crate::stats::Shard;
 use crate::table::Table;
 use crate::target::{EndIoWhen, Map, Target};
 use crate::waiter::Guard;
@@ -144,6 +145,8 @@ pub(crate) struct TableIo {
     pub inflight: Cell<u64>,
     /// The owning channel's state (for retries from completion context).
     pub state: Rc<ChanState>,
+    /// This reactor's statistics for the device (as `state`'s).
+    pub stats: Arc<Shard>,
     /// The reactor it is open on ([`Target::reactor_close`] gets it).
     reactor_id: usize,
 }
@@ -223,6 +226,7 @@ impl TableIo {
             targets,
             flush_chans,
             inflight: Cell::new(0),
+            stats: state.stats.clone(),
             state,
         })
     }
@@ -235,6 +239,14 @@ impl TableIo {
     #[inline]
     pub fn put(&self) {
         self.inflight.set(self.inflight.get() - 1);
+    }
+
+    /// A bio mapped through this table completes: counted in the
+    /// statistics, and out of `inflight`.
+    #[inline(always)]
+    pub fn done(&self, bio: &BioPtr) {
+        self.stats.complete(bio.op, bio.len(), bio.status());
+        self.put();
     }
 
     /// Dispatches what target `ti`'s map returned. The device index goes into
@@ -293,6 +305,8 @@ pub(crate) struct ChanState {
     pub retired: RefCell<Vec<Rc<TableIo>>>,
     /// Held while a suspend waits for in-flight I/O to drain.
     pub drain: RefCell<Option<Guard>>,
+    /// This reactor's statistics for the device.
+    pub stats: Arc<Shard>,
 }
 
 impl ChanState {
@@ -353,7 +367,7 @@ fn noclone_endio(mut bio: BioPtr) {
     // TableIo as private.
     let tio = unsafe { mapped_tio(&bio) };
     bio.pop_end_io();
-    tio.put();
+    tio.done(&bio);
     bio.endio();
 }
 
@@ -390,6 +404,6 @@ fn target_end_io(tio: &TableIo, mut bio: BioPtr) {
         t.target().end_io(&mut bio, dev);
     }
     bio.pop_end_io();
-    tio.put();
+    tio.done(&bio);
     bio.endio();
 }

@@ -60,6 +60,10 @@ pub struct DaemonArgs {
     /// Reactors busy-poll (a spinning core each).
     #[arg(long)]
     poll: bool,
+    /// Serve Prometheus metrics over HTTP at ADDR (e.g. 127.0.0.1:9100;
+    /// docs/stats.md).
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<std::net::SocketAddr>,
 }
 
 /// Runs `udm daemon`.
@@ -94,6 +98,14 @@ pub fn main(a: DaemonArgs) -> Result<i32, Error> {
             return Err(e);
         }
     }
+    let metrics = match a.metrics {
+        Some(addr) => {
+            let m = udm_control::serve_metrics(addr, ctl.clone())?;
+            println!("udm: metrics at http://{}/metrics", m.local_addr());
+            Some(m)
+        }
+        None => None,
+    };
     let server = ControlServer::start(listener, path.clone(), ctl.clone())?;
     println!("udm: daemon ready; control socket at {}", path.display());
     let _ = std::io::stdout().flush();
@@ -103,6 +115,7 @@ pub fn main(a: DaemonArgs) -> Result<i32, Error> {
     tracing::info!("daemon: stopping: exports first, then the control socket");
     ctl.stop_exports();
     server.shutdown();
+    drop(metrics);
     // Top of the stack first: a cache's flush writes back to the devices
     // below before they are flushed themselves.
     let devs: Vec<Arc<dyn BlockDevice>> = ctl.devices().into_iter().rev().collect();
