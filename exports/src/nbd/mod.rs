@@ -20,9 +20,11 @@ pub mod conn;
 pub mod export;
 pub mod fuzzing;
 pub mod handshake;
+pub mod limits;
 pub mod proto;
 pub mod server;
 
 pub use handshake::{Handshake, Negotiated, Outcome};
+pub use limits::Limits;
 pub use proto::ExportInfo;
 pub use server::{Export, Listen, Server, ServerConfig};

@@ -57,7 +57,9 @@ impl Req {
     /// The data buffer, grown to hold `len` bytes.
     pub fn data_for(&mut self, len: usize) -> *mut u8 {
         if self.bufs.data.len() < len {
-            self.bufs.data.resize(len.div_ceil(AlignedBuf::ALIGN) * AlignedBuf::ALIGN);
+            self.bufs
+                .data
+                .resize(len.div_ceil(AlignedBuf::ALIGN) * AlignedBuf::ALIGN);
         }
         self.bufs.data.as_mut_ptr()
     }
