@@ -324,18 +324,10 @@ const ACCEPT_BATCH: usize = 256;
 
 /// A log line at most once a second, with a count of what happened since
 /// the last one.
+#[derive(Default)]
 struct RateLog {
     last: Option<Instant>,
     count: u64,
-}
-
-impl Default for RateLog {
-    fn default() -> Self {
-        RateLog {
-            last: None,
-            count: 0,
-        }
-    }
 }
 
 impl RateLog {
