@@ -10,7 +10,7 @@
 //! gets an error reply and the connection goes on. Requests on different
 //! connections run concurrently (see [`Control`] for what waits for what).
 
-use std::io::{BufRead, BufReader, ErrorKind as IoKind, Read, Write};
+use std::io::{BufRead, BufReader, ErrorKind as IoKind, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
