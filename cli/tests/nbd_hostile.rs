@@ -5,6 +5,8 @@
 //! and that a fresh client (libnbd's nbdsh) still writes and reads
 //! correctly beside or after them.
 
+#![allow(clippy::unwrap_used)] // helpers too: allow-unwrap-in-tests only covers #[test] fns
+
 mod common;
 
 use std::io::Read;
