@@ -136,6 +136,12 @@ fn parse_limits(hs: &str, max_conns: usize, inflight: &str) -> Result<Limits, Er
             "--max-inflight '{inflight}': expected a size such as 256M"
         ))
     })?;
+    if max_inflight < limits::MIN_INFLIGHT {
+        return Err(Error::invalid(format!(
+            "--max-inflight '{inflight}': expected at least {} MiB (two of the largest requests)",
+            limits::MIN_INFLIGHT >> 20
+        )));
+    }
     let l = Limits {
         handshake_timeout: (secs > 0).then(|| std::time::Duration::from_secs(secs)),
         max_connections: max_conns,
@@ -428,7 +434,8 @@ mod tests {
         assert!(err(parse_limits("x", 8, "1G")).contains("--handshake-timeout 'x'"));
         assert!(err(parse_limits("5", 0, "1G")).contains("--max-connections 0"));
         assert!(err(parse_limits("5", 8, "lots")).contains("--max-inflight 'lots'"));
-        assert!(err(parse_limits("5", 8, "1M")).contains("at least 64 MiB"));
+        assert!(err(parse_limits("5", 8, "1M"))
+            .contains("--max-inflight '1M': expected at least 64 MiB"));
         assert_eq!(parse_export_cap("lin=4").unwrap(), ("lin".into(), 4));
         for bad in ["lin", "lin=0", "=3", "lin=x"] {
             assert!(parse_export_cap(bad)
