@@ -10,6 +10,7 @@
 //!      │        (crate::front); send.rs: replies batched into one sendmsg
 //!      ▼
 //!   handshake.rs  option negotiation as a state machine over bytes
+//!   limits.rs     handshake deadline, connection caps, the buffer budget
 //!   proto.rs      wire constants, types, pure parse/encode (fuzzed)
 //! ```
 //!
