@@ -292,3 +292,63 @@ fn slow_readers_and_stalled_writers_stay_within_the_budget() {
     s.wait_log("closed:", 20);
     fresh_client_writes_and_reads(&s, 48 << 20);
 }
+
+/// With few descriptors (hard RLIMIT_NOFILE 320), the cap is lowered to
+/// leave the reserve free: a flood of idle sockets is refused at the cap,
+/// accept never fails for want of descriptors, and once the flood's
+/// sockets reach the deadline a fresh client gets in.
+#[test]
+fn the_cap_fits_the_descriptor_limit() {
+    let dir = common::TempDir::new("nofile");
+    let sock = dir.path("nbd.sock");
+    let err = dir.path("stderr");
+    let out = dir.path("stdout");
+    let child = std::process::Command::new("prlimit")
+        .args(["--nofile=320:320", "--", env!("CARGO_BIN_EXE_udm"), "serve"])
+        .args([
+            "--dev",
+            "ram0=ram:64M",
+            "--dev",
+            "lin=0 131072 linear ram0 0",
+        ])
+        .args(["--handshake-timeout", "1", "--listen"])
+        .arg(format!("unix:{}", sock.display()))
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .unwrap();
+    let _kill = common::KillOnDrop(Some(child));
+    let t0 = Instant::now();
+    while !std::fs::read_to_string(&out)
+        .unwrap_or_default()
+        .contains("control socket at")
+    {
+        assert!(t0.elapsed() < Duration::from_secs(10), "did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let flood: Vec<UnixStream> = (0..300)
+        .filter_map(|_| UnixStream::connect(&sock).ok())
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let log = std::fs::read_to_string(&err).unwrap();
+    assert!(log.contains("RLIMIT_NOFILE"), "the cap was lowered: {log}");
+    assert!(log.contains("refused"), "{log}");
+    assert!(!log.contains("accept on"), "accept failed: {log}");
+    // Past the deadline the flood's sockets are gone and a client gets in.
+    let t0 = Instant::now();
+    loop {
+        let ok = std::panic::catch_unwind(|| {
+            let uri = format!("nbd+unix:///lin?socket={}", sock.display());
+            run(
+                "nbdsh",
+                &["-u", &uri, "-c", "assert len(h.pread(4096, 0)) == 4096"],
+            );
+        });
+        if ok.is_ok() {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "no client got in");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    drop(flood);
+}
