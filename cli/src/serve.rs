@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use udm_control::{Control, ControlServer, Holder};
 use udm_core::{BlockDevice, CompletionMode, Error, ReactorConfig};
-use udm_exports::nbd::{server, Export, Listen, Server, ServerConfig};
+use udm_exports::nbd::{limits, server, Export, Limits, Listen, Server, ServerConfig};
 
 const AFTER_HELP: &str = "\
 Without --dev or --config: a 1 GiB RAM disk (ram0) with a linear device
@@ -67,6 +67,23 @@ pub struct ServeArgs {
     /// Serve Prometheus metrics over HTTP at ADDR (e.g. 127.0.0.1:9100).
     #[arg(long, value_name = "ADDR")]
     metrics: Option<std::net::SocketAddr>,
+    /// Close a connection that has not finished its handshake (entered
+    /// transmission) this many seconds after it was accepted; 0: never.
+    #[arg(long, value_name = "SECS", default_value = "10")]
+    handshake_timeout: String,
+    /// Connections open at once, server-wide; more are closed at once
+    /// (lowered to fit RLIMIT_NOFILE, which is raised to its hard limit).
+    #[arg(long, value_name = "N", default_value_t = udm_exports::nbd::limits::MAX_CONNECTIONS)]
+    max_connections: usize,
+    /// Connections in transmission on export NAME at once; a client over
+    /// it is refused at NBD_OPT_GO (NBD_REP_ERR_POLICY) (repeatable).
+    #[arg(long = "export-max-connections", value_name = "NAME=N")]
+    export_max_connections: Vec<String>,
+    /// Bytes of READ and WRITE buffers in flight, server-wide (K, M, G
+    /// suffixes; at least 64M): half is shared equally between
+    /// --max-connections, half lent to the connections that need more.
+    #[arg(long, value_name = "SIZE", default_value = "256M")]
+    max_inflight: String,
 }
 
 /// The built-in stack of `udm serve`.
@@ -105,6 +122,53 @@ fn parse_export(s: &str) -> Result<(String, bool), Error> {
     Ok((name.to_string(), ro))
 }
 
+/// The server's limits from `--handshake-timeout SECS`, `--max-connections
+/// N` and `--max-inflight SIZE`.
+pub(crate) fn parse_limits(hs: &str, max_conns: usize, inflight: &str) -> Result<Limits, Error> {
+    let secs = hs
+        .parse::<u64>()
+        .ok()
+        .filter(|&s| s <= 86_400)
+        .ok_or_else(|| {
+            Error::invalid(format!(
+                "--handshake-timeout '{hs}': expected seconds, 0 (none) to 86400"
+            ))
+        })?;
+    let max_inflight = limits::parse_size(inflight).ok_or_else(|| {
+        Error::invalid(format!(
+            "--max-inflight '{inflight}': expected a size such as 256M"
+        ))
+    })?;
+    if max_inflight < limits::MIN_INFLIGHT {
+        return Err(Error::invalid(format!(
+            "--max-inflight '{inflight}': expected at least {} MiB (two of the largest requests)",
+            limits::MIN_INFLIGHT >> 20
+        )));
+    }
+    let l = Limits {
+        handshake_timeout: (secs > 0).then(|| std::time::Duration::from_secs(secs)),
+        max_connections: max_conns,
+        max_inflight,
+    };
+    l.validate()?;
+    Ok(l)
+}
+
+/// Parses `NAME=N` of `--export-max-connections`.
+fn parse_export_cap(s: &str) -> Result<(String, usize), Error> {
+    let bad = || {
+        Error::invalid(format!(
+            "--export-max-connections '{s}': expected NAME=N, N at least 1"
+        ))
+    };
+    let (n, c) = s.split_once('=').ok_or_else(bad)?;
+    let c = c.parse::<usize>().ok().filter(|&c| c > 0).ok_or_else(bad)?;
+    if n.is_empty() {
+        return Err(bad());
+    }
+    Ok((n.to_string(), c))
+}
+
 /// Runs `udm serve`.
 pub fn main(a: ServeArgs) -> Result<i32, Error> {
     let ServeArgs {
@@ -119,7 +183,16 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
         hybrid,
         poll,
         metrics,
+        handshake_timeout,
+        max_connections,
+        export_max_connections,
+        max_inflight,
     } = a;
+    let limits = parse_limits(&handshake_timeout, max_connections, &max_inflight)?;
+    let export_caps = export_max_connections
+        .iter()
+        .map(|s| parse_export_cap(s))
+        .collect::<Result<Vec<_>, _>>()?;
     let reactor = completion_mode(poll, interrupt, hybrid.as_deref(), adaptive.as_deref())?;
     if reactors == 0 || reactors > 64 {
         return Err(Error::invalid(format!(
@@ -168,7 +241,21 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
                 protocol: "nbd".into(),
             },
         )?;
-        table.push(Export::new(name, dev, *ro));
+        let mut e = Export::new(name, dev, *ro);
+        e.max_connections = export_caps
+            .iter()
+            .rev()
+            .find(|(n, _)| n == name)
+            .map(|&(_, c)| c);
+        table.push(e);
+    }
+    if let Some((n, _)) = export_caps
+        .iter()
+        .find(|(n, _)| !table.iter().any(|e| &e.info.name == n))
+    {
+        return Err(Error::invalid(format!(
+            "--export-max-connections '{n}': no such export"
+        )));
     }
     let listen: Vec<Listen> = if listens.is_empty() {
         let p = std::env::temp_dir().join(format!("udm-nbd-{}.sock", std::process::id()));
@@ -196,6 +283,7 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
             listen,
             reactors: reactors as usize,
             reactor,
+            limits,
         },
     )?;
     for e in srv.exports() {
@@ -348,6 +436,26 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("unknown flag 'xx'"));
+    }
+
+    #[test]
+    fn limits_flags_are_checked_with_one_line_errors() {
+        let l = parse_limits("10", 1024, "256M").unwrap();
+        assert_eq!(l, Limits::default());
+        assert_eq!(parse_limits("0", 8, "1G").unwrap().handshake_timeout, None);
+        let err = |r: Result<Limits, Error>| r.unwrap_err().to_string();
+        assert!(err(parse_limits("x", 8, "1G")).contains("--handshake-timeout 'x'"));
+        assert!(err(parse_limits("5", 0, "1G")).contains("--max-connections 0"));
+        assert!(err(parse_limits("5", 8, "lots")).contains("--max-inflight 'lots'"));
+        assert!(err(parse_limits("5", 8, "1M"))
+            .contains("--max-inflight '1M': expected at least 64 MiB"));
+        assert_eq!(parse_export_cap("lin=4").unwrap(), ("lin".into(), 4));
+        for bad in ["lin", "lin=0", "=3", "lin=x"] {
+            assert!(parse_export_cap(bad)
+                .unwrap_err()
+                .to_string()
+                .contains("expected NAME=N"));
+        }
     }
 
     #[test]

@@ -3,13 +3,14 @@
 //! whose device methods message the reactors).
 //!
 //! Limits: a request line longer than [`MAX_LINE`] gets an error reply and
-//! the connection is closed; a connection idle for [`IDLE`] is closed; at
+//! the connection is closed; a connection idle for [`IDLE`] is closed, and
+//! one that starts a line but does not end it within [`LINE_DEADLINE`]; at
 //! most [`MAX_CONNS`] connections at once (more get one `busy` error reply
 //! and are closed). A request that is not JSON, or names an unknown op,
 //! gets an error reply and the connection goes on. Requests on different
 //! connections run concurrently (see [`Control`] for what waits for what).
 
-use std::io::{BufRead, BufReader, ErrorKind as IoKind, Read, Write};
+use std::io::{BufRead, BufReader, ErrorKind as IoKind, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -17,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use udm_core::{Error, ErrorKind};
 
@@ -27,8 +28,11 @@ use crate::verbs::Control;
 
 /// Most connections served at once.
 pub const MAX_CONNS: usize = 32;
-/// A connection idle this long is closed.
+/// A connection idle this long (between requests) is closed.
 pub const IDLE: Duration = Duration::from_secs(60);
+/// A request line must be complete this long after its first byte, else
+/// the connection is closed (as the NBD server's handshake deadline).
+pub const LINE_DEADLINE: Duration = Duration::from_secs(10);
 
 /// Binds the control socket at `path`, mode 0600. A stale socket (nobody
 /// listening) is replaced; a live one or any other file is an error. Call
@@ -217,18 +221,56 @@ enum Line {
     TooLong,
 }
 
-fn read_line(r: &mut impl BufRead) -> std::io::Result<Line> {
+/// Reads one request line. `set_timeout` is called before each wait for
+/// bytes with how long that wait may last: [`IDLE`] before the line's
+/// first byte, then what is left of [`LINE_DEADLINE`]. A wait that runs
+/// out is an error (the connection closes).
+fn read_line(
+    r: &mut impl BufRead,
+    set_timeout: &mut dyn FnMut(Duration) -> std::io::Result<()>,
+) -> std::io::Result<Line> {
     let mut buf = Vec::new();
-    let n = r.take(MAX_LINE as u64 + 1).read_until(b'\n', &mut buf)?;
-    if n == 0 {
-        return Ok(Line::Eof);
+    let mut started: Option<Instant> = None;
+    loop {
+        let wait = match started {
+            None => IDLE,
+            Some(t) => match LINE_DEADLINE.checked_sub(t.elapsed()) {
+                Some(d) if !d.is_zero() => d,
+                _ => {
+                    return Err(std::io::Error::new(
+                        IoKind::TimedOut,
+                        "request line not finished in time",
+                    ))
+                }
+            },
+        };
+        set_timeout(wait)?;
+        let avail = r.fill_buf()?;
+        if avail.is_empty() {
+            return Ok(if buf.is_empty() {
+                Line::Eof
+            } else {
+                Line::Bytes(buf)
+            });
+        }
+        started.get_or_insert_with(Instant::now);
+        let (n, done) = match avail.iter().position(|&b| b == b'\n') {
+            Some(i) => (i + 1, true),
+            None => (avail.len(), false),
+        };
+        buf.extend_from_slice(&avail[..n]);
+        r.consume(n);
+        if done {
+            buf.pop();
+            if buf.len() > MAX_LINE {
+                return Ok(Line::TooLong);
+            }
+            return Ok(Line::Bytes(buf));
+        }
+        if buf.len() > MAX_LINE {
+            return Ok(Line::TooLong);
+        }
     }
-    if buf.last() == Some(&b'\n') {
-        buf.pop();
-    } else if buf.len() > MAX_LINE {
-        return Ok(Line::TooLong);
-    }
-    Ok(Line::Bytes(buf))
 }
 
 fn serve_conn(s: UnixStream, sh: &Shared) {
@@ -236,9 +278,12 @@ fn serve_conn(s: UnixStream, sh: &Shared) {
     let _ = s.set_write_timeout(Some(IDLE));
     let Ok(w) = s.try_clone() else { return };
     let mut w = std::io::BufWriter::new(w);
+    let t = s.try_clone();
     let mut r = BufReader::new(s);
+    let Ok(t) = t else { return };
+    let mut set_timeout = |d: Duration| t.set_read_timeout(Some(d));
     loop {
-        let (reply, close) = match read_line(&mut r) {
+        let (reply, close) = match read_line(&mut r, &mut set_timeout) {
             Ok(Line::Eof) | Err(_) => return, // closed, idle or broken
             Ok(Line::TooLong) => (
                 Reply::from_result(
@@ -290,12 +335,38 @@ mod tests {
 
     #[test]
     fn request_lines_end_at_newline_and_are_bounded() {
+        let mut t = |_| Ok(());
         let mut r = std::io::Cursor::new(b"{}\r\n{\"v\":1}".to_vec());
-        assert!(matches!(read_line(&mut r).unwrap(), Line::Bytes(b) if b == b"{}\r"));
-        assert!(matches!(read_line(&mut r).unwrap(), Line::Bytes(b) if b == b"{\"v\":1}"));
-        assert!(matches!(read_line(&mut r).unwrap(), Line::Eof));
+        assert!(matches!(read_line(&mut r, &mut t).unwrap(), Line::Bytes(b) if b == b"{}\r"));
+        assert!(matches!(read_line(&mut r, &mut t).unwrap(), Line::Bytes(b) if b == b"{\"v\":1}"));
+        assert!(matches!(read_line(&mut r, &mut t).unwrap(), Line::Eof));
         let mut r = std::io::Cursor::new(vec![b'x'; MAX_LINE + 10]);
-        assert!(matches!(read_line(&mut r).unwrap(), Line::TooLong));
+        assert!(matches!(read_line(&mut r, &mut t).unwrap(), Line::TooLong));
+    }
+
+    #[test]
+    fn a_line_started_must_end_within_the_deadline() {
+        use std::os::unix::net::UnixStream;
+        let (a, b) = UnixStream::pair().unwrap();
+        (&a).write_all(b"{\"op\":").unwrap();
+        let mut waits = Vec::new();
+        let t = b.try_clone().unwrap();
+        let mut set = |d: Duration| {
+            waits.push(d);
+            // Scaled down: the test waits 100 ms, not LINE_DEADLINE.
+            t.set_read_timeout(Some(if d == IDLE {
+                d
+            } else {
+                Duration::from_millis(100)
+            }))
+        };
+        let t0 = Instant::now();
+        let r = read_line(&mut BufReader::new(b), &mut set);
+        assert!(r.is_err(), "a stalled line is an error");
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        assert_eq!(waits[0], IDLE);
+        assert!(waits[1] <= LINE_DEADLINE && waits[1] > LINE_DEADLINE / 2);
+        drop(a);
     }
 
     #[test]

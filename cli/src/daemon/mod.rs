@@ -17,7 +17,7 @@ use udm_control::{Config, Control, ControlServer};
 use udm_core::{BlockDevice, Error};
 use udm_exports::nbd::server;
 
-use crate::serve::{completion_mode, signal_pipe};
+use crate::serve::{completion_mode, parse_limits, signal_pipe};
 
 const AFTER_HELP: &str = "\
 The control socket: --control PATH, else $UDM_CONTROL, else
@@ -60,6 +60,17 @@ pub struct DaemonArgs {
     /// Reactors busy-poll (a spinning core each).
     #[arg(long)]
     poll: bool,
+    /// Per export: close a connection that has not finished its handshake
+    /// this many seconds after it was accepted; 0: never.
+    #[arg(long, value_name = "SECS", default_value = "10")]
+    handshake_timeout: String,
+    /// Per export: connections open at once; more are closed at once.
+    #[arg(long, value_name = "N", default_value_t = udm_exports::nbd::limits::MAX_CONNECTIONS)]
+    max_connections: usize,
+    /// Per export: bytes of READ and WRITE buffers in flight (K, M, G; at
+    /// least 64M).
+    #[arg(long, value_name = "SIZE", default_value = "256M")]
+    max_inflight: String,
     /// Serve Prometheus metrics over HTTP at ADDR (e.g. 127.0.0.1:9100;
     /// docs/stats.md).
     #[arg(long, value_name = "ADDR")]
@@ -90,7 +101,8 @@ pub fn main(a: DaemonArgs) -> Result<i32, Error> {
     make_parent(&path)?;
     let listener = udm_control::bind(&path)?;
     let ctl = Arc::new(Control::default());
-    let exports = Arc::new(nbd::NbdExports::new(a.reactors as usize, reactor));
+    let limits = parse_limits(&a.handshake_timeout, a.max_connections, &a.max_inflight)?;
+    let exports = Arc::new(nbd::NbdExports::new(a.reactors as usize, reactor, limits));
     ctl.set_exports(exports);
     if let Some(c) = &config {
         if let Err(e) = c.apply(&ctl) {

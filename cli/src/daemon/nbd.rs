@@ -6,13 +6,13 @@
 use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
 use udm_control::{Devices, ExportInfo, ExportList, ExportService, ExportSpec, Holder};
 use udm_core::{Error, ErrorKind, ReactorConfig};
-use udm_exports::nbd::{Export, Listen, Server, ServerConfig};
+use udm_exports::nbd::limits::Limits;
+use udm_exports::nbd::{Clients, Export, Listen, Server, ServerConfig};
 
 /// One export being served.
 struct Running {
@@ -20,7 +20,7 @@ struct Running {
     /// The address bound (a TCP port 0 resolved).
     bound: Listen,
     holder: Holder,
-    clients: Arc<AtomicUsize>,
+    clients: Clients,
     /// Written to stop the server.
     stop: UnixStream,
     thread: Option<JoinHandle<Result<(), Error>>>,
@@ -30,15 +30,18 @@ struct Running {
 pub struct NbdExports {
     reactors: usize,
     reactor: ReactorConfig,
+    limits: Limits,
     running: Mutex<Vec<Running>>,
 }
 
 impl NbdExports {
-    /// Exports served by `reactors` reactors each, built as `reactor` says.
-    pub fn new(reactors: usize, reactor: ReactorConfig) -> NbdExports {
+    /// Exports served by `reactors` reactors each, built as `reactor` says,
+    /// each server under `limits`.
+    pub fn new(reactors: usize, reactor: ReactorConfig, limits: Limits) -> NbdExports {
         NbdExports {
             reactors,
             reactor,
+            limits,
             running: Mutex::new(Vec::new()),
         }
     }
@@ -114,6 +117,7 @@ impl ExportService for NbdExports {
                     listen: vec![listen],
                     reactors: self.reactors,
                     reactor: self.reactor,
+                    limits: self.limits.clone(),
                 },
             )?;
             let bound = srv
@@ -166,7 +170,7 @@ impl ExportService for NbdExports {
                     format!("unknown export '{name}'"),
                 ));
             };
-            let n = running[i].clients.load(Ordering::Relaxed);
+            let n = running[i].clients.get();
             if n > 0 && !force {
                 return Err(Error::new(
                     ErrorKind::Busy,
@@ -184,7 +188,7 @@ impl ExportService for NbdExports {
             .running()
             .iter()
             .map(|r| ExportInfo {
-                clients: r.clients.load(Ordering::Relaxed),
+                clients: r.clients.get(),
                 ..r.info.clone()
             })
             .collect();

@@ -17,6 +17,9 @@ pub struct Export {
     pub info: ExportInfo,
     /// The device served.
     pub dev: Arc<dyn BlockDevice>,
+    /// Connections in transmission on this export at once (None: only the
+    /// server-wide cap).
+    pub max_connections: Option<usize>,
 }
 
 impl Export {
@@ -68,6 +71,7 @@ impl Export {
                 max_payload: MAX_PAYLOAD.max(pref_block),
             },
             dev,
+            max_connections: None,
         }
     }
 }

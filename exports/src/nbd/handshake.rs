@@ -101,6 +101,20 @@ impl Handshake {
         exports: &[ExportInfo],
         out: &mut Vec<u8>,
     ) -> (usize, Outcome) {
+        self.feed_admitting(input, exports, &mut |_| true, out)
+    }
+
+    /// As [`Handshake::feed`], asking `admit` before entering transmission
+    /// on export `i`: when it says no (the export is at its connection
+    /// cap), NBD_OPT_GO gets `NBD_REP_ERR_POLICY` and negotiation goes on,
+    /// NBD_OPT_EXPORT_NAME (which has no error reply) closes.
+    pub fn feed_admitting(
+        &mut self,
+        input: &[u8],
+        exports: &[ExportInfo],
+        admit: &mut dyn FnMut(usize) -> bool,
+        out: &mut Vec<u8>,
+    ) -> (usize, Outcome) {
         let mut used = 0;
         loop {
             let rest = &input[used..];
@@ -177,7 +191,7 @@ impl Handshake {
                     }
                     used += len;
                     self.state = State::OptionHeader;
-                    let outcome = self.option(option, &rest[..len], exports, out);
+                    let outcome = self.option(option, &rest[..len], exports, admit, out);
                     if outcome != Outcome::Continue {
                         self.state = State::Done;
                         return (used, outcome);
@@ -198,6 +212,7 @@ impl Handshake {
         option: u32,
         data: &[u8],
         exports: &[ExportInfo],
+        admit: &mut dyn FnMut(usize) -> bool,
         out: &mut Vec<u8>,
     ) -> Outcome {
         let find = |name: &str| -> Option<usize> {
@@ -232,6 +247,12 @@ impl Handshake {
                 let Some(i) = find(name) else {
                     return Outcome::Close(format!("EXPORT_NAME: no export '{name}'"));
                 };
+                if !admit(i) {
+                    return Outcome::Close(format!(
+                        "EXPORT_NAME: export '{}' is at its connection cap",
+                        exports[i].name
+                    ));
+                }
                 proto::put_export_name_reply(out, &exports[i], self.no_zeroes);
                 Outcome::Transmission(self.negotiated(i, &exports[i], false))
             }
@@ -257,6 +278,15 @@ impl Handshake {
                 let Some(i) = find(r.name) else {
                     return unknown(out, r.name);
                 };
+                if option == proto::OPT_GO && !admit(i) {
+                    proto::put_option_error(
+                        out,
+                        option,
+                        proto::REP_ERR_POLICY,
+                        "export at its connection cap; try later",
+                    );
+                    return Outcome::Continue;
+                }
                 proto::put_info(out, option, &exports[i], &r.infos);
                 proto::put_option_reply(out, option, proto::REP_ACK, &[]);
                 if option == proto::OPT_GO {

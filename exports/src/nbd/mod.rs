@@ -10,6 +10,7 @@
 //!      │        (crate::front); send.rs: replies batched into one sendmsg
 //!      ▼
 //!   handshake.rs  option negotiation as a state machine over bytes
+//!   limits.rs     handshake deadline, connection caps, the buffer budget
 //!   proto.rs      wire constants, types, pure parse/encode (fuzzed)
 //! ```
 //!
@@ -20,9 +21,11 @@ pub mod conn;
 pub mod export;
 pub mod fuzzing;
 pub mod handshake;
+pub mod limits;
 pub mod proto;
 pub mod server;
 
 pub use handshake::{Handshake, Negotiated, Outcome};
+pub use limits::Limits;
 pub use proto::ExportInfo;
-pub use server::{Export, Listen, Server, ServerConfig};
+pub use server::{Clients, Export, Listen, Server, ServerConfig};

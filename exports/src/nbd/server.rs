@@ -16,8 +16,9 @@ use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use udm_core::{
     BlockDevice, Error, Op, PoolConfig, Reactor, ReactorConfig, ReactorPool, Status, StopToken,
@@ -25,6 +26,7 @@ use udm_core::{
 
 use super::conn::{self, Worker};
 pub use super::export::{Export, MAX_PAYLOAD};
+use super::limits::{self, Budget, Counts, Limits, Shared};
 
 /// SO_SNDBUF asked for on accepted unix sockets (the kernel caps it at
 /// net.core.wmem_max and doubles it for overhead). The default, 208 KiB,
@@ -95,6 +97,8 @@ pub struct ServerConfig {
     pub reactors: usize,
     /// How each reactor is built.
     pub reactor: ReactorConfig,
+    /// Handshake deadline, connection cap, buffer budget.
+    pub limits: Limits,
 }
 
 enum Listener {
@@ -122,10 +126,21 @@ impl Drop for Listener {
 /// A bound server, ready to [`Server::run`].
 pub struct Server {
     exports: Arc<Vec<Export>>,
-    /// Connections open now (accepted and not yet freed).
-    clients: Arc<AtomicUsize>,
+    /// The limits in force and the counts and budget under them.
+    shared: Arc<Shared>,
     listeners: Vec<(Listener, Listen)>,
     cfg: ServerConfig,
+}
+
+/// The count of a server's open connections, readable from any thread.
+#[derive(Clone)]
+pub struct Clients(Arc<Shared>);
+
+impl Clients {
+    /// Connections accepted and not yet closed.
+    pub fn get(&self) -> usize {
+        self.0.counts.open.load(Ordering::Relaxed)
+    }
 }
 
 impl Server {
@@ -134,6 +149,26 @@ impl Server {
         if exports.is_empty() {
             return Err(Error::invalid("nothing to export"));
         }
+        let lim = &cfg.limits;
+        lim.validate()?;
+        // Each connection holds a descriptor: the cap stays below the
+        // descriptor limit (raised to its hard value), minus a reserve.
+        let fit = limits::fit_nofile();
+        let max_conns = (lim.max_connections as u64).min(fit) as usize;
+        if max_conns < lim.max_connections {
+            tracing::warn!(
+                "nbd: at most {max_conns} connections (not {}): RLIMIT_NOFILE leaves no \
+                 more descriptors with {} in reserve",
+                lim.max_connections,
+                limits::FD_RESERVE
+            );
+        }
+        let shared = Arc::new(Shared {
+            counts: Counts::new(exports.iter().map(|e| e.max_connections).collect()),
+            budget: Budget::new(lim.max_inflight, max_conns),
+            handshake_timeout: lim.handshake_timeout,
+            max_connections: max_conns,
+        });
         let mut listeners = Vec::new();
         for l in &cfg.listen {
             let bound = match l {
@@ -163,7 +198,7 @@ impl Server {
         }
         Ok(Server {
             exports: Arc::new(exports),
-            clients: Arc::new(AtomicUsize::new(0)),
+            shared,
             listeners,
             cfg,
         })
@@ -176,8 +211,8 @@ impl Server {
 
     /// The count of connections open now, kept up to date while the
     /// server runs (from accept until the connection is freed).
-    pub fn clients(&self) -> Arc<AtomicUsize> {
-        self.clients.clone()
+    pub fn clients(&self) -> Clients {
+        Clients(self.shared.clone())
     }
 
     /// The export table.
@@ -188,12 +223,16 @@ impl Server {
     /// Serves until `stop_fd` is readable, then stops accepting, finishes
     /// the requests in flight and returns.
     pub fn run(self, stop_fd: RawFd) -> Result<(), Error> {
+        let shared = self.shared.clone();
+        let max_conns = shared.max_connections;
         let exports = self.exports.clone();
-        let clients = self.clients.clone();
+        let sh = shared.clone();
         let pool = ReactorPool::start(
             &PoolConfig::new("udm-nbd-", self.cfg.reactors, self.cfg.reactor),
-            move |_, r: &Reactor, _: &StopToken| reactor_main(r, exports.clone(), clients.clone()),
+            move |_, r: &Reactor, _: &StopToken| reactor_main(r, exports.clone(), sh.clone()),
         )?;
+        let mut refused = RateLog::default();
+        let mut failed = RateLog::default();
         let handles = pool.handles();
         let next_id = AtomicU64::new(1);
         let mut pfds: Vec<libc::pollfd> = self
@@ -230,13 +269,38 @@ impl Server {
                 if pfds[i].revents == 0 {
                     continue;
                 }
-                // Accept everything pending on this listener.
-                loop {
-                    let Some((fd, peer)) = accept(l, addr) else {
-                        break;
+                // Accept what is pending on this listener (a bounded batch:
+                // the stop signal is looked at between batches).
+                for _ in 0..ACCEPT_BATCH {
+                    let (fd, peer) = match accept(l) {
+                        Accepted::Socket(fd, peer) => (fd, peer),
+                        Accepted::Empty => break,
+                        Accepted::Failed(e) => {
+                            failed.note(|n, secs| {
+                                tracing::warn!(
+                                    "nbd: accept on {addr}: {e} ({n} failures in {secs:.1}s)"
+                                )
+                            });
+                            // Out of descriptors or similar: back off a
+                            // little rather than spin on a listener that
+                            // stays readable.
+                            std::thread::sleep(Duration::from_millis(10));
+                            break;
+                        }
                     };
+                    // Over the cap: closed at once, before the greeting.
+                    if shared.counts.open.fetch_add(1, Ordering::AcqRel) >= max_conns {
+                        shared.counts.open.fetch_sub(1, Ordering::AcqRel);
+                        drop(fd);
+                        refused.note(|n, secs| {
+                            tracing::warn!(
+                                "nbd: at the cap of {max_conns} connections: {n} refused \
+                                 in {secs:.1}s (last: {peer})"
+                            )
+                        });
+                        continue;
+                    }
                     let id = next_id.fetch_add(1, Ordering::Relaxed);
-                    self.clients.fetch_add(1, Ordering::Relaxed);
                     let h = &handles[rr % handles.len()];
                     rr += 1;
                     let sent = h.send(move |r: &Reactor| {
@@ -245,7 +309,7 @@ impl Server {
                         }
                     });
                     if !sent {
-                        self.clients.fetch_sub(1, Ordering::Relaxed);
+                        shared.counts.open.fetch_sub(1, Ordering::AcqRel);
                         tracing::warn!("nbd: reactor {} is gone; connection dropped", h.id());
                     }
                 }
@@ -277,7 +341,45 @@ fn set_nonblocking(fd: RawFd) {
     }
 }
 
-fn accept(l: &Listener, addr: &Listen) -> Option<(OwnedFd, String)> {
+/// Accepts taken from one listener before the stop signal is checked again.
+const ACCEPT_BATCH: usize = 256;
+
+/// A log line at most once a second, with a count of what happened since
+/// the last one.
+#[derive(Default)]
+struct RateLog {
+    last: Option<Instant>,
+    count: u64,
+}
+
+impl RateLog {
+    /// Counts one event; calls `log(count, seconds)` when a second passed
+    /// since the last line (or there was none).
+    fn note(&mut self, log: impl FnOnce(u64, f64)) {
+        self.count += 1;
+        let now = Instant::now();
+        let secs = match self.last {
+            Some(t) if now.duration_since(t) < Duration::from_secs(1) => return,
+            Some(t) => now.duration_since(t).as_secs_f64(),
+            None => 0.0,
+        };
+        log(self.count, secs);
+        self.count = 0;
+        self.last = Some(now);
+    }
+}
+
+enum Accepted {
+    Socket(OwnedFd, String),
+    Empty,
+    Failed(io::Error),
+}
+
+fn accept(l: &Listener) -> Accepted {
+    let addr = match l {
+        Listener::Unix(_, p) => format!("unix:{}", p.display()),
+        Listener::Tcp(_) => String::new(),
+    };
     loop {
         // SAFETY: accept4 on our listening socket, no address wanted.
         let fd = unsafe {
@@ -292,14 +394,8 @@ fn accept(l: &Listener, addr: &Listen) -> Option<(OwnedFd, String)> {
             let e = io::Error::last_os_error();
             match e.raw_os_error() {
                 Some(libc::EINTR) | Some(libc::ECONNABORTED) => continue,
-                Some(libc::EAGAIN) => return None,
-                _ => {
-                    tracing::warn!("nbd: accept on {addr}: {e}");
-                    // Out of descriptors or similar: back off a little
-                    // rather than spin on a listener that stays readable.
-                    std::thread::sleep(std::time::Duration::from_millis(10));
-                    return None;
-                }
+                Some(libc::EAGAIN) => return Accepted::Empty,
+                _ => return Accepted::Failed(e),
             }
         }
         // SAFETY: a fresh descriptor we own.
@@ -307,14 +403,14 @@ fn accept(l: &Listener, addr: &Listen) -> Option<(OwnedFd, String)> {
         let peer = match l {
             Listener::Unix(..) => {
                 set_int_opt(&fd, libc::SOL_SOCKET, libc::SO_SNDBUF, UNIX_SNDBUF);
-                format!("{addr}")
+                addr
             }
             Listener::Tcp(_) => {
                 set_int_opt(&fd, libc::IPPROTO_TCP, libc::TCP_NODELAY, 1);
                 peer_of(&fd)
             }
         };
-        return Some((fd, peer));
+        return Accepted::Socket(fd, peer);
     }
 }
 
@@ -335,8 +431,8 @@ fn worker_of(r: &Reactor) -> Option<Rc<Worker>> {
 
 /// A reactor's life in the server: its worker serves the connections
 /// placed on it until the worker is stopped and they are all closed.
-fn reactor_main(reactor: &Reactor, exports: Arc<Vec<Export>>, clients: Arc<AtomicUsize>) {
-    let worker = Worker::new(reactor, exports, clients);
+fn reactor_main(reactor: &Reactor, exports: Arc<Vec<Export>>, shared: Arc<Shared>) {
+    let worker = Worker::new(reactor, exports, shared);
     reactor.add_poller(worker.clone());
     reactor.set_local(WORKER_KEY, worker.clone());
     reactor.run_until(|| worker.stopping() && worker.connections() == 0);

@@ -112,6 +112,7 @@ pub fn start(worker: &Rc<Worker>, fd: OwnedFd, peer: String, id: u64) {
         blocked: false,
         stats: Stats::default(),
         export: None,
+        admitted: None,
     });
     let p = Box::into_raw(conn);
     // SAFETY: just made; the box's address is stable until the poller frees it.
@@ -122,6 +123,7 @@ pub fn start(worker: &Rc<Worker>, fd: OwnedFd, peer: String, id: u64) {
     if worker.stopping() {
         c.begin_close("server shutting down".into());
     } else {
+        worker.handshake_started(id);
         proto::put_greeting(&mut c.hs_out);
         c.arm_recv();
     }
@@ -209,6 +211,8 @@ pub struct Conn {
     blocked: bool,
     stats: Stats,
     export: Option<String>,
+    /// The export whose connection count this connection is in.
+    admitted: Option<usize>,
 }
 
 fn errno_str(res: i32) -> String {
@@ -302,6 +306,17 @@ impl Conn {
         }
     }
 
+    /// Closes at once: the socket is shut both ways, replies not yet sent
+    /// are dropped (for a client that neither finished its handshake nor
+    /// reads).
+    fn abort(&mut self, why: String) {
+        self.begin_close(why);
+        self.write_dead = true;
+        // SAFETY: plain syscall on our own socket; wakes a pending recv/send.
+        unsafe { libc::shutdown(self.fd.as_raw_fd(), libc::SHUT_RDWR) };
+        self.dirty();
+    }
+
     fn freeable(&self) -> bool {
         self.closing.is_some()
             && !self.recv_inflight
@@ -312,6 +327,15 @@ impl Conn {
 
     /// Ends request `id`: its bytes leave the in-flight budget.
     fn recycle(&mut self, id: ReqId) {
-        self.inflight_bytes -= self.reqs.recycle(id);
+        let n = self.reqs.recycle(id);
+        self.ungrant(n);
+    }
+
+    /// Gives `n` bytes of the connection's in-flight buffers back.
+    fn ungrant(&mut self, n: u64) {
+        if n > 0 {
+            self.worker.shared.budget.give(self.inflight_bytes, n);
+            self.inflight_bytes -= n;
+        }
     }
 }

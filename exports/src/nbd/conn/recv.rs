@@ -121,11 +121,23 @@ impl Conn {
                 return;
             }
             if let Some(hs) = self.hs.as_mut() {
-                let (n, outcome) = hs.feed(
+                let counts = &self.worker.shared.counts;
+                let mut admitted = None;
+                let (n, outcome) = hs.feed_admitting(
                     &self.rbuf[self.rstart..self.rend],
                     &self.worker.infos,
+                    &mut |i| {
+                        let ok = counts.admit(i);
+                        if ok {
+                            admitted = Some(i);
+                        }
+                        ok
+                    },
                     &mut self.hs_out,
                 );
+                if admitted.is_some() {
+                    self.admitted = admitted;
+                }
                 self.rstart += n;
                 match outcome {
                     Outcome::Continue => return,
@@ -171,8 +183,23 @@ impl Conn {
                     return;
                 }
             };
+            // READ and WRITE buffers come from the server-wide budget: with
+            // no room, the header stays unread (and the connection stops
+            // reading) until replies drain or the budget has room.
+            let grant = match hdr.cmd {
+                proto::CMD_READ | proto::CMD_WRITE => hdr.len as u64,
+                _ => 0,
+            };
+            if grant > 0 {
+                if !self.worker.shared.budget.take(self.inflight_bytes, grant) {
+                    self.blocked = true;
+                    self.worker.wait_budget();
+                    return;
+                }
+                self.inflight_bytes += grant;
+            }
             self.rstart += proto::REQUEST_LEN;
-            self.request(hdr);
+            self.request(hdr, grant);
         }
     }
 
@@ -207,6 +234,7 @@ impl Conn {
         // on this thread only.
         let front = unsafe { Front::new(self.worker.reactor(), &*e.dev, chan) };
         self.export = Some(e.info.name.clone());
+        self.worker.handshake_done(self.id);
         self.tx = Some(Tx {
             front,
             params: TxParams {
@@ -223,9 +251,14 @@ impl Conn {
     }
 
     /// Handles one request header (the payload, if any, follows in rbuf).
-    fn request(&mut self, h: Request) {
+    /// `grant`: bytes of the budget taken for it, which its request counts
+    /// (or which go back at once when it makes none).
+    fn request(&mut self, h: Request, grant: u64) {
         self.stats.requests += 1;
-        let Some(tx) = self.tx.as_ref() else { return };
+        let Some(tx) = self.tx.as_ref() else {
+            self.ungrant(grant);
+            return;
+        };
         let cmd = match proto::validate(&h, &tx.params) {
             Ok(c) => c,
             Err(refusal) => {
@@ -241,6 +274,7 @@ impl Conn {
                 );
                 let id = self.reqs.alloc(&h, Command::Cache);
                 self.reqs[id].refusal = Some(refusal);
+                self.reqs[id].counted = grant;
                 if h.payload_len() > 0 {
                     // Read and drop the payload, then reply: the client
                     // stays in step and no memory is spent on it.
@@ -255,15 +289,15 @@ impl Conn {
         if cmd == Command::Disc {
             // No reply; in-flight requests still finish and are answered.
             self.disc = true;
+            self.ungrant(grant);
             self.begin_close("client disconnected (NBD_CMD_DISC)".into());
             return;
         }
         let id = self.reqs.alloc(&h, cmd);
         let req = &mut self.reqs[id];
+        req.counted = grant;
         if let Command::Read | Command::Write { .. } = cmd {
             let buf = req.data_for(h.len as usize);
-            req.counted = h.len as u64;
-            self.inflight_bytes += req.counted;
             if let Command::Write { .. } = cmd {
                 let avail = self.rend - self.rstart;
                 let n = avail.min(h.len as usize);

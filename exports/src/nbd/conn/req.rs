@@ -17,8 +17,11 @@ use super::super::proto::{Command, Refusal, Request};
 
 /// Bytes of a reply header (room for an error chunk with a short message).
 pub(super) const HDR_LEN: usize = 96;
-/// Request buffers up to this size are kept for reuse; larger ones are freed.
-const KEEP_BUF: usize = 4 << 20;
+/// Bytes of data buffers a connection keeps for reuse once their requests
+/// end (beyond them, buffers are freed): idle memory per connection, outside
+/// the server's in-flight budget, so it is small. It holds the buffers of
+/// 128 KiB requests at QD8.
+pub(super) const SPARE_MAX: usize = 1 << 20;
 
 /// A request's key in its connection's [`Reqs`].
 pub(super) type ReqId = usize;
@@ -82,15 +85,23 @@ pub(super) struct Reqs {
     slab: Slab<Req>,
     /// Buffers of recycled requests, for the next ones.
     spare: Vec<Bufs>,
+    /// Bytes of data buffers in `spare` (at most SPARE_MAX).
+    spare_bytes: usize,
 }
 
 impl Reqs {
     /// A new request for header `h`, which `cmd` validated.
     pub fn alloc(&mut self, h: &Request, cmd: Command) -> ReqId {
-        let bufs = self.spare.pop().unwrap_or_else(|| Bufs {
-            hdr: Box::new([0; HDR_LEN]),
-            data: AlignedBuf::default(),
-        });
+        let bufs = match self.spare.pop() {
+            Some(b) => {
+                self.spare_bytes -= b.data.len();
+                b
+            }
+            None => Bufs {
+                hdr: Box::new([0; HDR_LEN]),
+                data: AlignedBuf::default(),
+            },
+        };
         self.slab.insert(Req {
             cookie: h.cookie,
             cmd,
@@ -111,9 +122,10 @@ impl Reqs {
     /// returns the bytes it counted against the in-flight budget.
     pub fn recycle(&mut self, id: ReqId) -> u64 {
         let mut r = self.slab.remove(id);
-        if r.bufs.data.len() > KEEP_BUF {
+        if self.spare_bytes + r.bufs.data.len() > SPARE_MAX {
             r.bufs.data = AlignedBuf::default();
         }
+        self.spare_bytes += r.bufs.data.len();
         self.spare.push(r.bufs);
         r.counted
     }

@@ -3,15 +3,17 @@
 //! frees finished connections.
 
 use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
 use std::os::fd::AsRawFd;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use udm_core::{Channel, Poller, Reactor};
 
 use super::super::export::Export;
+use super::super::limits::Shared;
 use super::super::proto::ExportInfo;
 use super::Conn;
 
@@ -19,6 +21,10 @@ use super::Conn;
 /// requests (a client that stops reading replies would otherwise hold the
 /// shutdown forever).
 pub const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// How often connections waiting for room in the server-wide budget try
+/// again (room freed on another reactor wakes nobody here).
+const BUDGET_RETRY: Duration = Duration::from_millis(5);
 
 /// A reactor's share of the server: the export table, one channel per
 /// export (opened on first use), the connections placed here. Registered
@@ -35,20 +41,19 @@ pub struct Worker {
     stopping: Cell<bool>,
     /// When stopping, the moment connections still open are cut.
     cut_at: Cell<Option<Instant>>,
-    /// The server's count of open connections (decremented here as
-    /// connections are freed).
-    clients: Arc<AtomicUsize>,
+    /// The server's limits and counts.
+    pub(super) shared: Arc<Shared>,
+    /// Handshake deadlines, in accept order (one timeout for all): the
+    /// moment, and the connection's id.
+    hs_deadlines: RefCell<VecDeque<(Instant, u64)>>,
+    /// When connections blocked on the server-wide budget try again.
+    budget_retry: Cell<Option<Instant>>,
 }
 
 impl Worker {
     /// A worker for `reactor`, which must outlive it (the server keeps both
-    /// on the reactor's thread and drops the worker first). `clients` is
-    /// the server's count of open connections, each counted at accept.
-    pub fn new(
-        reactor: &Reactor,
-        exports: Arc<Vec<Export>>,
-        clients: Arc<AtomicUsize>,
-    ) -> Rc<Worker> {
+    /// on the reactor's thread and drops the worker first).
+    pub fn new(reactor: &Reactor, exports: Arc<Vec<Export>>, shared: Arc<Shared>) -> Rc<Worker> {
         let infos = exports.iter().map(|e| e.info.clone()).collect();
         let n = exports.len();
         Rc::new(Worker {
@@ -61,8 +66,72 @@ impl Worker {
             scratch: RefCell::new(Vec::new()),
             stopping: Cell::new(false),
             cut_at: Cell::new(None),
-            clients,
+            shared,
+            hs_deadlines: RefCell::new(VecDeque::new()),
+            budget_retry: Cell::new(None),
         })
+    }
+
+    /// Starts the handshake deadline of connection `id`.
+    pub(super) fn handshake_started(&self, id: u64) {
+        if let Some(t) = self.shared.handshake_timeout {
+            self.hs_deadlines
+                .borrow_mut()
+                .push_back((Instant::now() + t, id));
+        }
+    }
+
+    /// Connection `id` entered transmission: its deadline no longer holds.
+    pub(super) fn handshake_done(&self, id: u64) {
+        self.hs_deadlines.borrow_mut().retain(|&(_, x)| x != id);
+    }
+
+    /// A connection here waits for room in the server-wide budget.
+    pub(super) fn wait_budget(&self) {
+        if self.budget_retry.get().is_none() {
+            self.budget_retry.set(Some(Instant::now() + BUDGET_RETRY));
+        }
+    }
+
+    /// Closes connections whose handshake deadline passed.
+    fn expire_handshakes(&self) {
+        let now = Instant::now();
+        loop {
+            let id = match self.hs_deadlines.borrow().front() {
+                Some(&(t, id)) if t <= now => id,
+                _ => return,
+            };
+            self.hs_deadlines.borrow_mut().pop_front();
+            let conns = self.conns.borrow().clone();
+            for c in conns {
+                // SAFETY: as in stop().
+                let conn = unsafe { &mut *c };
+                if conn.id == id && conn.hs.is_some() && conn.closing.is_none() {
+                    let t = self.shared.handshake_timeout.unwrap_or_default();
+                    conn.abort(format!(
+                        "handshake not finished within {}s",
+                        t.as_secs_f64()
+                    ));
+                }
+            }
+        }
+    }
+
+    /// Lets connections blocked on the budget try again.
+    fn retry_budget(&self) {
+        match self.budget_retry.get() {
+            Some(t) if Instant::now() >= t => {}
+            _ => return,
+        }
+        self.budget_retry.set(None);
+        let conns = self.conns.borrow().clone();
+        for c in conns {
+            // SAFETY: as in stop().
+            let conn = unsafe { &mut *c };
+            if conn.blocked {
+                conn.dirty();
+            }
+        }
     }
 
     /// Connections currently placed on this reactor.
@@ -141,11 +210,25 @@ impl Worker {
             conn.dirty();
         }
     }
+
+    /// A connection is freed: it leaves the server's counts.
+    fn forget(&self, conn: &Conn) {
+        self.shared.counts.open.fetch_sub(1, Ordering::AcqRel);
+        if let Some(i) = conn.admitted {
+            self.shared.counts.leave(i);
+        }
+    }
 }
 
 impl Poller for Worker {
     fn poll(&self) -> usize {
         self.cut_stragglers();
+        if !self.hs_deadlines.borrow().is_empty() {
+            self.expire_handshakes();
+        }
+        if self.budget_retry.get().is_some() {
+            self.retry_budget();
+        }
         if self.dirty.borrow().is_empty() {
             return 0;
         }
@@ -164,8 +247,8 @@ impl Poller for Worker {
                 // refers to it any more (no recv, send, request or list entry).
                 let conn = unsafe { Box::from_raw(c) };
                 conn.log_close();
+                self.forget(&conn);
                 drop(conn);
-                self.clients.fetch_sub(1, Ordering::Relaxed);
             }
         }
         batch.clear();
@@ -185,9 +268,12 @@ impl Poller for Worker {
 
     fn deadline(&self) -> Option<Instant> {
         if self.conns.borrow().is_empty() {
-            None
-        } else {
-            self.cut_at.get()
+            return None;
         }
+        let hs = self.hs_deadlines.borrow().front().map(|&(t, _)| t);
+        [self.cut_at.get(), hs, self.budget_retry.get()]
+            .into_iter()
+            .flatten()
+            .min()
     }
 }
