@@ -52,8 +52,7 @@ extern "C" {
     ) -> c_int;
     pub fn rados_conf_read_file(cluster: rados_t, path: *const c_char) -> c_int;
     pub fn rados_conf_parse_env(cluster: rados_t, var: *const c_char) -> c_int;
-    pub fn rados_conf_set(cluster: rados_t, option: *const c_char, value: *const c_char)
-        -> c_int;
+    pub fn rados_conf_set(cluster: rados_t, option: *const c_char, value: *const c_char) -> c_int;
     pub fn rados_conf_get(
         cluster: rados_t,
         option: *const c_char,

@@ -47,8 +47,8 @@ use udm_core::{
     Reactor, ReactorHandle, Status, WorkQueue, SECTOR_SHIFT,
 };
 
-pub use sys::{Cluster, ImageInfo, Pool, Timeouts};
 use sys::{AioOp, Completion, Image};
+pub use sys::{Cluster, ImageInfo, Pool, Timeouts};
 
 /// What an `rbd:` spec names.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -79,7 +79,11 @@ impl RbdOpts {
         let what = parts.next().unwrap_or("");
         let (path, snap) = match what.split_once('@') {
             Some((p, s)) if !s.is_empty() => (p, Some(s.to_string())),
-            Some(_) => return Err(Error::invalid(format!("rbd: empty snapshot name in '{what}'"))),
+            Some(_) => {
+                return Err(Error::invalid(format!(
+                    "rbd: empty snapshot name in '{what}'"
+                )))
+            }
             None => (what, None),
         };
         let (pool, image) = match path.split_once('/') {
@@ -157,9 +161,18 @@ pub struct RbdDevice {
 impl RbdDevice {
     /// Connects to the cluster and opens the image `o` names.
     pub fn open(name: impl Into<String>, o: &RbdOpts) -> Result<RbdDevice, Error> {
-        let cluster = Arc::new(Cluster::connect(&o.cluster, &o.id, o.conf.as_deref(), o.timeouts)?);
+        let cluster = Arc::new(Cluster::connect(
+            &o.cluster,
+            &o.id,
+            o.conf.as_deref(),
+            o.timeouts,
+        )?);
         let cache = if cluster.get_bool("rbd_cache") {
-            CacheMode::On(cluster.get("rbd_cache_policy").unwrap_or_else(|| "writeback".into()))
+            CacheMode::On(
+                cluster
+                    .get("rbd_cache_policy")
+                    .unwrap_or_else(|| "writeback".into()),
+            )
         } else {
             CacheMode::Off
         };
@@ -170,7 +183,9 @@ impl RbdDevice {
         let spec = o.image_spec();
         let sectors = info.size >> SECTOR_SHIFT;
         if sectors == 0 {
-            return Err(Error::invalid(format!("rbd: image '{spec}' is empty (rbd resize it)")));
+            return Err(Error::invalid(format!(
+                "rbd: image '{spec}' is empty (rbd resize it)"
+            )));
         }
         let mut limits = Limits::new(sectors);
         limits.physical_block_size = 4096;
@@ -412,9 +427,7 @@ impl RbdChannel {
             })
             .collect();
         slots.push(chunk);
-        self.state
-            .borrow_mut()
-            .resize(slots.len() * CHUNK, FREE);
+        self.state.borrow_mut().resize(slots.len() * CHUNK, FREE);
         let mut free = self.free.borrow_mut();
         free.reserve(slots.len() * CHUNK);
         free.extend((base + 1..base + CHUNK as u32).rev());

@@ -78,7 +78,10 @@ impl Cluster {
         if rc < 0 {
             return Err(Error::new(
                 ErrorKind::Os,
-                format!("rbd: cannot create a handle for cluster '{cluster}' as {client}: {}", strerror(rc)),
+                format!(
+                    "rbd: cannot create a handle for cluster '{cluster}' as {client}: {}",
+                    strerror(rc)
+                ),
             ));
         }
         // From here the handle is shut down on drop, connected or not.
@@ -126,13 +129,19 @@ impl Cluster {
                 ),
                 libc::EACCES | libc::EPERM => (
                     ErrorKind::Os,
-                    format!("authentication as {} failed: wrong key (keyring {keyring})", c.client),
+                    format!(
+                        "authentication as {} failed: wrong key (keyring {keyring})",
+                        c.client
+                    ),
                 ),
                 libc::ENOENT => (
                     ErrorKind::NotFound,
                     format!("no key for {} (keyring {keyring})", c.client),
                 ),
-                _ => (ErrorKind::Os, format!("connect failed: {} (mon host {mon})", strerror(rc))),
+                _ => (
+                    ErrorKind::Os,
+                    format!("connect failed: {} (mon host {mon})", strerror(rc)),
+                ),
             };
             return Err(Error::new(kind, format!("rbd: cluster '{cluster}': {why}")));
         }
@@ -144,7 +153,10 @@ impl Cluster {
         // SAFETY: live handle, NUL-terminated strings that outlive the call.
         let rc = unsafe { ffi::rados_conf_set(self.raw, k.as_ptr(), v.as_ptr()) };
         if rc < 0 {
-            return Err(Error::invalid(format!("rbd: cannot set {key}={value}: {}", strerror(rc))));
+            return Err(Error::invalid(format!(
+                "rbd: cannot set {key}={value}: {}",
+                strerror(rc)
+            )));
         }
         Ok(())
     }
@@ -160,7 +172,11 @@ impl Cluster {
             return None;
         }
         // SAFETY: on success the buffer holds a NUL-terminated string.
-        Some(unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned())
+        Some(
+            unsafe { CStr::from_ptr(buf.as_ptr()) }
+                .to_string_lossy()
+                .into_owned(),
+        )
     }
 
     /// Whether a configuration boolean is on (`true`, `1`).
@@ -204,7 +220,10 @@ impl Pool {
             } else {
                 (ErrorKind::Os, format!("pool '{name}': {}", strerror(rc)))
             };
-            return Err(Error::new(kind, format!("rbd: cluster '{}': {why}", cluster.name)));
+            return Err(Error::new(
+                kind,
+                format!("rbd: cluster '{}': {why}", cluster.name),
+            ));
         }
         Ok(Pool {
             raw,
@@ -283,11 +302,18 @@ impl Image {
                 }
                 (libc::ENOENT, _) => format!("image '{spec}' does not exist"),
                 (libc::EACCES | libc::EPERM, _) => {
-                    format!("image '{spec}': permission denied for {}", pool.cluster.client)
+                    format!(
+                        "image '{spec}': permission denied for {}",
+                        pool.cluster.client
+                    )
                 }
                 _ => format!("image '{spec}': open failed: {}", strerror(rc)),
             };
-            let kind = if rc == -libc::ENOENT { ErrorKind::NotFound } else { ErrorKind::Os };
+            let kind = if rc == -libc::ENOENT {
+                ErrorKind::NotFound
+            } else {
+                ErrorKind::Os
+            };
             return Err(Error::new(kind, format!("rbd: {why}")));
         }
         Ok(Image { raw, pool })
@@ -305,13 +331,19 @@ impl Image {
         // SAFETY: open image; `st` is writable and its size is passed.
         let rc = unsafe { ffi::rbd_stat(self.raw, &mut st, std::mem::size_of_val(&st)) };
         if rc < 0 {
-            return Err(Error::new(ErrorKind::Io, format!("rbd: stat: {}", strerror(rc))));
+            return Err(Error::new(
+                ErrorKind::Io,
+                format!("rbd: stat: {}", strerror(rc)),
+            ));
         }
         let mut features = 0u64;
         // SAFETY: open image, live out-pointer.
         let rc = unsafe { ffi::rbd_get_features(self.raw, &mut features) };
         if rc < 0 {
-            return Err(Error::new(ErrorKind::Io, format!("rbd: features: {}", strerror(rc))));
+            return Err(Error::new(
+                ErrorKind::Io,
+                format!("rbd: features: {}", strerror(rc)),
+            ));
         }
         let mut buf = [0 as c_char; 512];
         let mut len = buf.len();
@@ -322,7 +354,9 @@ impl Image {
             format!("{features:#x}")
         } else {
             // SAFETY: NUL-terminated on success.
-            unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned()
+            unsafe { CStr::from_ptr(buf.as_ptr()) }
+                .to_string_lossy()
+                .into_owned()
         };
         Ok(ImageInfo {
             size: st.size,
@@ -339,7 +373,10 @@ impl Image {
         // SAFETY: open image, live out-pointer.
         let rc = unsafe { ffi::rbd_get_size(self.raw, &mut size) };
         if rc < 0 {
-            return Err(Error::new(ErrorKind::Io, format!("rbd: get size: {}", strerror(rc))));
+            return Err(Error::new(
+                ErrorKind::Io,
+                format!("rbd: get size: {}", strerror(rc)),
+            ));
         }
         Ok(size)
     }
