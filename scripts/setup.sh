@@ -3,7 +3,8 @@
 # Idempotent: installs only what is missing. Run as root (or with sudo).
 set -euo pipefail
 
-APT_PACKAGES=(build-essential pkg-config valgrind bc fio nbdkit libnbd-bin python3-libnbd qemu-utils)
+APT_PACKAGES=(build-essential pkg-config valgrind bc fio nbdkit libnbd-bin python3-libnbd qemu-utils
+              librbd-dev librados-dev ceph-mon ceph-osd ceph-common)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

@@ -345,6 +345,7 @@ mod tests {
             deps: vec![],
             event_nr: 0,
             deferred_remove: false,
+            backend: Some("rbd rbd/img size 8".into()),
         };
         let j = serde_json::to_string(&i).unwrap();
         assert!(

@@ -456,7 +456,10 @@ impl RbdChannel {
         } else {
             AioOp::Flush
         };
-        let rc = match Completion::new(self.slot_ptr(i).cast(), rbd_done) {
+        // SAFETY: the slot is what rbd_done expects, and it stays allocated
+        // until the channel has seen this completion (slots are freed only
+        // with the channel, and leaked if I/O is still in flight then).
+        let rc = match unsafe { Completion::new(self.slot_ptr(i).cast(), rbd_done) } {
             // SAFETY: the bio's segments are the submitter's buffers, which
             // stay valid until its end_io runs, after this completion.
             Ok(c) => match unsafe { self.dev.image.aio(op, &c) } {

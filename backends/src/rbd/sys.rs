@@ -457,10 +457,14 @@ pub struct Completion {
 
 impl Completion {
     /// A completion that calls `cb(c, arg)` when its I/O finishes.
-    pub fn new(arg: *mut c_void, cb: Callback) -> Result<Completion, c_int> {
+    ///
+    /// # Safety
+    /// `arg` must be what `cb` expects, valid until `cb` has run (or the
+    /// completion is released unsubmitted).
+    pub unsafe fn new(arg: *mut c_void, cb: Callback) -> Result<Completion, c_int> {
         let mut raw: ffi::rbd_completion_t = ptr::null_mut();
         // SAFETY: live out-pointer; librbd only stores `arg` and hands it to
-        // `cb`, whose validity is the caller's concern (not dereferenced here).
+        // `cb` (the caller's promise covers that).
         let rc = unsafe { ffi::rbd_aio_create_completion(arg, Some(cb), &mut raw) };
         if rc < 0 {
             return Err(rc);
