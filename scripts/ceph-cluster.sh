@@ -60,9 +60,6 @@ auth service required = cephx
 auth client required = cephx
 keyring = $dir/admin.keyring
 run dir = $dir/run
-admin socket = $dir/run/\$name.asok
-log file = $dir/\$name.log
-pid file = $dir/\$name.pid
 osd objectstore = memstore
 memstore device bytes = 2147483648
 osd pool default size = 1
@@ -81,6 +78,14 @@ osd op num threads per shard = 2
 ms bind ipv6 = false
 [mon]
 mon pg warn min per osd = 0
+admin socket = $dir/run/\$name.asok
+log file = $dir/\$name.log
+[osd]
+admin socket = $dir/run/\$name.asok
+log file = $dir/\$name.log
+[client]
+admin socket =
+log file = $dir/client.log
 CONF
 export CEPH_CONF="$dir/ceph.conf"
 q() { "$@" >>"$dir/setup.log" 2>&1; }
