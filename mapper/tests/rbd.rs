@@ -113,6 +113,29 @@ fn striped_over_two_images_conforms() {
 }
 
 #[test]
+fn writecache_with_a_ram_cache_over_rbd_conforms() {
+    let c = ceph!();
+    conformance(
+        || {
+            let mut devs = Devices::new();
+            devs.add(open(c, &c.image(DEV_BYTES), "origin", ""));
+            devs.ram("cache", (8 << 20) / 512);
+            Fixture::plain(common::as_dev(&devs.mapped(
+                "wc",
+                &format!("0 {} writecache s origin cache 4096 0", DEV_BYTES / 512),
+            )))
+        },
+        Expect {
+            lbs: 4096,
+            ..Expect::data(
+                "writecache over rbd",
+                Caps::FLUSH | Caps::FUA | Caps::DISCARD | Caps::MERGE,
+            )
+        },
+    );
+}
+
+#[test]
 fn data_written_through_udm_reads_back_with_rbd_export() {
     let c = ceph!();
     let name = c.image(DEV_BYTES);
