@@ -579,3 +579,42 @@ impl Drop for RbdChannel {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_parse_with_their_options() {
+        let o = RbdOpts::parse("rbd/vol1").unwrap();
+        assert_eq!((o.pool.as_str(), o.image.as_str()), ("rbd", "vol1"));
+        assert_eq!((o.id.as_str(), o.cluster.as_str()), ("admin", "ceph"));
+        assert_eq!((o.snap, o.conf, o.read_only), (None, None, false));
+        assert_eq!(o.timeouts, Timeouts::default());
+        let o = RbdOpts::parse("p/i@s1,conf=/etc/c.conf,id=udm,cluster=c2,ro,timeout=3").unwrap();
+        assert_eq!(o.image_spec(), "p/i@s1");
+        assert_eq!(o.conf.as_deref(), Some("/etc/c.conf"));
+        assert_eq!(
+            (o.id.as_str(), o.cluster.as_str(), o.read_only),
+            ("udm", "c2", true)
+        );
+        assert_eq!(o.timeouts, Timeouts { mon: 3, osd: 3 });
+        let err = |s: &str| RbdOpts::parse(s).err().unwrap().to_string();
+        assert!(err("").contains("expected <pool>/<image>"));
+        assert!(err("pool").contains("expected <pool>/<image>"));
+        assert!(err("/img").contains("expected <pool>/<image>"));
+        assert!(err("p/a/b").contains("expected <pool>/<image>"));
+        assert!(err("p/i@").contains("empty snapshot name"));
+        assert!(err("p/i,timeout=x").contains("invalid timeout 'x'"));
+        assert!(err("p/i,conf=").contains("unknown option 'conf='"));
+        assert!(err("p/i,fast").contains("unknown option 'fast'"));
+    }
+
+    #[test]
+    fn names_with_nul_bytes_are_refused_before_librados_sees_them() {
+        let e = Cluster::connect("ce\0ph", "admin", None, Timeouts::default())
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("contains a NUL byte"), "{e}");
+    }
+}
