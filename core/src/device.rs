@@ -162,8 +162,7 @@ pub trait BlockDevice: Send + Sync + 'static {
     /// default takes none.
     fn message(&self, argv: &[&str]) -> Result<String, Error> {
         Err(Error::invalid(format!(
-            "device '{}' takes no messages (got '{}')",
-            self.name(),
+            "not a mapped device (it has no table) and takes no messages (got '{}')",
             argv.join(" ")
         )))
     }
