@@ -3,7 +3,9 @@
 //! - `ram:<size>[,prealloc]` — memory, allocated lazily (or all at once);
 //! - `null:<size>[,delay=<µs>]` — completes without touching data;
 //! - `file:<path>[,size=<size>][,buffered][,direct][,sqpoll][,iopoll][,ro]`
-//!   — a file or block device through io_uring.
+//!   — a file or block device through io_uring;
+//! - `rbd:<pool>/<image>[@<snap>][,conf=<path>][,id=<client>][,cluster=<name>][,ro][,timeout=<s>]`
+//!   — a Ceph RBD image through librbd (feature `rbd`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,7 +16,7 @@ use udm_core::{BlockDevice, Error};
 use crate::size::parse_size;
 
 /// The backend kinds a spec may name, as `kind:` prefixes.
-pub const KINDS: &[&str] = &["ram", "null", "file"];
+pub const KINDS: &[&str] = &["ram", "null", "file", "rbd"];
 
 /// Whether `spec` names a backend (`kind:…`) rather than a table. A table
 /// line starts with a sector number, so a word of letters before the first
@@ -98,10 +100,27 @@ pub fn open_backend(name: &str, spec: &str) -> Result<Arc<dyn BlockDevice>, Erro
         }
         return Ok(Arc::new(FileDevice::open(name, path, o)?));
     }
+    if let Some(rest) = spec.strip_prefix("rbd:") {
+        return open_rbd(name, rest);
+    }
     let kind = backend_kind(spec).unwrap_or(spec);
     Err(Error::invalid(format!(
-        "unknown backend '{kind}:' (known: ram:, null:, file:; or a table)"
+        "unknown backend '{kind}:' (known: ram:, null:, file:, rbd:; or a table)"
     )))
+}
+
+#[cfg(feature = "rbd")]
+fn open_rbd(name: &str, rest: &str) -> Result<Arc<dyn BlockDevice>, Error> {
+    let o = udm_backends::RbdOpts::parse(rest)?;
+    Ok(Arc::new(udm_backends::RbdDevice::open(name, &o)?))
+}
+
+#[cfg(not(feature = "rbd"))]
+fn open_rbd(_name: &str, _rest: &str) -> Result<Arc<dyn BlockDevice>, Error> {
+    Err(Error::new(
+        udm_core::ErrorKind::Unsupported,
+        "rbd: this udm was built without the 'rbd' feature",
+    ))
 }
 
 /// Opens a device named by path in a table (`/…` or `./…`) with the file
@@ -132,6 +151,9 @@ mod tests {
         assert!(err("file:").contains("missing path"));
         assert!(err("file:/nonexistent/x").contains("/nonexistent/x"));
         assert!(err("file:/tmp/x,fast").contains("file: unknown option 'fast'"));
+        assert!(err("rbd:noslash").contains("expected <pool>/<image>"));
+        assert!(err("rbd:p/i,fast").contains("rbd: unknown option 'fast'"));
+        assert!(err("rbd:p/i,timeout=0").contains("invalid timeout '0'"));
     }
 
     #[test]

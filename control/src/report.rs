@@ -37,6 +37,10 @@ pub struct Info {
     /// A deferred remove is pending: it goes when its last holder does.
     #[serde(default)]
     pub deferred_remove: bool,
+    /// What lies behind a backend, if it says (an RBD image's size,
+    /// features, object size and cache mode).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend: Option<String>,
 }
 
 impl fmt::Display for Info {
@@ -60,6 +64,9 @@ impl fmt::Display for Info {
         writeln!(f, "Max I/O:           {}", self.max_io_bytes)?;
         writeln!(f, "Caps:              {}", self.caps)?;
         writeln!(f, "Event number:      {}", self.event_nr)?;
+        if let Some(b) = &self.backend {
+            writeln!(f, "Backend:           {b}")?;
+        }
         if self.deferred_remove {
             writeln!(f, "Deferred remove:   pending")?;
         }
@@ -338,6 +345,7 @@ mod tests {
             deps: vec![],
             event_nr: 0,
             deferred_remove: false,
+            backend: Some("rbd rbd/img size 8".into()),
         };
         let j = serde_json::to_string(&i).unwrap();
         assert!(

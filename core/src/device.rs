@@ -100,6 +100,13 @@ bitflags::bitflags! {
         const READ_ONLY = 32;
         /// Data survives the process (a file or block device); RAM does not.
         const PERSISTENT = 64;
+        /// Gains from merging adjacent requests into fewer, larger ones:
+        /// each request costs far more than its bytes (a network round trip,
+        /// a disk seek), so a queued dispatch that sorts and merges beats
+        /// handing each request down as it comes (seed 004). RAM and null
+        /// lack it; rbd has it; a mapped device has it if a device under it
+        /// does.
+        const MERGE = 128;
     }
 }
 
@@ -127,6 +134,7 @@ impl fmt::Debug for Caps {
             (Caps::POLL, "poll"),
             (Caps::READ_ONLY, "ro"),
             (Caps::PERSISTENT, "persistent"),
+            (Caps::MERGE, "merge"),
         ];
         let set: Vec<_> = names
             .iter()
@@ -150,6 +158,19 @@ pub trait BlockDevice: Send + Sync + 'static {
     fn open(self: Arc<Self>, reactor: &Reactor) -> Result<Rc<dyn Channel>, Error>;
     /// For downcasting (e.g. to a mapped device, to load a table).
     fn as_any(&self) -> &dyn Any;
+    /// Handles a message (`udm message DEV 0 ARGV…` on a backend); the
+    /// default takes none.
+    fn message(&self, argv: &[&str]) -> Result<String, Error> {
+        Err(Error::invalid(format!(
+            "not a mapped device (it has no table) and takes no messages (got '{}')",
+            argv.join(" ")
+        )))
+    }
+    /// One line describing what lies behind a backend (e.g. an RBD image's
+    /// size, features and cache mode), for `udm info`; None by default.
+    fn describe(&self) -> Option<String> {
+        None
+    }
 }
 
 /// One reactor's path to a device: the hot path.

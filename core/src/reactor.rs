@@ -110,6 +110,9 @@ struct WorkInner {
     /// Whether `items` is non-empty: the one load an idle turn pays.
     queued: Cell<bool>,
     items: RefCell<Vec<Rc<dyn Poller>>>,
+    /// The other of the two vectors a turn moves the pollers between, kept
+    /// with its capacity so a turn allocates nothing.
+    spare: RefCell<Vec<Rc<dyn Poller>>>,
 }
 
 impl WorkQueue {
@@ -117,6 +120,7 @@ impl WorkQueue {
         WorkQueue(Rc::new(WorkInner {
             queued: Cell::new(false),
             items: RefCell::new(Vec::new()),
+            spare: RefCell::new(Vec::new()),
         }))
     }
 
@@ -139,18 +143,21 @@ impl WorkQueue {
     /// Pollers may queue work (themselves included) while they run.
     #[cold]
     fn run_queued(&self) -> usize {
-        let items = std::mem::take(&mut *self.0.items.borrow_mut());
+        let mut items = std::mem::take(&mut *self.0.items.borrow_mut());
+        let mut keep = std::mem::take(&mut *self.0.spare.borrow_mut());
         let mut work = 0;
-        let mut keep = Vec::with_capacity(items.len());
-        for p in items {
+        for p in items.drain(..) {
             work += p.poll();
             if p.pending() {
                 keep.push(p);
             }
         }
         let mut q = self.0.items.borrow_mut();
-        q.extend(keep);
+        // Whatever was queued while they ran goes after those kept.
+        keep.append(&mut q);
+        std::mem::swap(&mut *q, &mut keep);
         self.0.queued.set(!q.is_empty());
+        *self.0.spare.borrow_mut() = items;
         work
     }
 
@@ -160,6 +167,7 @@ impl WorkQueue {
 
     fn clear(&self) {
         self.0.items.borrow_mut().clear();
+        self.0.spare.borrow_mut().clear();
         self.0.queued.set(false);
     }
 }

@@ -266,6 +266,7 @@ impl Table {
         let mut caps = Caps::FLUSH | Caps::FUA | Caps::DISCARD | Caps::WRITE_ZEROES | Caps::POLL;
         let mut persistent = true;
         let mut read_only = false;
+        let mut merge = false;
         for t in &targets {
             let mut tcaps =
                 Caps::FLUSH | Caps::FUA | Caps::DISCARD | Caps::WRITE_ZEROES | Caps::POLL;
@@ -276,6 +277,7 @@ impl Table {
                 tcaps = tcaps.intersection(c);
                 persistent &= c.contains(Caps::PERSISTENT);
                 read_only |= c.contains(Caps::READ_ONLY);
+                merge |= c.contains(Caps::MERGE);
             }
             if t.target.devices().is_empty() {
                 persistent = false;
@@ -288,6 +290,9 @@ impl Table {
         }
         if read_only {
             caps.insert(Caps::READ_ONLY);
+        }
+        if merge {
+            caps.insert(Caps::MERGE);
         }
         let lbs_sectors = (limits.logical_block_size >> SECTOR_SHIFT) as u64;
         for (i, t) in targets.iter().enumerate() {

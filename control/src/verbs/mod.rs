@@ -436,6 +436,18 @@ impl Control {
 
     /// `message NAME SECTOR ARGV…`: sent to the target holding SECTOR.
     pub fn message(&self, name: &str, sector: u64, argv: &[&str]) -> Result<MessageReply, Error> {
+        let backend = {
+            let r = self.registry();
+            let e = r.entry(name)?;
+            e.mapped().is_none().then(|| e.device().clone())
+        };
+        if let Some(dev) = backend {
+            // A backend's messages (e.g. rbd's `resize`).
+            let reply = dev
+                .message(argv)
+                .map_err(|e| e.context(format!("device '{name}'")))?;
+            return Ok(MessageReply { reply });
+        }
         let d = self.registry().mapped(name)?;
         let reply = mapped(&d)
             .message(sector, argv)
@@ -599,6 +611,7 @@ fn info_of(r: &Registry, name: &str) -> Result<Info, Error> {
         deps: r.deps(name)?,
         event_nr: e.event_nr(),
         deferred_remove: e.deferred_remove(),
+        backend: e.device().describe(),
     })
 }
 

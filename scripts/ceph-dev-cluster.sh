@@ -1,0 +1,1 @@
+ceph-cluster.sh
