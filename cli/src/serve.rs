@@ -50,20 +50,8 @@ pub struct ServeArgs {
     /// directory)/udm-<pid>.ctl; printed at start, removed at exit.
     #[arg(long, value_name = "PATH")]
     control: Option<PathBuf>,
-    /// (The default, USEC 100.) An idle reactor spins only while the gaps
-    /// between its bursts of work have lately been short (haltpoll's rule,
-    /// at most USEC microseconds per gap), else it sleeps in io_uring_enter.
-    #[arg(long, value_name = "USEC")]
-    adaptive: Option<String>,
-    /// Reactors always sleep in io_uring_enter when idle.
-    #[arg(long)]
-    interrupt: bool,
-    /// Reactors spin USEC microseconds after their last work, then sleep.
-    #[arg(long, value_name = "USEC")]
-    hybrid: Option<String>,
-    /// Reactors busy-poll (a spinning core each, lowest latency).
-    #[arg(long)]
-    poll: bool,
+    #[command(flatten)]
+    completion: CompletionArgs,
     /// Serve Prometheus metrics over HTTP at ADDR (e.g. 127.0.0.1:9100).
     #[arg(long, value_name = "ADDR")]
     metrics: Option<std::net::SocketAddr>,
@@ -178,10 +166,7 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
         listens,
         reactors,
         control,
-        adaptive,
-        interrupt,
-        hybrid,
-        poll,
+        completion,
         metrics,
         handshake_timeout,
         max_connections,
@@ -193,7 +178,7 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
         .iter()
         .map(|s| parse_export_cap(s))
         .collect::<Result<Vec<_>, _>>()?;
-    let reactor = completion_mode(poll, interrupt, hybrid.as_deref(), adaptive.as_deref())?;
+    let reactor = completion.config()?;
     if reactors == 0 || reactors > 64 {
         return Err(Error::invalid(format!(
             "--reactors {reactors}: expected 1 to 64"
@@ -366,6 +351,37 @@ pub(crate) fn signal_pipe() -> Result<(UnixStream, UnixStream), Error> {
     Ok((wr, rd))
 }
 
+/// How idle reactors wait: `udm serve`'s and `udm daemon`'s flags.
+#[derive(clap::Args, Debug)]
+pub struct CompletionArgs {
+    /// (The default, USEC 100.) An idle reactor spins only while the gaps
+    /// between its bursts of work have lately been short (haltpoll's rule,
+    /// at most USEC microseconds per gap), else it sleeps in io_uring_enter.
+    #[arg(long, value_name = "USEC")]
+    adaptive: Option<String>,
+    /// Reactors always sleep in io_uring_enter when idle.
+    #[arg(long)]
+    interrupt: bool,
+    /// Reactors spin USEC microseconds after their last work, then sleep.
+    #[arg(long, value_name = "USEC")]
+    hybrid: Option<String>,
+    /// Reactors busy-poll (a spinning core each, lowest latency).
+    #[arg(long)]
+    poll: bool,
+}
+
+impl CompletionArgs {
+    /// The reactors' configuration the flags choose.
+    pub fn config(&self) -> Result<ReactorConfig, Error> {
+        completion_mode(
+            self.poll,
+            self.interrupt,
+            self.hybrid.as_deref(),
+            self.adaptive.as_deref(),
+        )
+    }
+}
+
 /// The adaptive spin cap `udm serve` uses unless told otherwise. A QD1
 /// client's gap, as a sleeping server sees it, is the client's turn plus the
 /// server's own wakeup (20–35 µs each on a VM): 50 µs measured too tight
@@ -374,7 +390,7 @@ const ADAPTIVE_DEFAULT_US: u64 = 100;
 
 /// The reactors' completion mode from `--poll`, `--interrupt`,
 /// `--hybrid USEC` and `--adaptive USEC` (the default).
-pub(crate) fn completion_mode(
+fn completion_mode(
     poll: bool,
     interrupt: bool,
     hybrid: Option<&str>,

@@ -17,7 +17,7 @@ use udm_control::{Config, Control, ControlServer};
 use udm_core::{BlockDevice, Error};
 use udm_exports::nbd::server;
 
-use crate::serve::{completion_mode, parse_limits, signal_pipe};
+use crate::serve::{parse_limits, signal_pipe, CompletionArgs};
 
 const AFTER_HELP: &str = "\
 The control socket: --control PATH, else $UDM_CONTROL, else
@@ -47,19 +47,8 @@ pub struct DaemonArgs {
     /// Reactor threads per export.
     #[arg(long, default_value_t = 1)]
     reactors: u32,
-    /// (The default, USEC 100.) Idle reactors spin only while recent gaps
-    /// between bursts were short, at most USEC microseconds per gap.
-    #[arg(long, value_name = "USEC")]
-    adaptive: Option<String>,
-    /// Reactors always sleep in io_uring_enter when idle.
-    #[arg(long)]
-    interrupt: bool,
-    /// Reactors spin USEC microseconds after their last work, then sleep.
-    #[arg(long, value_name = "USEC")]
-    hybrid: Option<String>,
-    /// Reactors busy-poll (a spinning core each).
-    #[arg(long)]
-    poll: bool,
+    #[command(flatten)]
+    completion: CompletionArgs,
     /// Per export: close a connection that has not finished its handshake
     /// this many seconds after it was accepted; 0: never.
     #[arg(long, value_name = "SECS", default_value = "10")]
@@ -79,12 +68,7 @@ pub struct DaemonArgs {
 
 /// Runs `udm daemon`.
 pub fn main(a: DaemonArgs) -> Result<i32, Error> {
-    let reactor = completion_mode(
-        a.poll,
-        a.interrupt,
-        a.hybrid.as_deref(),
-        a.adaptive.as_deref(),
-    )?;
+    let reactor = a.completion.config()?;
     if a.reactors == 0 || a.reactors > 64 {
         return Err(Error::invalid(format!(
             "--reactors {}: expected 1 to 64",
