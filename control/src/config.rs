@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use toml::Spanned;
 use udm_core::Error;
 
-use crate::exports::ExportSpec;
+use crate::exports::{ExportInfo, ExportOpts, ExportSpec};
 use crate::registry::RemoveMode;
 use crate::verbs::Control;
 
@@ -53,10 +53,82 @@ pub struct ExportDef {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
     /// Served over NBD at this address (`unix:PATH`, `HOST:PORT`).
-    pub nbd: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbd: Option<String>,
+    /// Served over vhost-user-blk at this socket path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vhost_user_blk: Option<String>,
+    /// Served as a ublk block device (`/dev/ublkbN`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub ublk: bool,
     /// Refuse writes.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub read_only: bool,
+    /// Queues (vhost-user-blk, ublk).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queues: Option<u32>,
+    /// Requests each queue holds (ublk).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub depth: Option<u32>,
+    /// The N of `/dev/ublkbN` (ublk).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<u32>,
+    /// Re-attach the device a udm that died left behind (ublk).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub recover: bool,
+}
+
+impl ExportDef {
+    /// The export this entry asks for; an error unless it names exactly
+    /// one protocol.
+    pub fn spec(&self) -> Result<ExportSpec, Error> {
+        let (protocol, address) = match (&self.nbd, &self.vhost_user_blk, self.ublk) {
+            (Some(a), None, false) => ("nbd", a.clone()),
+            (None, Some(p), false) => ("vhost-user-blk", p.clone()),
+            (None, None, true) => ("ublk", String::new()),
+            _ => {
+                return Err(Error::invalid(format!(
+                    "export of '{}': give exactly one of nbd, vhost_user_blk, ublk",
+                    self.device
+                )))
+            }
+        };
+        Ok(ExportSpec {
+            device: self.device.clone(),
+            protocol: protocol.into(),
+            address,
+            name: self.name.clone(),
+            read_only: self.read_only,
+            opts: ExportOpts {
+                queues: self.queues,
+                depth: self.depth,
+                id: self.id,
+                recover: self.recover,
+            },
+        })
+    }
+
+    /// The entry for a running export.
+    pub fn of(e: ExportInfo) -> ExportDef {
+        let mut d = ExportDef {
+            name: (e.name != e.device).then_some(e.name),
+            device: e.device,
+            nbd: None,
+            vhost_user_blk: None,
+            ublk: false,
+            read_only: e.read_only,
+            queues: e.opts.queues,
+            depth: e.opts.depth,
+            id: e.opts.id,
+            recover: e.opts.recover,
+        };
+        match e.protocol.as_str() {
+            "vhost-user-blk" => d.vhost_user_blk = Some(e.address),
+            "ublk" => d.ublk = true,
+            _ => d.nbd = Some(e.address),
+        }
+        d
+    }
 }
 
 /// A configuration: devices, then exports, each in order.
@@ -163,14 +235,9 @@ impl Config {
                 made.push(d.name.clone());
             }
             for (i, e) in self.exports.iter().enumerate() {
-                let info = ctl
-                    .export_add(ExportSpec {
-                        device: e.device.clone(),
-                        protocol: "nbd".into(),
-                        address: e.nbd.clone(),
-                        name: e.name.clone(),
-                        read_only: e.read_only,
-                    })
+                let info = e
+                    .spec()
+                    .and_then(|spec| ctl.export_add(spec))
                     .map_err(|err| err.context(Config::place(&self.origin.exports, i)))?;
                 exported.push(info.name);
             }
@@ -207,12 +274,7 @@ impl Config {
         }
         if let Ok(list) = ctl.export_ls() {
             for e in list.exports {
-                c.exports.push(ExportDef {
-                    name: (e.name != e.device).then_some(e.name),
-                    device: e.device,
-                    nbd: e.address,
-                    read_only: e.read_only,
-                });
+                c.exports.push(ExportDef::of(e));
             }
         }
         Ok(c)
@@ -240,7 +302,7 @@ nbd = "unix:/tmp/x.sock"
 "#;
         let c = Config::parse(text, "test").unwrap();
         assert_eq!(c.devices.len(), 2);
-        assert_eq!(c.exports[0].nbd, "unix:/tmp/x.sock");
+        assert_eq!(c.exports[0].nbd.as_deref(), Some("unix:/tmp/x.sock"));
         let again = Config::parse(&c.to_toml().unwrap(), "again").unwrap();
         assert_eq!(again.devices, c.devices);
         assert_eq!(again.exports, c.exports);

@@ -6,7 +6,6 @@ use serde_json::Value;
 use udm_core::Error;
 
 use crate::config::Config;
-use crate::exports::ExportSpec;
 use crate::proto::Op;
 use crate::verbs::Control;
 
@@ -34,19 +33,7 @@ pub fn execute(ctl: &Control, op: Op) -> Result<Value, Error> {
         Op::Create { name, spec } => value(ctl.create(&name, &spec)),
         Op::Remove { name, mode } => value(ctl.remove(&name, mode)),
         Op::RemoveAll { mode } => value(ctl.remove_all(mode)),
-        Op::ExportAdd {
-            device,
-            protocol,
-            address,
-            name,
-            read_only,
-        } => value(ctl.export_add(ExportSpec {
-            device,
-            protocol,
-            address,
-            name,
-            read_only,
-        })),
+        Op::ExportAdd(spec) => value(ctl.export_add(spec)),
         Op::ExportRemove { name, force } => value(ctl.export_remove(&name, force)),
         Op::ExportLs {} => value(ctl.export_ls()),
         Op::DumpConfig {} => value(Config::dump(ctl)),

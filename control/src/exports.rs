@@ -12,14 +12,16 @@ use udm_core::{BlockDevice, Error};
 use crate::registry::Holder;
 
 /// `export add`'s arguments.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ExportSpec {
     /// The device to serve.
     pub device: String,
-    /// The protocol: `nbd`.
+    /// The protocol: `nbd`, `vhost-user-blk` or `ublk`.
     pub protocol: String,
-    /// Where it listens: `unix:PATH`, `HOST:PORT`, `:PORT` or `PORT`.
+    /// Where it listens: for NBD `unix:PATH`, `HOST:PORT`, `:PORT` or
+    /// `PORT`; for vhost-user-blk the socket's path; empty for ublk.
+    #[serde(default)]
     pub address: String,
     /// The name clients ask for (default: the device's name).
     #[serde(default)]
@@ -27,6 +29,54 @@ pub struct ExportSpec {
     /// Refuse writes.
     #[serde(default)]
     pub read_only: bool,
+    /// What only some protocols take.
+    #[serde(default, skip_serializing_if = "ExportOpts::is_empty")]
+    pub opts: ExportOpts,
+}
+
+/// Options of an export that only some protocols take; a protocol given
+/// one it does not take refuses the export, naming it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExportOpts {
+    /// Queues (vhost-user-blk, ublk); default: one per reactor.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queues: Option<u32>,
+    /// Requests each queue holds (ublk).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub depth: Option<u32>,
+    /// The device number N of `/dev/ublkbN` (ublk; default: the next free).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<u32>,
+    /// Re-attach the device a udm that died left behind (ublk).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub recover: bool,
+}
+
+impl ExportOpts {
+    /// No option set.
+    pub fn is_empty(&self) -> bool {
+        *self == ExportOpts::default()
+    }
+
+    /// The names of the options set, as the command line spells them
+    /// (for a protocol's "does not take" error).
+    pub fn names(&self) -> Vec<&'static str> {
+        let mut v = Vec::new();
+        if self.queues.is_some() {
+            v.push("--queues");
+        }
+        if self.depth.is_some() {
+            v.push("--depth");
+        }
+        if self.id.is_some() {
+            v.push("--id");
+        }
+        if self.recover {
+            v.push("--recover");
+        }
+        v
+    }
 }
 
 /// One export, as `export ls` reports it.
@@ -36,16 +86,19 @@ pub struct ExportInfo {
     pub name: String,
     /// The device it serves.
     pub device: String,
-    /// `nbd`.
+    /// `nbd`, `vhost-user-blk` or `ublk`.
     pub protocol: String,
     /// Where it listens, as given.
     pub address: String,
-    /// A URI a client can use.
+    /// A URI a client can use (a device path for ublk).
     pub uri: String,
     /// Writes refused.
     pub read_only: bool,
     /// Clients connected now.
     pub clients: usize,
+    /// The protocol's options, as given.
+    #[serde(default, skip_serializing_if = "ExportOpts::is_empty")]
+    pub opts: ExportOpts,
 }
 
 impl fmt::Display for ExportInfo {

@@ -93,21 +93,8 @@ pub enum Op {
         #[serde(default)]
         mode: RemoveMode,
     },
-    /// Starts serving a device (see [`crate::ExportSpec`]).
-    ExportAdd {
-        /// The device.
-        device: String,
-        /// `nbd`.
-        protocol: String,
-        /// Where it listens.
-        address: String,
-        /// The name clients ask for (default: the device's).
-        #[serde(default)]
-        name: Option<String>,
-        /// Refuse writes.
-        #[serde(default)]
-        read_only: bool,
-    },
+    /// Starts serving a device.
+    ExportAdd(crate::ExportSpec),
     /// Stops an export.
     ExportRemove {
         /// The export.

@@ -1,7 +1,7 @@
 //! `udm export add|remove|ls`: a daemon's exports, managed live.
 
 use udm_control::report::Done;
-use udm_control::{ExportInfo, ExportList, Op};
+use udm_control::{ExportInfo, ExportList, ExportOpts, ExportSpec, Op};
 use udm_core::Error;
 
 use super::CtlArgs;
@@ -19,21 +19,63 @@ pub enum ExportCmd {
 
 /// `udm export add`.
 #[derive(clap::Args, Debug)]
+#[command(group(clap::ArgGroup::new("protocol").required(true).args(["nbd", "vhost_user_blk", "ublk"])))]
 pub struct AddArgs {
     #[command(flatten)]
     ctl: CtlArgs,
     /// Serve over NBD at unix:PATH, HOST:PORT, :PORT or PORT (a bare port
     /// listens on 127.0.0.1).
-    #[arg(long, value_name = "ADDR", required = true)]
-    nbd: String,
+    #[arg(long, value_name = "ADDR")]
+    nbd: Option<String>,
+    /// Serve over vhost-user-blk (virtual machines) at this socket path.
+    #[arg(long, value_name = "PATH")]
+    vhost_user_blk: Option<String>,
+    /// Serve as a Linux block device, /dev/ublkbN.
+    #[arg(long)]
+    ublk: bool,
     /// The name clients ask for (default: the device's).
     #[arg(long, value_name = "NAME")]
     export_name: Option<String>,
     /// Refuse writes.
     #[arg(long)]
     read_only: bool,
+    /// Queues (vhost-user-blk, ublk; default: one per reactor).
+    #[arg(long, value_name = "N")]
+    queues: Option<u32>,
+    /// Requests each queue holds (ublk).
+    #[arg(long, value_name = "D")]
+    depth: Option<u32>,
+    /// The N of /dev/ublkbN (ublk; default: the next free).
+    #[arg(long, value_name = "N")]
+    id: Option<u32>,
+    /// Re-attach the device a udm that died left behind (ublk).
+    #[arg(long)]
+    recover: bool,
     /// The device.
     device: String,
+}
+
+impl AddArgs {
+    fn spec(self) -> ExportSpec {
+        let (protocol, address) = match (self.nbd, self.vhost_user_blk) {
+            (Some(a), _) => ("nbd", a),
+            (None, Some(p)) => ("vhost-user-blk", p),
+            (None, None) => ("ublk", String::new()),
+        };
+        ExportSpec {
+            device: self.device,
+            protocol: protocol.into(),
+            address,
+            name: self.export_name,
+            read_only: self.read_only,
+            opts: ExportOpts {
+                queues: self.queues,
+                depth: self.depth,
+                id: self.id,
+                recover: self.recover,
+            },
+        }
+    }
 }
 
 /// `udm export remove`.
@@ -52,13 +94,10 @@ pub struct RemoveArgs {
 /// Runs `udm export …`.
 pub fn main(cmd: ExportCmd) -> Result<i32, Error> {
     match cmd {
-        ExportCmd::Add(a) => a.ctl.run::<ExportInfo>(Op::ExportAdd {
-            device: a.device,
-            protocol: "nbd".into(),
-            address: a.nbd,
-            name: a.export_name,
-            read_only: a.read_only,
-        }),
+        ExportCmd::Add(a) => {
+            let ctl = a.ctl.clone();
+            ctl.run::<ExportInfo>(Op::ExportAdd(a.spec()))
+        }
         ExportCmd::Remove(a) => a.ctl.run::<Done>(Op::ExportRemove {
             name: a.name,
             force: a.force,

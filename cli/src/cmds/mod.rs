@@ -42,7 +42,7 @@ pub struct OnArgs {
 }
 
 /// Options of the verbs that act on a daemon only.
-#[derive(clap::Args, Debug)]
+#[derive(clap::Args, Clone, Debug)]
 pub struct CtlArgs {
     /// The daemon's control socket (default: $UDM_CONTROL, else the
     /// daemon's default path).

@@ -6,6 +6,7 @@
 //! answered first), closes the control socket and flushes every device,
 //! top of the stack first, and exits 0 (1 if a flush failed).
 
+mod exports;
 mod nbd;
 
 use std::io::{Read, Write};
@@ -86,8 +87,11 @@ pub fn main(a: DaemonArgs) -> Result<i32, Error> {
     let listener = udm_control::bind(&path)?;
     let ctl = Arc::new(Control::default());
     let limits = parse_limits(&a.handshake_timeout, a.max_connections, &a.max_inflight)?;
-    let exports = Arc::new(nbd::NbdExports::new(a.reactors as usize, reactor, limits));
-    ctl.set_exports(exports);
+    let exports = exports::Exports::new().with(
+        "nbd",
+        Box::new(nbd::NbdExports::new(a.reactors as usize, reactor, limits)),
+    );
+    ctl.set_exports(Arc::new(exports));
     if let Some(c) = &config {
         if let Err(e) = c.apply(&ctl) {
             let _ = std::fs::remove_file(&path);

@@ -75,11 +75,11 @@ fn uri(name: &str, l: &Listen) -> String {
 
 impl ExportService for NbdExports {
     fn add(&self, ctl: &dyn Devices, spec: ExportSpec) -> Result<ExportInfo, Error> {
-        if spec.protocol != "nbd" {
-            return Err(Error::new(
-                ErrorKind::Unsupported,
-                format!("unknown export protocol '{}' (known: nbd)", spec.protocol),
-            ));
+        if !spec.opts.is_empty() {
+            return Err(Error::invalid(format!(
+                "an NBD export takes no {}",
+                spec.opts.names().join(", ")
+            )));
         }
         let name = spec.name.clone().unwrap_or_else(|| spec.device.clone());
         let listen = Listen::parse(&spec.address)?;
@@ -148,6 +148,7 @@ impl ExportService for NbdExports {
             uri: uri(&name, &bound),
             read_only: spec.read_only,
             clients: 0,
+            opts: spec.opts,
         };
         tracing::info!("export '{name}' of '{}' at {}", info.device, info.uri);
         running.push(Running {
