@@ -9,7 +9,9 @@
 # the host) is attached as a virtio disk, /dev/vda, /dev/vdb, ... in order:
 # the way data goes in and comes back. Env: UDM (the binary; default
 # target/release/udm), GUEST_MEM (default 1G), GUEST_TIMEOUT (seconds,
-# default 300), GUEST_LOG (console log path). Needs qemu-system-x86_64
+# default 300), GUEST_LOG (console log path), GUEST_QEMU_ARGS (more QEMU
+# arguments, split on spaces: e.g. a vhost-user-blk device; guest memory
+# is a shared memfd so a vhost-user backend can map it). Needs qemu-system-x86_64
 # (scripts/setup.sh installs it) and builds the base image on first use.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -37,9 +39,10 @@ for d in "$@"; do
 done
 LOG=${GUEST_LOG:-$T/console.log}
 timeout "${GUEST_TIMEOUT:-300}" qemu-system-x86_64 -accel tcg,thread=multi -cpu max -smp 2 \
-    -m "${GUEST_MEM:-1G}" -nographic -no-reboot -nic none \
+    -m "${GUEST_MEM:-1G}" -object "memory-backend-memfd,id=mem,size=${GUEST_MEM:-1G},share=on" \
+    -machine q35,memory-backend=mem -nographic -no-reboot -nic none \
     -kernel "$W/vmlinuz" -initrd "$T/initrd.gz" \
-    -append "console=ttyS0 quiet panic=-1" "${DRIVES[@]}" </dev/null >"$LOG" 2>&1 || true
+    -append "console=ttyS0 quiet panic=-1" "${DRIVES[@]}" ${GUEST_QEMU_ARGS:-} </dev/null >"$LOG" 2>&1 || true
 tr -d '\r' <"$LOG" | grep -v '^\s*$' | sed 's/^/guest: /'
 rc=$(tr -d '\r' <"$LOG" | sed -n 's/^GUEST_RC=\([0-9]*\)$/\1/p' | tail -1)
 [ -n "$rc" ] || { echo "guest/run: the guest did not finish (timeout or crash)" >&2; exit 3; }
