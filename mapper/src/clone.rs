@@ -64,7 +64,7 @@ fn split(tio: &TableIo, p: *mut Bio) {
         let ti = table.find(sector);
         let t = &tio.targets[ti];
         let rel = sector - t.begin;
-        let n = t.room(rel).min(end - sector);
+        let n = t.split_room(rel).min(end - sector);
         let bytes = (n << SECTOR_SHIFT) as usize;
         // alloc_clone removes MAY_LEND: a clone's data must land in the
         // parent's buffer.

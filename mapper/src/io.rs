@@ -23,7 +23,7 @@
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::rc::{Rc, Weak};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use udm_core::{
@@ -63,11 +63,12 @@ enum Plan {
 /// checked the target's areas against their sizes, and [`TableIo::plan`]
 /// checked the remap keeps a bio aligned, so a bio admitted here passes its
 /// device's own check, and goes down with [`Channel::submit_nocheck`].
+/// The target starts at sector 0: a table covers `0..sectors` without gaps,
+/// so its only target does.
 #[derive(Clone, Copy)]
 struct Window {
     /// The TableIo the plan was made from (the frame's private).
     tio: *const TableIo,
-    begin: u64,
     len: u64,
     /// The table's logical block size in bytes, minus one.
     align: u64,
@@ -82,7 +83,7 @@ impl Window {
     /// within the table's length and segment limits.
     #[inline(always)]
     fn admit(&self, bio: &Bio) -> Option<(u64, u64)> {
-        let rel = bio.sector.wrapping_sub(self.begin);
+        let rel = bio.sector;
         let end = rel.wrapping_add(bio.sectors());
         let len = bio.len();
         // `rel < end` rules out an empty bio and one that wraps.
@@ -115,8 +116,6 @@ struct OffsetPlan {
     start: u64,
     /// The target's device's channel (as [`FastMap::Offset`]'s).
     ch: *const dyn Channel,
-    /// The target's remap gate, or null (as [`FastMap::Offset`]'s).
-    gate: *const AtomicBool,
 }
 
 /// [`Plan::Stripes`]: the target, its geometry and its stripes.
@@ -136,11 +135,6 @@ impl OffsetPlan {
         let Some((rel, _)) = self.w.admit(&bio) else {
             return ch.submit_slow(bio);
         };
-        // SAFETY: a non-null gate points into the target, which the
-        // current TableIo keeps alive (see Window).
-        if !self.gate.is_null() && !unsafe { (*self.gate).load(Ordering::Relaxed) } {
-            return ch.submit_slow(bio);
-        }
         self.w.push(&mut bio);
         bio.sector = rel.wrapping_add(self.start);
         // SAFETY: `ch` is the current TableIo's channel to the device, and
@@ -191,6 +185,7 @@ impl TableIo {
         let [t] = &self.targets[..] else {
             return general;
         };
+        debug_assert_eq!(t.begin, 0, "a table's only target starts at 0");
         let l = &table.limits;
         let lbs = l.logical_block_size;
         // The one-target plans pass bios down unchecked, so only where
@@ -208,7 +203,6 @@ impl TableIo {
         }
         let w = Window {
             tio,
-            begin: t.begin,
             len: t.len,
             align: lbs as u64 - 1,
             max_bytes: l.max_io_bytes,
@@ -217,13 +211,12 @@ impl TableIo {
         // And the remapped sector must stay aligned: the device's start is.
         let aligned = |start: u64| start & self.lbs_mask == 0;
         match t.fast {
-            // A gated target's max_io_len matters only while its gate is
-            // clear, and then the plan sends the bio to the slow path,
-            // which splits.
+            // A gated target (flakey, dust) takes the general plan, which
+            // checks its gate: linear's plan pays nothing for gates.
             FastMap::Offset(start, ch, gate)
-                if (t.max_io_len == 0 || !gate.is_null()) && aligned(start) =>
+                if t.max_io_len == 0 && gate.is_null() && aligned(start) =>
             {
-                Plan::Offset(OffsetPlan { w, start, ch, gate })
+                Plan::Offset(OffsetPlan { w, start, ch })
             }
             // Table::build checked the window is the chunk, a multiple of
             // the block size.
@@ -480,8 +473,7 @@ impl MapperChannel {
                             // SAFETY: a non-null gate points into the
                             // target, which `t` keeps alive.
                             if !gate.is_null() && !unsafe { (*gate).load(Ordering::Relaxed) } {
-                                bio.sector = rel;
-                                return self.map_fast(tio, ti, bio);
+                                return self.map_gate_clear(tio, ti, rel, bio);
                             }
                             bio.sector = rel.wrapping_add(start);
                             // SAFETY: `ch` is `Rc::as_ptr(&t.chans[0])`, which
@@ -515,6 +507,22 @@ impl MapperChannel {
             }
         }
         self.submit_slow(bio)
+    }
+
+    /// A gated target whose gate is clear: its `map` runs, on a bio inside
+    /// one of its max_io_len windows (which the fast path's room check,
+    /// seeing none for a gated target, did not look at); a bio that
+    /// crosses one leaves the fast path to be split.
+    #[cold]
+    #[inline(never)]
+    fn map_gate_clear(&self, tio: &TableIo, ti: usize, rel: u64, mut bio: BioPtr) {
+        if bio.sectors() > tio.targets[ti].split_room(rel) {
+            bio.pop_end_io();
+            tio.put();
+            return self.submit_slow(bio);
+        }
+        bio.sector = rel;
+        self.map_fast(tio, ti, bio)
     }
 
     /// The fast path on a table of several targets: the lookup (a binary

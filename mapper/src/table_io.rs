@@ -22,7 +22,12 @@ use crate::waiter::Guard;
 pub(crate) struct TargetIo {
     pub begin: u64,
     pub len: u64,
+    /// The fast path's window: the target's max_io_len, except 0 for a
+    /// gated target (its windows matter only while its gate is clear, and
+    /// then `map_gate_clear` checks them).
     pub max_io_len: u64,
+    /// The target's max_io_len, where the slow path splits.
+    pub split_len: u64,
     pub end_io: EndIoWhen,
     /// How the fast path maps a bio to this target.
     pub fast: FastMap,
@@ -113,6 +118,16 @@ impl TargetIo {
         }
     }
 
+    /// Sectors from `rel` to the next place the slow path splits: the
+    /// target's end or its next max_io_len boundary.
+    pub fn split_room(&self, rel: u64) -> u64 {
+        let to_end = self.len - rel;
+        match self.split_len {
+            0 => to_end,
+            m => to_end.min(m - rel % m),
+        }
+    }
+
     /// [`TargetIo::room`] when it takes no division (no max_io_len, or a
     /// power of two); `None` otherwise.
     #[inline]
@@ -174,7 +189,12 @@ impl TableIo {
                 TargetIo {
                     begin: t.begin,
                     len: t.len,
-                    max_io_len: t.max_io_len,
+                    max_io_len: if t.target.remap_gate().is_some() && t.remap_offset.is_some() {
+                        0
+                    } else {
+                        t.max_io_len
+                    },
+                    split_len: t.max_io_len,
                     end_io: t.end_io,
                     fast: match (t.remap_offset, t.fast_stripes) {
                         (Some(o), _) => FastMap::Offset(
