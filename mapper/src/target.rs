@@ -157,7 +157,9 @@ pub trait Target: Send + Sync {
     /// remap holds. While it is set the fast path remaps by the offset
     /// without calling the target; while it is clear it calls `map`. For a
     /// target that is a pure remap only in some states (dust with no bad
-    /// blocks), so that its pass-through state costs a load over linear's.
+    /// blocks), so that its pass-through state stays on the no-clone fast
+    /// path (the general plan's, which checks the flag; linear's own plan
+    /// checks nothing).
     /// The target keeps the flag true exactly while `map` would only add the
     /// offset to any bio of the target, whatever its
     /// [`Target::max_io_len`] (which then matters only while it is clear).
