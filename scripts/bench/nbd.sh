@@ -50,6 +50,7 @@ cleanup() {
 }
 trap cleanup EXIT
 truncate -s 1G "$IMG"
+: >"$W/idle.tsv"
 TCK=$(getconf CLK_TCK)
 SERVERS=${SERVERS:-"udm udm-interrupt nbdkit-memory qemu-nbd qsd nbdkit-null"}
 case ${PIN:-} in
@@ -160,10 +161,12 @@ other = ((int(b1) - int(b0)) / int(tck) - cpu - fio_cpu) / float(rt) * 100
 print(f"{s}\t{j}\t{r}\t{side['iops']:.0f}\t{p99:.1f}\t{cpu / max(ios, 1) * 1e6:.2f}\t{max(other, 0):.0f}")
 PY
         done
-        c0=$(cpu_ticks)
-        sleep "${IDLE_S:-2}"
-        c1=$(cpu_ticks)
-        echo -e "$s\t$r\t$(python3 -c "print(f'{($c1 - $c0) / $TCK / ${IDLE_S:-2} * 100:.1f}')")" >>"$W/idle.tsv"
+        if [ "${IDLE_S:-2}" != 0 ]; then
+            c0=$(cpu_ticks)
+            sleep "${IDLE_S:-2}"
+            c1=$(cpu_ticks)
+            echo -e "$s\t$r\t$(python3 -c "print(f'{($c1 - $c0) / $TCK / ${IDLE_S:-2} * 100:.1f}')")" >>"$W/idle.tsv"
+        fi
         stop
     done
     echo "bench/nbd: round $r of $ROUNDS done" >&2
@@ -186,7 +189,7 @@ for j in jobs:
 idle = [l.split("\t") for l in open(sys.argv[4]).read().splitlines()]
 print("idle CPU% (server CPU while no client is connected, % of one CPU):")
 for s in servers:
-    v = [float(r[2]) for r in idle if r[0] == s]
+    v = [float(r[2]) for r in idle if r[0] == s and r[2]]
     if v:
         print(f"  {s:15} {st.median(v):5.1f}")
 PY
