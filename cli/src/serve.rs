@@ -269,6 +269,7 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
             reactors: reactors as usize,
             reactor,
             limits,
+            pool: None,
         },
     )?;
     for e in srv.exports() {

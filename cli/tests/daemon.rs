@@ -9,133 +9,13 @@ mod common;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::daemon::Daemon;
 use common::{run, TempDir};
 use serde_json::Value;
 use udm_control::{Client, Op};
-
-/// A running `udm daemon` on a control socket in a temporary directory;
-/// SIGTERM (then SIGKILL) when dropped.
-struct Daemon {
-    child: Option<Child>,
-    ctl: PathBuf,
-    dir: TempDir,
-}
-
-impl Daemon {
-    fn start(extra: &[&str]) -> Daemon {
-        let dir = TempDir::new("daemon");
-        Daemon::start_in(dir, extra)
-    }
-
-    fn start_in(dir: TempDir, extra: &[&str]) -> Daemon {
-        let ctl = dir.path("run/control");
-        let child = Command::new(env!("CARGO_BIN_EXE_udm"))
-            .arg("daemon")
-            .args(extra)
-            .env("UDM_CONTROL", &ctl)
-            .stdout(std::fs::File::create(dir.path("stdout")).unwrap())
-            .stderr(std::fs::File::create(dir.path("stderr")).unwrap())
-            .spawn()
-            .unwrap();
-        let d = Daemon {
-            child: Some(child),
-            ctl,
-            dir,
-        };
-        let t0 = Instant::now();
-        while !d.out().contains("daemon ready") {
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "no start: {}",
-                d.log()
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        d
-    }
-
-    fn out(&self) -> String {
-        std::fs::read_to_string(self.dir.path("stdout")).unwrap_or_default()
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.path("stderr")).unwrap_or_default()
-    }
-
-    /// `udm ARGS` against this daemon (found through $UDM_CONTROL).
-    fn udm(&self, args: &[&str]) -> (i32, String, String) {
-        let out = Command::new(env!("CARGO_BIN_EXE_udm"))
-            .args(args)
-            .env("UDM_CONTROL", &self.ctl)
-            .output()
-            .unwrap();
-        (
-            out.status.code().unwrap_or(-1),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
-    }
-
-    /// `udm ARGS`, which must succeed; its stdout.
-    fn ok(&self, args: &[&str]) -> String {
-        let (code, out, err) = self.udm(args);
-        assert_eq!(code, 0, "udm {args:?}: {err}");
-        out
-    }
-
-    /// `udm ARGS`, which must fail; its one-line error.
-    fn fails(&self, args: &[&str]) -> String {
-        let (code, _, err) = self.udm(args);
-        assert_ne!(code, 0, "udm {args:?} succeeded");
-        assert_eq!(err.lines().count(), 1, "{err}");
-        err
-    }
-
-    /// Stops with SIGTERM; the exit status.
-    fn stop(&mut self) -> std::process::ExitStatus {
-        let mut c = self.child.take().unwrap();
-        // SAFETY: signals our own child.
-        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-        let t0 = Instant::now();
-        loop {
-            if let Some(st) = c.try_wait().unwrap() {
-                return st;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(20),
-                "no stop: {}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.as_ref().unwrap().id()
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            // SAFETY: signals our own child.
-            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-            let t0 = Instant::now();
-            while t0.elapsed() < Duration::from_secs(5) {
-                if c.try_wait().ok().flatten().is_some() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
 
 #[test]
 fn the_daemon_starts_empty_owns_its_socket_and_stops_clean() {
@@ -611,4 +491,129 @@ fn a_control_socket_under_abuse_answers_errors_and_keeps_serving() {
         assert!(t.join().unwrap());
     }
     assert!(d.ok(&["ls"]).starts_with("r\tram"));
+}
+
+/// Whether a new connection to `sock` is greeted (NBD's first bytes) or
+/// closed unread, as a connection over a cap is.
+fn greeted(sock: &std::path::Path) -> bool {
+    let mut c = UnixStream::connect(sock).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut b = [0u8; 8];
+    matches!(std::io::Read::read(&mut c, &mut b), Ok(8)) && &b == b"NBDMAGIC"
+}
+
+#[test]
+fn all_nbd_exports_share_one_connection_cap_set_in_the_config() {
+    let dir = TempDir::new("limits");
+    let cfg = dir.path("udm.toml");
+    let (a, b) = (dir.path("a.sock"), dir.path("b.sock"));
+    std::fs::write(
+        &cfg,
+        format!(
+            "[limits]\nmax_connections = 2\nhandshake_timeout = 30\n\n\
+             [[device]]\nname = \"a\"\nspec = \"ram:1M\"\n\n\
+             [[device]]\nname = \"b\"\nspec = \"ram:1M\"\n\n\
+             [[export]]\ndevice = \"a\"\nnbd = \"unix:{}\"\n\n\
+             [[export]]\ndevice = \"b\"\nnbd = \"unix:{}\"\n",
+            a.display(),
+            b.display()
+        ),
+    )
+    .unwrap();
+    let d = Daemon::start_in(dir, &["--config", cfg.to_str().unwrap()]);
+    // Two idle clients, one on each export, fill the daemon's cap: a third
+    // is closed before the greeting whichever export it asks for.
+    let mut held = Vec::new();
+    for s in [&a, &b] {
+        let mut c = UnixStream::connect(s).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut g = [0u8; 8];
+        std::io::Read::read_exact(&mut c, &mut g).unwrap();
+        held.push(c);
+    }
+    assert!(!greeted(&a) && !greeted(&b), "{}", d.log());
+    assert!(
+        d.log().contains("at the cap of 2 connections"),
+        "{}",
+        d.log()
+    );
+    drop(held);
+    let t0 = Instant::now();
+    while !greeted(&b) {
+        assert!(t0.elapsed() < Duration::from_secs(5), "no place freed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // dump-config keeps the limits in force.
+    let dump = d.ok(&["dump-config"]);
+    assert!(
+        dump.contains("[limits]") && dump.contains("max_connections = 2"),
+        "{dump}"
+    );
+    assert!(dump.contains("handshake_timeout = 30"), "{dump}");
+}
+
+#[test]
+fn a_flag_overrides_the_config_limits_and_a_bad_limit_names_its_line() {
+    let dir = TempDir::new("limits-flag");
+    let cfg = dir.path("udm.toml");
+    std::fs::write(&cfg, "[limits]\nmax_connections = 2\n").unwrap();
+    let d = Daemon::start_in(
+        dir,
+        &["--config", cfg.to_str().unwrap(), "--max-connections", "7"],
+    );
+    let dump = d.ok(&["dump-config"]);
+    assert!(dump.contains("max_connections = 7"), "{dump}");
+    drop(d);
+
+    let dir = TempDir::new("limits-bad");
+    let cfg = dir.path("udm.toml");
+    std::fs::write(&cfg, "# limits\n\n[limits]\nmax_inflight = \"1M\"\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_udm"))
+        .args(["daemon", "--config", cfg.to_str().unwrap()])
+        .env("UDM_CONTROL", dir.path("control"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("line 3: [limits]") && err.contains("max-inflight '1M'"),
+        "{err}"
+    );
+    // An export entry names exactly one protocol.
+    std::fs::write(
+        &cfg,
+        "[[device]]\nname = \"r\"\nspec = \"ram:1M\"\n\n[[export]]\ndevice = \"r\"\n",
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_udm"))
+        .args(["daemon", "--config", cfg.to_str().unwrap()])
+        .env("UDM_CONTROL", dir.path("control"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("line 5") && err.contains("exactly one of nbd, vhost_user_blk, ublk"),
+        "{err}"
+    );
+}
+
+#[test]
+fn export_add_names_an_unknown_protocol_option() {
+    let d = Daemon::start(&[]);
+    d.ok(&["create", "r", "ram:1M"]);
+    let sock = d.dir.path("r.sock");
+    let err = d.fails(&[
+        "export",
+        "add",
+        "r",
+        "--nbd",
+        &format!("unix:{}", sock.display()),
+        "--queues",
+        "2",
+    ]);
+    assert!(err.contains("an NBD export takes no --queues"), "{err}");
+    let err = d.fails(&["export", "add", "r"]);
+    assert!(err.contains("--nbd") || err.contains("required"), "{err}");
 }

@@ -13,96 +13,10 @@
 mod cluster;
 mod common;
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::TempDir;
-
-struct Daemon {
-    child: Option<Child>,
-    ctl: PathBuf,
-    dir: TempDir,
-}
-
-impl Daemon {
-    fn start() -> Daemon {
-        let dir = TempDir::new("rbd-daemon");
-        let ctl = dir.path("run/control");
-        let child = Command::new(env!("CARGO_BIN_EXE_udm"))
-            .arg("daemon")
-            .env("UDM_CONTROL", &ctl)
-            .stdout(std::fs::File::create(dir.path("stdout")).unwrap())
-            .stderr(std::fs::File::create(dir.path("stderr")).unwrap())
-            .spawn()
-            .unwrap();
-        let d = Daemon {
-            child: Some(child),
-            ctl,
-            dir,
-        };
-        let t0 = Instant::now();
-        while !std::fs::read_to_string(d.dir.path("stdout"))
-            .unwrap_or_default()
-            .contains("daemon ready")
-        {
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "daemon did not start"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        d
-    }
-
-    fn udm(&self, args: &[&str]) -> (i32, String, String) {
-        let out = Command::new(env!("CARGO_BIN_EXE_udm"))
-            .args(args)
-            .env("UDM_CONTROL", &self.ctl)
-            .output()
-            .unwrap();
-        (
-            out.status.code().unwrap_or(-1),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
-    }
-
-    fn ok(&self, args: &[&str]) -> String {
-        let (code, out, err) = self.udm(args);
-        assert_eq!(code, 0, "udm {args:?}: {err}");
-        out
-    }
-
-    fn fails(&self, args: &[&str]) -> String {
-        let (code, _, err) = self.udm(args);
-        assert_ne!(code, 0, "udm {args:?} succeeded");
-        assert_eq!(err.lines().count(), 1, "{err}");
-        err
-    }
-
-    fn alive(&mut self) -> bool {
-        self.child.as_mut().unwrap().try_wait().unwrap().is_none()
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            // SAFETY: signals our own child.
-            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-            let t0 = Instant::now();
-            while t0.elapsed() < Duration::from_secs(10) {
-                if c.try_wait().ok().flatten().is_some() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
+use common::daemon::Daemon;
 
 fn fio(uri: &str, args: &[&str]) -> Command {
     let mut c = Command::new("fio");
@@ -127,7 +41,7 @@ fn rbd_in_the_daemon_exported_verified_resized_and_failing_cleanly() {
     }
     let c = cluster::start(5);
     let img = c.image(32 << 20);
-    let mut d = Daemon::start();
+    let mut d = Daemon::start(&[]);
     d.ok(&[
         "create",
         "r",

@@ -131,10 +131,36 @@ impl ExportDef {
     }
 }
 
-/// A configuration: devices, then exports, each in order.
+/// The limits of a daemon's NBD exports, all of them together (the
+/// `[limits]` table; `udm daemon`'s flags of the same names override it).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsDef {
+    /// Seconds a connection may take to finish its handshake; 0: no limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handshake_timeout: Option<u64>,
+    /// Connections open at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_connections: Option<usize>,
+    /// Bytes of request buffers in flight (a size such as `256M`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_inflight: Option<String>,
+}
+
+impl LimitsDef {
+    /// Nothing set.
+    pub fn is_empty(&self) -> bool {
+        *self == LimitsDef::default()
+    }
+}
+
+/// A configuration: limits, devices, then exports, each in order.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
+    /// The exports' limits.
+    #[serde(default, skip_serializing_if = "LimitsDef::is_empty")]
+    pub limits: LimitsDef,
     /// The devices, in creation order (a table uses earlier ones).
     #[serde(default, rename = "device")]
     pub devices: Vec<DeviceDef>,
@@ -149,6 +175,7 @@ pub struct Config {
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 struct Origin {
+    limits: String,
     devices: Vec<String>,
     exports: Vec<String>,
 }
@@ -157,6 +184,8 @@ struct Origin {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Spanned_ {
+    #[serde(default)]
+    limits: Option<Spanned<LimitsDef>>,
     #[serde(default, rename = "device")]
     devices: Vec<Spanned<DeviceDef>>,
     #[serde(default, rename = "export")]
@@ -184,6 +213,10 @@ impl Config {
         let place =
             |span: std::ops::Range<usize>| format!("{what} line {}", line_of(text, span.start));
         let mut c = Config::default();
+        if let Some(l) = s.limits {
+            c.origin.limits = place(l.span());
+            c.limits = l.into_inner();
+        }
         for d in s.devices {
             c.origin.devices.push(place(d.span()));
             let d = d.into_inner();
@@ -198,7 +231,10 @@ impl Config {
         }
         for e in s.exports {
             c.origin.exports.push(place(e.span()));
-            c.exports.push(e.into_inner());
+            let e = e.into_inner();
+            e.spec()
+                .map_err(|err| err.context(c.origin.exports[c.exports.len()].clone()))?;
+            c.exports.push(e);
         }
         Ok(c)
     }
@@ -208,6 +244,12 @@ impl Config {
         let what = format!("config '{}'", path.display());
         let text = std::fs::read_to_string(path).map_err(|e| Error::os(what.clone(), e))?;
         Config::parse(&text, &what)
+    }
+
+    /// Where the `[limits]` table is, as "FILE line N" (for errors in
+    /// its values; empty if the file has none).
+    pub fn limits_origin(&self) -> &str {
+        &self.origin.limits
     }
 
     /// The file's text.
@@ -257,7 +299,10 @@ impl Config {
     /// The running state of `ctl` as a configuration: every device (a
     /// mapped one with its live table), then every export.
     pub fn dump(ctl: &Control) -> Result<Config, Error> {
-        let mut c = Config::default();
+        let mut c = Config {
+            limits: ctl.limits(),
+            ..Config::default()
+        };
         {
             let r = ctl.registry();
             for e in r.entries() {

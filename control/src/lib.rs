@@ -34,7 +34,7 @@ mod verbs;
 
 pub use backend::{backend_kind, is_backend_spec, open_backend, open_path, KINDS};
 pub use client::{request, Client};
-pub use config::{Config, DeviceDef, ExportDef};
+pub use config::{Config, DeviceDef, ExportDef, LimitsDef};
 pub use dispatch::execute;
 pub use exports::{Devices, ExportInfo, ExportList, ExportOpts, ExportService, ExportSpec};
 pub use metrics::{serve_metrics, MetricsServer};

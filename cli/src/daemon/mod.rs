@@ -14,8 +14,9 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use udm_control::{Config, Control, ControlServer};
+use udm_control::{Config, Control, ControlServer, LimitsDef};
 use udm_core::{BlockDevice, Error};
+use udm_exports::nbd::limits::{self, Limits};
 use udm_exports::nbd::server;
 
 use crate::serve::{parse_limits, signal_pipe, CompletionArgs};
@@ -50,17 +51,19 @@ pub struct DaemonArgs {
     reactors: u32,
     #[command(flatten)]
     completion: CompletionArgs,
-    /// Per export: close a connection that has not finished its handshake
-    /// this many seconds after it was accepted; 0: never.
-    #[arg(long, value_name = "SECS", default_value = "10")]
-    handshake_timeout: String,
-    /// Per export: connections open at once; more are closed at once.
-    #[arg(long, value_name = "N", default_value_t = udm_exports::nbd::limits::MAX_CONNECTIONS)]
-    max_connections: usize,
-    /// Per export: bytes of READ and WRITE buffers in flight (K, M, G; at
-    /// least 64M).
-    #[arg(long, value_name = "SIZE", default_value = "256M")]
-    max_inflight: String,
+    /// NBD: close a connection that has not finished its handshake this
+    /// many seconds after it was accepted; 0: never [default: 10, or the
+    /// config's [limits]].
+    #[arg(long, value_name = "SECS")]
+    handshake_timeout: Option<String>,
+    /// NBD: connections open at once, over all exports; more are closed at
+    /// once [default: 1024, or the config's [limits]].
+    #[arg(long, value_name = "N")]
+    max_connections: Option<usize>,
+    /// NBD: bytes of READ and WRITE buffers in flight, over all exports
+    /// (K, M, G; at least 64M) [default: 256M, or the config's [limits]].
+    #[arg(long, value_name = "SIZE")]
+    max_inflight: Option<String>,
     /// Serve Prometheus metrics over HTTP at ADDR (e.g. 127.0.0.1:9100;
     /// docs/stats.md).
     #[arg(long, value_name = "ADDR")]
@@ -82,14 +85,15 @@ pub fn main(a: DaemonArgs) -> Result<i32, Error> {
         Some(p) => Some(Config::read(p)?),
         None => None,
     };
+    let (limits, limits_def) = resolve_limits(&a, config.as_ref())?;
     let path = udm_control::control_socket(a.control);
     make_parent(&path)?;
     let listener = udm_control::bind(&path)?;
     let ctl = Arc::new(Control::default());
-    let limits = parse_limits(&a.handshake_timeout, a.max_connections, &a.max_inflight)?;
+    ctl.set_limits(limits_def);
     let exports = exports::Exports::new().with(
         "nbd",
-        Box::new(nbd::NbdExports::new(a.reactors as usize, reactor, limits)),
+        Box::new(nbd::NbdExports::new(a.reactors as usize, reactor, limits)?),
     );
     ctl.set_exports(Arc::new(exports));
     if let Some(c) = &config {
@@ -128,6 +132,48 @@ pub fn main(a: DaemonArgs) -> Result<i32, Error> {
     }
     tracing::info!("daemon: stopped; {} devices flushed", devs.len() - failed);
     Ok(if failed == 0 { 0 } else { 1 })
+}
+
+/// The NBD limits: each from its flag, else the config's `[limits]`, else
+/// the default; and their record for `dump-config`.
+fn resolve_limits(a: &DaemonArgs, config: Option<&Config>) -> Result<(Limits, LimitsDef), Error> {
+    let defaults = LimitsDef {
+        handshake_timeout: Some(limits::HANDSHAKE_TIMEOUT.as_secs()),
+        max_connections: Some(limits::MAX_CONNECTIONS),
+        max_inflight: Some(format!("{}M", limits::MAX_INFLIGHT >> 20)),
+    };
+    let over = |base: &LimitsDef, top: LimitsDef| LimitsDef {
+        handshake_timeout: top.handshake_timeout.or(base.handshake_timeout),
+        max_connections: top.max_connections.or(base.max_connections),
+        max_inflight: top.max_inflight.or(base.max_inflight.clone()),
+    };
+    let check = |d: &LimitsDef| {
+        parse_limits(
+            &d.handshake_timeout.unwrap_or_default().to_string(),
+            d.max_connections.unwrap_or_default(),
+            d.max_inflight.as_deref().unwrap_or_default(),
+        )
+    };
+    let mut def = defaults;
+    if let Some(c) = config.filter(|c| !c.limits.is_empty()) {
+        def = over(&def, c.limits.clone());
+        // A bad value in the file is named by its place there.
+        check(&def).map_err(|e| e.context(format!("{}: [limits]", c.limits_origin())))?;
+    }
+    let flags = LimitsDef {
+        handshake_timeout: match &a.handshake_timeout {
+            Some(s) => Some(s.parse().map_err(|_| {
+                Error::invalid(format!(
+                    "--handshake-timeout '{s}': expected seconds, 0 (none) to 86400"
+                ))
+            })?),
+            None => None,
+        },
+        max_connections: a.max_connections,
+        max_inflight: a.max_inflight.clone(),
+    };
+    let def = over(&def, flags);
+    Ok((check(&def)?, def))
 }
 
 /// Makes the socket's directory (mode 0700) if it does not exist.

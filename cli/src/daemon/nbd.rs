@@ -9,9 +9,11 @@ use std::os::unix::net::UnixStream;
 use std::sync::{Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
+use std::sync::Arc;
 use udm_control::{Devices, ExportInfo, ExportList, ExportService, ExportSpec, Holder};
 use udm_core::{Error, ErrorKind, ReactorConfig};
-use udm_exports::nbd::limits::Limits;
+
+use udm_exports::nbd::limits::{Limits, Pool};
 use udm_exports::nbd::{Clients, Export, Listen, Server, ServerConfig};
 
 /// One export being served.
@@ -31,19 +33,27 @@ pub struct NbdExports {
     reactors: usize,
     reactor: ReactorConfig,
     limits: Limits,
+    /// The connection cap and buffer budget all the exports share.
+    pool: Arc<Pool>,
     running: Mutex<Vec<Running>>,
 }
 
 impl NbdExports {
     /// Exports served by `reactors` reactors each, built as `reactor` says,
-    /// each server under `limits`.
-    pub fn new(reactors: usize, reactor: ReactorConfig, limits: Limits) -> NbdExports {
-        NbdExports {
+    /// all the servers together under `limits` (one connection cap, one
+    /// buffer budget).
+    pub fn new(
+        reactors: usize,
+        reactor: ReactorConfig,
+        limits: Limits,
+    ) -> Result<NbdExports, Error> {
+        Ok(NbdExports {
             reactors,
             reactor,
+            pool: Pool::new(&limits)?,
             limits,
             running: Mutex::new(Vec::new()),
-        }
+        })
     }
 
     fn running(&self) -> MutexGuard<'_, Vec<Running>> {
@@ -118,6 +128,7 @@ impl ExportService for NbdExports {
                     reactors: self.reactors,
                     reactor: self.reactor,
                     limits: self.limits.clone(),
+                    pool: Some(self.pool.clone()),
                 },
             )?;
             let bound = srv

@@ -5,6 +5,7 @@
 // Test support: a failed setup step is a test failure, with its panic message.
 #![allow(clippy::unwrap_used)]
 
+pub mod daemon;
 pub mod raw;
 
 /// A writecache device `wc`: a 16 MiB RAM origin `o` under a 4 MiB RAM

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use udm_core::{BlockDevice, Error, ErrorKind};
 use udm_mapper::MappedDevice;
 
+use crate::config::LimitsDef;
 use crate::exports::{Devices, ExportInfo, ExportList, ExportService, ExportSpec};
 use crate::registry::{Holder, Registry, RemoveMode};
 use crate::report::{
@@ -33,6 +34,8 @@ pub struct Control {
     events: Condvar,
     /// What serves exports, in a daemon.
     exports: Mutex<Option<Arc<dyn ExportService>>>,
+    /// The exports' limits in force, for `dump-config`.
+    limits: Mutex<LimitsDef>,
     /// Held by a change, and by [`Control::close`] for good.
     changes: Mutex<()>,
     closing: AtomicBool,
@@ -62,6 +65,7 @@ impl Control {
             reg: Mutex::new(reg),
             events: Condvar::new(),
             exports: Mutex::new(None),
+            limits: Mutex::new(LimitsDef::default()),
             changes: Mutex::new(()),
             closing: AtomicBool::new(false),
         }
@@ -128,6 +132,17 @@ impl Control {
     /// Plugs in what serves exports (the daemon's NBD servers).
     pub fn set_exports(&self, service: Arc<dyn ExportService>) {
         *lock(&self.exports) = Some(service);
+    }
+
+    /// Records the limits the exports run under (what `dump-config`
+    /// writes in `[limits]`).
+    pub fn set_limits(&self, limits: LimitsDef) {
+        *lock(&self.limits) = limits;
+    }
+
+    /// The limits recorded by [`Control::set_limits`].
+    pub fn limits(&self) -> LimitsDef {
+        lock(&self.limits).clone()
     }
 
     fn export_service(&self) -> Result<Arc<dyn ExportService>, Error> {

@@ -17,6 +17,7 @@
 //! QD1 client's do, touches the shared counter never.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use udm_core::Error;
@@ -217,17 +218,66 @@ impl Counts {
     }
 }
 
+/// What every server of a process shares (one [`Pool`] per `udm serve`,
+/// one for all of a daemon's exports): the connection cap and the buffer
+/// budget, so that many exports cannot add up to more than one allows.
+#[derive(Debug)]
+pub struct Pool {
+    /// Connections open on any server of the pool.
+    pub open: AtomicUsize,
+    /// The buffer budget.
+    pub budget: Budget,
+    /// The connection cap in force: [`Limits::max_connections`], lowered
+    /// to what RLIMIT_NOFILE leaves.
+    pub max_connections: usize,
+    /// The handshake deadline.
+    pub handshake_timeout: Option<Duration>,
+}
+
+impl Pool {
+    /// A pool under `lim` (checked), its connection cap fitted to the
+    /// descriptor limit (raised to its hard value first).
+    pub fn new(lim: &Limits) -> Result<Arc<Pool>, Error> {
+        lim.validate()?;
+        let fit = fit_nofile();
+        let max_conns = (lim.max_connections as u64).min(fit) as usize;
+        if max_conns < lim.max_connections {
+            tracing::warn!(
+                "nbd: at most {max_conns} connections (not {}): RLIMIT_NOFILE leaves no \
+                 more descriptors with {FD_RESERVE} in reserve",
+                lim.max_connections,
+            );
+        }
+        Ok(Arc::new(Pool {
+            open: AtomicUsize::new(0),
+            budget: Budget::new(lim.max_inflight, max_conns),
+            max_connections: max_conns,
+            handshake_timeout: lim.handshake_timeout,
+        }))
+    }
+
+    /// Takes a connection slot unless the pool is at its cap.
+    pub fn enter(&self) -> bool {
+        if self.open.fetch_add(1, Ordering::AcqRel) >= self.max_connections {
+            self.open.fetch_sub(1, Ordering::AcqRel);
+            return false;
+        }
+        true
+    }
+
+    /// Gives back a slot [`Pool::enter`] took.
+    pub fn leave(&self) {
+        self.open.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// What the accept thread and every reactor of one server share.
 #[derive(Debug)]
 pub struct Shared {
-    /// Connection counts.
+    /// The server's own connection counts.
     pub counts: Counts,
-    /// The buffer budget.
-    pub budget: Budget,
-    /// The handshake deadline.
-    pub handshake_timeout: Option<Duration>,
-    /// The server-wide connection cap in force.
-    pub max_connections: usize,
+    /// What the server shares with the others of its process.
+    pub pool: Arc<Pool>,
 }
 
 /// Parses a size: bytes, or with a K, M, G or T suffix (binary; an

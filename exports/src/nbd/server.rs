@@ -26,7 +26,7 @@ use udm_core::{
 
 use super::conn::{self, Worker};
 pub use super::export::{Export, MAX_PAYLOAD};
-use super::limits::{self, Budget, Counts, Limits, Shared};
+use super::limits::{Counts, Limits, Pool, Shared};
 
 /// SO_SNDBUF asked for on accepted unix sockets (the kernel caps it at
 /// net.core.wmem_max and doubles it for overhead). The default, 208 KiB,
@@ -99,6 +99,9 @@ pub struct ServerConfig {
     pub reactor: ReactorConfig,
     /// Handshake deadline, connection cap, buffer budget.
     pub limits: Limits,
+    /// The pool the server shares the cap and budget of (a daemon's, for
+    /// all its exports); None: its own, under `limits`.
+    pub pool: Option<Arc<Pool>>,
 }
 
 enum Listener {
@@ -149,25 +152,13 @@ impl Server {
         if exports.is_empty() {
             return Err(Error::invalid("nothing to export"));
         }
-        let lim = &cfg.limits;
-        lim.validate()?;
-        // Each connection holds a descriptor: the cap stays below the
-        // descriptor limit (raised to its hard value), minus a reserve.
-        let fit = limits::fit_nofile();
-        let max_conns = (lim.max_connections as u64).min(fit) as usize;
-        if max_conns < lim.max_connections {
-            tracing::warn!(
-                "nbd: at most {max_conns} connections (not {}): RLIMIT_NOFILE leaves no \
-                 more descriptors with {} in reserve",
-                lim.max_connections,
-                limits::FD_RESERVE
-            );
-        }
+        let pool = match &cfg.pool {
+            Some(p) => p.clone(),
+            None => Pool::new(&cfg.limits)?,
+        };
         let shared = Arc::new(Shared {
             counts: Counts::new(exports.iter().map(|e| e.max_connections).collect()),
-            budget: Budget::new(lim.max_inflight, max_conns),
-            handshake_timeout: lim.handshake_timeout,
-            max_connections: max_conns,
+            pool,
         });
         let mut listeners = Vec::new();
         for l in &cfg.listen {
@@ -224,7 +215,7 @@ impl Server {
     /// the requests in flight and returns.
     pub fn run(self, stop_fd: RawFd) -> Result<(), Error> {
         let shared = self.shared.clone();
-        let max_conns = shared.max_connections;
+        let max_conns = shared.pool.max_connections;
         let exports = self.exports.clone();
         let sh = shared.clone();
         let pool = ReactorPool::start(
@@ -289,8 +280,7 @@ impl Server {
                         }
                     };
                     // Over the cap: closed at once, before the greeting.
-                    if shared.counts.open.fetch_add(1, Ordering::AcqRel) >= max_conns {
-                        shared.counts.open.fetch_sub(1, Ordering::AcqRel);
+                    if !shared.pool.enter() {
                         drop(fd);
                         refused.note(|n, secs| {
                             tracing::warn!(
@@ -300,6 +290,7 @@ impl Server {
                         });
                         continue;
                     }
+                    shared.counts.open.fetch_add(1, Ordering::AcqRel);
                     let id = next_id.fetch_add(1, Ordering::Relaxed);
                     let h = &handles[rr % handles.len()];
                     rr += 1;
@@ -310,6 +301,7 @@ impl Server {
                     });
                     if !sent {
                         shared.counts.open.fetch_sub(1, Ordering::AcqRel);
+                        shared.pool.leave();
                         tracing::warn!("nbd: reactor {} is gone; connection dropped", h.id());
                     }
                 }

@@ -334,7 +334,7 @@ impl Conn {
     /// Gives `n` bytes of the connection's in-flight buffers back.
     fn ungrant(&mut self, n: u64) {
         if n > 0 {
-            self.worker.shared.budget.give(self.inflight_bytes, n);
+            self.worker.shared.pool.budget.give(self.inflight_bytes, n);
             self.inflight_bytes -= n;
         }
     }

@@ -191,7 +191,13 @@ impl Conn {
                 _ => 0,
             };
             if grant > 0 {
-                if !self.worker.shared.budget.take(self.inflight_bytes, grant) {
+                if !self
+                    .worker
+                    .shared
+                    .pool
+                    .budget
+                    .take(self.inflight_bytes, grant)
+                {
                     self.blocked = true;
                     self.worker.wait_budget();
                     return;

@@ -74,7 +74,7 @@ impl Worker {
 
     /// Starts the handshake deadline of connection `id`.
     pub(super) fn handshake_started(&self, id: u64) {
-        if let Some(t) = self.shared.handshake_timeout {
+        if let Some(t) = self.shared.pool.handshake_timeout {
             self.hs_deadlines
                 .borrow_mut()
                 .push_back((Instant::now() + t, id));
@@ -107,7 +107,7 @@ impl Worker {
                 // SAFETY: as in stop().
                 let conn = unsafe { &mut *c };
                 if conn.id == id && conn.hs.is_some() && conn.closing.is_none() {
-                    let t = self.shared.handshake_timeout.unwrap_or_default();
+                    let t = self.shared.pool.handshake_timeout.unwrap_or_default();
                     conn.abort(format!(
                         "handshake not finished within {}s",
                         t.as_secs_f64()
@@ -214,6 +214,7 @@ impl Worker {
     /// A connection is freed: it leaves the server's counts.
     fn forget(&self, conn: &Conn) {
         self.shared.counts.open.fetch_sub(1, Ordering::AcqRel);
+        self.shared.pool.leave();
         if let Some(i) = conn.admitted {
             self.shared.counts.leave(i);
         }
