@@ -7,6 +7,8 @@
 #   scripts/ceph-cluster.sh stop DIR    # stops the OSD, then the monitor
 #   scripts/ceph-cluster.sh stop-osd DIR  # stops only the OSD (a failure)
 #
+# CEPH_CPUS=LIST runs the monitor and the OSD on those CPUs only (taskset
+# -c LIST), e.g. apart from the clients of a benchmark.
 # Ports: the monitor listens on 127.0.0.1:$CEPH_MON_PORT (v1, default 6789)
 # and :$((CEPH_MON_PORT - 3489)) (v2, default 3300). Ready when
 # `rados -p rbd put` succeeds; the pool `rbd` exists and is initialised.
@@ -95,13 +97,13 @@ q ceph-authtool --create-keyring "$dir/admin.keyring" --gen-key -n client.admin 
 q ceph-authtool "$dir/mon.keyring" --import-keyring "$dir/admin.keyring"
 q monmaptool --create --addv a "[v2:127.0.0.1:$port2,v1:127.0.0.1:$port]" --fsid "$fsid" "$dir/monmap"
 q ceph-mon --mkfs -i a --monmap "$dir/monmap" --keyring "$dir/mon.keyring"
-ceph-mon -i a --pid-file "$dir/mon.pid" 2>>"$dir/setup.log"
+${CEPH_CPUS:+taskset -c "$CEPH_CPUS"} ceph-mon -i a --pid-file "$dir/mon.pid" 2>>"$dir/setup.log"
 uuid=$(cat /proc/sys/kernel/random/uuid)
 id=$(ceph --connect-timeout 10 osd new "$uuid" 2>>"$dir/setup.log")
 ceph-authtool --create-keyring "$dir/osd/ceph-$id/keyring" --gen-key -n "osd.$id" >>"$dir/setup.log" 2>&1
 q ceph auth add "osd.$id" osd 'allow *' mon 'allow profile osd' -i "$dir/osd/ceph-$id/keyring"
 q ceph-osd -i "$id" --mkfs --osd-uuid "$uuid" --keyring "$dir/osd/ceph-$id/keyring"
-ceph-osd -i "$id" --pid-file "$dir/osd.pid" --keyring "$dir/osd/ceph-$id/keyring" 2>>"$dir/setup.log"
+${CEPH_CPUS:+taskset -c "$CEPH_CPUS"} ceph-osd -i "$id" --pid-file "$dir/osd.pid" --keyring "$dir/osd/ceph-$id/keyring" 2>>"$dir/setup.log"
 q ceph osd pool create rbd 8 8
 q ceph osd pool set rbd size 1 --yes-i-really-mean-it
 echo probe > "$dir/probe"

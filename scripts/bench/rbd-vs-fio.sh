@@ -8,6 +8,9 @@
 # Uses the cluster $CEPH_CONF names, or starts a one-node cluster with
 # scripts/ceph-cluster.sh in a temporary directory (stopped at exit).
 # Also: writecache with a RAM cache over the image, 4 KiB randwrite QD32.
+# SPLIT=1 (with the cluster this script starts) puts the monitor and OSD on
+# CPU 1 and the clients on CPU 0, so that neither client's CPU time comes
+# out of the OSD's.
 #   usage: scripts/bench/rbd-vs-fio.sh [ROUNDS] [RUNTIME_S]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -19,7 +22,7 @@ UDM=./target/release/udm
 if [ -z "${CEPH_CONF:-}" ]; then
     DIR=$(mktemp -d /tmp/udm-rbd-bench.XXXXXX)
     trap 'scripts/ceph-cluster.sh stop "$DIR"; rm -rf "$DIR"' EXIT
-    eval "$(CEPH_MON_PORT=${CEPH_MON_PORT:-16789} scripts/ceph-cluster.sh start "$DIR")"
+    eval "$(CEPH_CPUS=${SPLIT:+1} CEPH_MON_PORT=${CEPH_MON_PORT:-16789} scripts/ceph-cluster.sh start "$DIR")"
 fi
 export CEPH_CONF
 IMG=bench$$
@@ -33,7 +36,7 @@ SECTORS=$((SIZE_MB * 2048))
 # Runs a command, prints "IOPS CPU_US_PER_IO" (CPU of the whole child).
 run() { # kind rw
     python3 - "$@" <<'PY'
-import json, resource, subprocess, sys
+import json, os, resource, subprocess, sys
 kind, rw, udm, img, rt, sectors = sys.argv[1:7]
 if kind == "fio":
     cmd = ["fio", "--name=cmp", "--ioengine=rbd", "--clientname=admin", "--pool=rbd",
@@ -49,6 +52,8 @@ else:
         target = "r"
     cmd = [udm, "bench", *devs, "--target", target, "--rw", rw, "--bs", "4k",
            "--iodepth", "32", "--runtime", rt, "--json"]
+if os.environ.get("SPLIT"):
+    cmd = ["taskset", "-c", "0", *cmd]
 out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
 ru = resource.getrusage(resource.RUSAGE_CHILDREN)
 cpu = ru.ru_utime + ru.ru_stime

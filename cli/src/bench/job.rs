@@ -481,6 +481,9 @@ fn run_on(
         job.start_phase(Phase::Prefill);
         reactor.run_until(|| job.phase.get() != Phase::Prefill);
     }
+    if !matches!(job.cfg.rw, Pattern::Read | Pattern::RandRead) {
+        flush_first(reactor, &*job.chan);
+    }
     let t0 = std::time::Instant::now();
     let a0 = alloc::thread_allocs();
     let c0 = thread_cpu();
@@ -519,6 +522,27 @@ fn run_on(
             frees: k1.frees - k0.frees,
         },
     })
+}
+
+/// One flush, unmeasured, before a run that writes. A device whose cache
+/// stays write-through until it sees a first flush (librbd's
+/// `rbd_cache_writethrough_until_flush`, a guard for clients that never
+/// flush) is then measured in the mode it serves every client that flushes
+/// in, as fio's rbd engine measures it. Elsewhere a flush of nothing costs
+/// nothing. Its status does not matter here: the run reports errors.
+fn flush_first(reactor: &Reactor, chan: &dyn Channel) {
+    fn done(bio: BioPtr) {
+        let flag = bio.private() as *const Cell<bool>;
+        // SAFETY: `private` is `flushed` below, which outlives the flush:
+        // its frame waits in run_until until this sets it.
+        unsafe { (*flag).set(true) };
+    }
+    let flushed = Cell::new(false);
+    let mut bio = reactor.alloc_bio();
+    bio.op = Op::Flush;
+    bio.set_end_io(done, &flushed as *const Cell<bool> as *mut ());
+    chan.submit(bio);
+    reactor.run_until(|| flushed.get());
 }
 
 /// The order of a random pass, as fio's random map gives it: every block of
