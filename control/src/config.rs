@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use toml::Spanned;
 use udm_core::Error;
 
-use crate::exports::{ExportInfo, ExportOpts, ExportSpec};
+use crate::exports::{ExportInfo, ExportOpts, ExportSpec, LimitsDef};
 use crate::registry::RemoveMode;
 use crate::verbs::Control;
 
@@ -128,29 +128,6 @@ impl ExportDef {
             _ => d.nbd = Some(e.address),
         }
         d
-    }
-}
-
-/// The limits of a daemon's NBD exports, all of them together (the
-/// `[limits]` table; `udm daemon`'s flags of the same names override it).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct LimitsDef {
-    /// Seconds a connection may take to finish its handshake; 0: no limit.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub handshake_timeout: Option<u64>,
-    /// Connections open at once.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_connections: Option<usize>,
-    /// Bytes of request buffers in flight (a size such as `256M`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_inflight: Option<String>,
-}
-
-impl LimitsDef {
-    /// Nothing set.
-    pub fn is_empty(&self) -> bool {
-        *self == LimitsDef::default()
     }
 }
 

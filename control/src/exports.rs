@@ -157,3 +157,26 @@ pub trait ExportService: Send + Sync {
     /// Stops every export (the daemon's shutdown), as a forced remove.
     fn stop_all(&self, devs: &dyn Devices);
 }
+
+/// The limits of a daemon's NBD exports, all of them together (the
+/// `[limits]` table; `udm daemon`'s flags of the same names override it).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsDef {
+    /// Seconds a connection may take to finish its handshake; 0: no limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handshake_timeout: Option<u64>,
+    /// Connections open at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_connections: Option<usize>,
+    /// Bytes of request buffers in flight (a size such as `256M`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_inflight: Option<String>,
+}
+
+impl LimitsDef {
+    /// Nothing set.
+    pub fn is_empty(&self) -> bool {
+        *self == LimitsDef::default()
+    }
+}

@@ -34,9 +34,11 @@ mod verbs;
 
 pub use backend::{backend_kind, is_backend_spec, open_backend, open_path, KINDS};
 pub use client::{request, Client};
-pub use config::{Config, DeviceDef, ExportDef, LimitsDef};
+pub use config::{Config, DeviceDef, ExportDef};
 pub use dispatch::execute;
-pub use exports::{Devices, ExportInfo, ExportList, ExportOpts, ExportService, ExportSpec};
+pub use exports::{
+    Devices, ExportInfo, ExportList, ExportOpts, ExportService, ExportSpec, LimitsDef,
+};
 pub use metrics::{serve_metrics, MetricsServer};
 pub use paths::{control_socket, default_socket, CONTROL_ENV};
 pub use proto::{decode, Op, Reply, Request};

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use udm_core::{BlockDevice, Error, ErrorKind};
 use udm_mapper::MappedDevice;
 
-use crate::config::LimitsDef;
+use crate::exports::LimitsDef;
 use crate::exports::{Devices, ExportInfo, ExportList, ExportService, ExportSpec};
 use crate::registry::{Holder, Registry, RemoveMode};
 use crate::report::{
