@@ -23,7 +23,7 @@
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::rc::{Rc, Weak};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use udm_core::{
@@ -48,10 +48,12 @@ enum Plan {
     Offset(OffsetPlan),
     /// A table of one target the fast path stripes itself (striped).
     Stripes(StripesPlan),
+    /// A table of one target remapped by an offset while its remap gate
+    /// is set (flakey up, dust with no bad blocks), with no max_io_len.
+    Gated(GatedPlan),
     /// Any other table: with `fast`, find the target and map by its
     /// [`FastMap`]; without (suspended, switched off, or a target did not
-    /// opt in), the slow path. (Three variants, not four: the match over
-    /// them is compares, not a jump table.)
+    /// opt in), the slow path.
     Other {
         /// Whether the fast path is on.
         fast: bool,
@@ -118,6 +120,15 @@ struct OffsetPlan {
     ch: *const dyn Channel,
 }
 
+/// [`Plan::Gated`]: linear's plan behind the target's remap gate.
+#[derive(Clone, Copy)]
+struct GatedPlan {
+    o: OffsetPlan,
+    /// [`crate::Target::remap_gate`]: set while the target passes I/O
+    /// through unchanged.
+    gate: *const AtomicBool,
+}
+
 /// [`Plan::Stripes`]: the target, its geometry and its stripes.
 #[derive(Clone, Copy)]
 struct StripesPlan {
@@ -140,6 +151,21 @@ impl OffsetPlan {
         // SAFETY: `ch` is the current TableIo's channel to the device, and
         // the bio passes the device's check (see Window).
         unsafe { (*self.ch).submit_nocheck(bio) }
+    }
+}
+
+impl GatedPlan {
+    /// Linear's path while the gate is set; while it is clear, the general
+    /// plan's (which calls the target's map). (Out of line, as striped's.)
+    #[inline(never)]
+    fn map(&self, bio: BioPtr, ch: &MapperChannel) {
+        // SAFETY: `gate` points into the current table's target, which the
+        // current TableIo keeps alive (the plan is remade on every switch).
+        if unsafe { (*self.gate).load(Ordering::Relaxed) } {
+            self.o.map(bio, ch)
+        } else {
+            ch.map_targets(bio)
+        }
     }
 }
 
@@ -211,12 +237,15 @@ impl TableIo {
         // And the remapped sector must stay aligned: the device's start is.
         let aligned = |start: u64| start & self.lbs_mask == 0;
         match t.fast {
-            // A gated target (flakey, dust) takes the general plan, which
-            // checks its gate: linear's plan pays nothing for gates.
-            FastMap::Offset(start, ch, gate)
-                if t.max_io_len == 0 && gate.is_null() && aligned(start) =>
-            {
-                Plan::Offset(OffsetPlan { w, start, ch })
+            // A gated target (flakey, dust) has a plan of its own, so that
+            // linear's pays nothing for gates.
+            FastMap::Offset(start, ch, gate) if t.max_io_len == 0 && aligned(start) => {
+                let o = OffsetPlan { w, start, ch };
+                if gate.is_null() {
+                    Plan::Offset(o)
+                } else {
+                    Plan::Gated(GatedPlan { o, gate })
+                }
             }
             // Table::build checked the window is the chunk, a multiple of
             // the block size.
@@ -393,6 +422,7 @@ impl Channel for MapperChannel {
         match unsafe { &*self.plan.as_ptr() } {
             Plan::Offset(p) => p.map(bio, self),
             Plan::Stripes(p) => p.map(bio, self),
+            Plan::Gated(p) => p.map(bio, self),
             Plan::Other { fast: true } => self.map_targets(bio),
             Plan::Other { fast: false } => self.submit_other(bio),
         }
@@ -423,6 +453,7 @@ impl MapperChannel {
         match unsafe { &*self.inner.as_ptr() } {
             Plan::Offset(p) => p.map(bio, self),
             Plan::Stripes(p) => p.map(bio, self),
+            Plan::Gated(p) => p.map(bio, self),
             Plan::Other { fast: true } => self.map_targets(bio),
             Plan::Other { fast: false } => self.submit_slow(bio),
         }

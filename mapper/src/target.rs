@@ -158,8 +158,8 @@ pub trait Target: Send + Sync {
     /// without calling the target; while it is clear it calls `map`. For a
     /// target that is a pure remap only in some states (dust with no bad
     /// blocks), so that its pass-through state stays on the no-clone fast
-    /// path (the general plan's, which checks the flag; linear's own plan
-    /// checks nothing).
+    /// path (a one-target table's gated plan, or the general plan, checks
+    /// the flag; linear's own plan checks nothing).
     /// The target keeps the flag true exactly while `map` would only add the
     /// offset to any bio of the target, whatever its
     /// [`Target::max_io_len`] (which then matters only while it is clear).
