@@ -46,6 +46,8 @@ pub struct FileDevice {
     opts: FileOpts,
     limits: Limits,
     caps: Caps,
+    /// Why merging requests helps the file or not ([`medium`]).
+    merge_reason: String,
     /// A block device rather than a regular file (picks how to zero).
     block_device: bool,
 }
@@ -108,6 +110,10 @@ impl FileDevice {
         if opts.iopoll {
             caps.insert(Caps::POLL);
         }
+        let (merge, merge_reason) = medium(&file, &meta, opts.buffered);
+        if merge {
+            caps.insert(Caps::MERGE);
+        }
         let dev = FileDevice {
             name: name.into(),
             path: path.to_string(),
@@ -115,6 +121,7 @@ impl FileDevice {
             opts,
             limits,
             caps,
+            merge_reason,
             block_device: meta.file_type().is_block_device(),
         };
         if dev.opts.iopoll {
@@ -177,6 +184,47 @@ impl FileDevice {
     }
 }
 
+const TMPFS_MAGIC: i64 = 0x0102_1994;
+const RAMFS_MAGIC: i64 = 0x8584_58f6;
+/// Block devices whose names start so keep their data in memory.
+const MEMORY_DISKS: [&str; 4] = ["ram", "zram", "nullb", "pmem"];
+
+/// Whether merging requests helps I/O to `file`, and why: yes for O_DIRECT
+/// to a disk, where each request is a device command (a seek on a
+/// rotating disk, a round trip on a virtual one); no through the page
+/// cache, which merges writeback itself, nor on memory (tmpfs, ramfs, a
+/// ram, zram, null_blk or pmem device), where a request costs its copy.
+fn medium(file: &File, meta: &std::fs::Metadata, buffered: bool) -> (bool, String) {
+    if buffered {
+        return (false, "buffered: the page cache merges".into());
+    }
+    if meta.file_type().is_block_device() {
+        use std::os::unix::fs::MetadataExt;
+        let rdev = meta.rdev();
+        let (major, minor) = (libc::major(rdev), libc::minor(rdev));
+        let name = std::fs::read_link(format!("/sys/dev/block/{major}:{minor}"))
+            .ok()
+            .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .unwrap_or_default();
+        if MEMORY_DISKS.iter().any(|m| name.starts_with(m)) {
+            return (false, format!("block device in memory ({name})"));
+        }
+        return (true, "block device, O_DIRECT".into());
+    }
+    // SAFETY: statfs is plain data, for which all-zero bytes are valid.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: the fd is open for the call; fstatfs writes a statfs through
+    // the pointer, which is live and of that type.
+    if unsafe { libc::fstatfs(file.as_raw_fd(), &mut st) } == 0 {
+        #[allow(clippy::unnecessary_cast)]
+        let fs = st.f_type as i64;
+        if fs == TMPFS_MAGIC || fs == RAMFS_MAGIC {
+            return (false, "file in memory (tmpfs), O_DIRECT".into());
+        }
+    }
+    (true, "file on a disk, O_DIRECT".into())
+}
+
 fn probe_done(bio: BioPtr) {
     // SAFETY: private is the Rc leaked in probe_iopoll, taken back once.
     let r = unsafe { Rc::from_raw(bio.private() as *const std::cell::Cell<Option<Status>>) };
@@ -192,6 +240,9 @@ impl BlockDevice for FileDevice {
     }
     fn caps(&self) -> Caps {
         self.caps
+    }
+    fn merge_reason(&self) -> String {
+        self.merge_reason.clone()
     }
     fn open(self: Arc<Self>, reactor: &Reactor) -> Result<Rc<dyn Channel>, Error> {
         let raw = self.file.as_raw_fd();

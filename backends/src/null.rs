@@ -52,7 +52,20 @@ impl BlockDevice for NullDevice {
         self.limits
     }
     fn caps(&self) -> Caps {
-        Caps::FLUSH | Caps::FUA | Caps::DISCARD | Caps::WRITE_ZEROES
+        let caps = Caps::FLUSH | Caps::FUA | Caps::DISCARD | Caps::WRITE_ZEROES;
+        // A delay is paid per request, whatever its size: fewer, larger
+        // requests pay it fewer times.
+        if self.delay.is_some() {
+            caps | Caps::MERGE
+        } else {
+            caps
+        }
+    }
+    fn merge_reason(&self) -> String {
+        match self.delay {
+            Some(d) => format!("null with a delay of {} µs per request", d.as_micros()),
+            None => "null: a request costs nothing".into(),
+        }
     }
     fn open(self: Arc<Self>, reactor: &Reactor) -> Result<Rc<dyn Channel>, Error> {
         match self.delay {

@@ -219,6 +219,9 @@ impl BlockDevice for PowerCut {
     fn caps(&self) -> Caps {
         self.inner.caps()
     }
+    fn merge_reason(&self) -> String {
+        self.inner.merge_reason()
+    }
     fn open(self: Arc<Self>, reactor: &Reactor) -> Result<Rc<dyn Channel>, Error> {
         let inner = self.inner.clone().open(reactor)?;
         Ok(Rc::new(PcChannel { dev: self, inner }))

@@ -237,6 +237,9 @@ impl BlockDevice for RamDevice {
         // No volatile cache: FLUSH and FUA are trivially honoured.
         Caps::FLUSH | Caps::FUA | Caps::DISCARD | Caps::WRITE_ZEROES
     }
+    fn merge_reason(&self) -> String {
+        "RAM: a request costs only its copy".into()
+    }
     fn open(self: Arc<Self>, _reactor: &Reactor) -> Result<Rc<dyn Channel>, Error> {
         Ok(Rc::new(RamChannel { dev: self }))
     }

@@ -171,6 +171,17 @@ pub trait BlockDevice: Send + Sync + 'static {
     fn describe(&self) -> Option<String> {
         None
     }
+    /// Why merging adjacent requests helps this device or not, in a few
+    /// words ("file on a disk, O_DIRECT"), for `udm info` and `--dispatch
+    /// auto`; whether it does is [`Caps::MERGE`]. The default says only
+    /// what the capability says.
+    fn merge_reason(&self) -> String {
+        if self.caps().contains(Caps::MERGE) {
+            "each request costs more than its bytes".into()
+        } else {
+            "a request costs little beyond its bytes".into()
+        }
+    }
 }
 
 /// One reactor's path to a device: the hot path.

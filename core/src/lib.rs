@@ -21,6 +21,7 @@ pub mod affinity;
 pub mod bio;
 pub mod buf;
 pub mod device;
+pub mod dispatch;
 pub mod error;
 pub mod fuzz_corpus;
 pub mod pool;
@@ -30,6 +31,7 @@ pub mod ring;
 pub use bio::{Bio, BioFlags, BioPtr, EndIo, Op, Seg, Status, SECTOR_SHIFT, SECTOR_SIZE};
 pub use buf::AlignedBuf;
 pub use device::{bio_status, check_bio, BlockDevice, Caps, Channel, Limits};
+pub use dispatch::{merge_report, Dispatch};
 pub use error::{Error, ErrorKind, Result};
 pub use pool::{PoolConfig, ReactorPool, StopToken};
 pub use reactor::{

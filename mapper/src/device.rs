@@ -296,6 +296,24 @@ impl BlockDevice for MappedDevice {
         lock(&self.ctl).live.caps
     }
 
+    /// From what the live table maps to: merging helps if it helps any
+    /// device under it (those are named), else it helps none (all named).
+    fn merge_reason(&self) -> String {
+        let t = self.table();
+        if t.devices.is_empty() {
+            return "maps to no device".into();
+        }
+        let helps = t.caps.contains(Caps::MERGE);
+        let mut seen = Vec::new();
+        for d in &t.devices {
+            if d.caps().contains(Caps::MERGE) == helps && !seen.iter().any(|(n, _)| n == d.name()) {
+                seen.push((d.name().to_string(), d.merge_reason()));
+            }
+        }
+        let parts: Vec<String> = seen.iter().map(|(n, w)| format!("{n}: {w}")).collect();
+        format!("maps to {}", parts.join("; "))
+    }
+
     fn open(self: Arc<Self>, reactor: &Reactor) -> Result<Rc<dyn Channel>, Error> {
         if let Some(ch) = channel_of(reactor, self.key) {
             return Ok(ch);

@@ -313,6 +313,9 @@ impl BlockDevice for RbdDevice {
     fn describe(&self) -> Option<String> {
         Some(RbdDevice::describe(self))
     }
+    fn merge_reason(&self) -> String {
+        "network backend: a round trip per request".into()
+    }
     fn as_any(&self) -> &dyn Any {
         self
     }
