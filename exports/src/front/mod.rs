@@ -26,8 +26,20 @@
 //! - A discard is advisory: a sub-block one shrinks to the whole blocks it
 //!   covers.
 //! - Errors reach the export as [`FrontError`], which it maps to its wire codes.
-//! - Steady state allocates nothing: request slots and bounce buffers are
-//!   recycled.
+//! - Dispatch ([`Dispatch`], seed 004): *direct* (the default) turns each
+//!   request into bios as it arrives. *Queued* holds the aligned reads and
+//!   writes of one batch until [`Front::unplug`] (the kernel's plug and
+//!   `blk_finish_plug`), sorts them by offset and merges adjacent ones of
+//!   the same op and flags into one bio of several segments, up to the
+//!   device's `max_io_bytes` and `max_segments`; the merged bio's
+//!   completion, error included, goes to each request in it. Requests
+//!   that need more (sub-block, larger than one bio, dataless, or held
+//!   back by a read-modify-write) go as in direct mode. An export in
+//!   queued mode calls `unplug` at the end of each batch it receives (one
+//!   receive, one virtqueue kick); in direct mode `unplug` finds nothing
+//!   held and returns.
+//! - Steady state allocates nothing: request slots, bounce buffers and the
+//!   plug list are recycled.
 
 mod order;
 
@@ -37,6 +49,7 @@ use std::fmt;
 use std::rc::Rc;
 
 use slab::Slab;
+pub use udm_core::Dispatch;
 use udm_core::{
     AlignedBuf, BioFlags, BioPtr, BlockDevice, Caps, Channel, Op, Reactor, Status, SECTOR_SHIFT,
 };
@@ -200,6 +213,34 @@ struct Slot {
     pending: u32,
     status: Status,
     bounce: AlignedBuf,
+    /// The next request in the same merged bio ([`NO_SLOT`]: none).
+    next: usize,
+}
+
+/// No slot: the end of a merged bio's chain.
+const NO_SLOT: usize = usize::MAX;
+
+/// A request held for queued dispatch: one bio's worth, aligned.
+#[derive(Clone, Copy)]
+struct Plugged {
+    idx: usize,
+    op: Op,
+    flags: BioFlags,
+    off: u64,
+    len: u32,
+    buf: *mut u8,
+}
+
+impl Plugged {
+    /// Requests merge when these are equal (and their ranges touch).
+    /// MAY_LEND does not keep them apart: a merged bio drops it.
+    #[inline]
+    fn class(&self) -> (u8, u8) {
+        (
+            self.op as u8,
+            self.flags.difference(BioFlags::MAY_LEND).bits(),
+        )
+    }
 }
 
 /// The front of one device on one reactor. See the module docs.
@@ -218,6 +259,14 @@ pub struct Front {
     rmws: Cell<usize>,
     /// Slots waiting for an overlapping write, in arrival order.
     waiting: RefCell<VecDeque<usize>>,
+    /// Queued dispatch: aligned reads and writes are held in `plug` until
+    /// [`Front::unplug`].
+    queued: Cell<bool>,
+    /// The device reports that merging helps it ([`Caps::MERGE`]).
+    merge_helps: bool,
+    /// Most segments in one bio (the device's `max_segments`).
+    max_segs: usize,
+    plug: RefCell<Vec<Plugged>>,
 }
 
 impl Front {
@@ -245,7 +294,35 @@ impl Front {
             bounces: RefCell::new(Vec::new()),
             rmws: Cell::new(0),
             waiting: RefCell::new(VecDeque::new()),
+            queued: Cell::new(false),
+            merge_helps: caps.contains(Caps::MERGE),
+            max_segs: l.max_segments.max(1) as usize,
+            plug: RefCell::new(Vec::new()),
         })
+    }
+
+    /// Sets how requests go to the device (direct until set): `Auto`
+    /// queues where the device reports that merging helps it. Requests
+    /// held for queued dispatch go at once when switching to direct.
+    pub fn set_dispatch(&self, mode: Dispatch) {
+        let queued = match mode {
+            Dispatch::Auto => self.merge_helps,
+            Dispatch::Direct => false,
+            Dispatch::Queued => true,
+        };
+        if !queued {
+            self.unplug();
+        }
+        self.queued.set(queued);
+    }
+
+    /// The dispatch in use: `Direct` or `Queued`.
+    pub fn dispatch(&self) -> Dispatch {
+        if self.queued.get() {
+            Dispatch::Queued
+        } else {
+            Dispatch::Direct
+        }
     }
 
     /// The device's logical block size: requests aligned to it take the
@@ -299,6 +376,11 @@ impl Front {
             let idx = self.insert(req, req.offset, end, writer, false);
             if writer && self.rmws.get() > 0 && self.must_wait(idx) {
                 self.wait(idx);
+            } else if self.queued.get()
+                && matches!(req.op, FrontOp::Read | FrontOp::Write)
+                && req.len <= self.max_bio
+            {
+                self.hold(idx, req);
             } else {
                 self.start(idx);
             }
@@ -359,7 +441,108 @@ impl Front {
             pending: 0,
             status: Status::Ok,
             bounce: AlignedBuf::default(),
+            next: NO_SLOT,
         })
+    }
+
+    /// Holds an aligned read or write of at most one bio until
+    /// [`Front::unplug`] (queued dispatch).
+    fn hold(&self, idx: usize, req: Request) {
+        let op = if req.op == FrontOp::Read {
+            Op::Read
+        } else {
+            Op::Write
+        };
+        let mut flags = self.write_flags(req);
+        if req.flags.may_lend && op == Op::Read {
+            flags.insert(BioFlags::MAY_LEND);
+        }
+        self.with_slot(idx, |s| {
+            s.active = true;
+            s.pending = 1;
+        });
+        self.plug.borrow_mut().push(Plugged {
+            idx,
+            op,
+            flags,
+            off: req.offset,
+            len: req.len,
+            buf: req.buf,
+        });
+    }
+
+    /// Submits the requests held since the last call (the kernel's
+    /// `blk_finish_plug`): sorted by offset, adjacent ones of the same op
+    /// and flags merged into one bio of several segments, up to the
+    /// device's `max_io_bytes` and `max_segments`. Exports call it at the
+    /// end of each batch of requests; with nothing held (always, in direct
+    /// mode) it returns at once.
+    pub fn unplug(&self) {
+        if self.plug.borrow().is_empty() {
+            return;
+        }
+        // Taken out (and put back, keeping its capacity) so that no borrow
+        // is held while bios go down.
+        let mut list = std::mem::take(&mut *self.plug.borrow_mut());
+        // Unstable (a stable sort may allocate); the slot index keeps
+        // equal offsets in a fixed order.
+        list.sort_unstable_by_key(|p| (p.class(), p.off, p.idx));
+        let mut i = 0;
+        while i < list.len() {
+            let first = list[i];
+            let (mut j, mut len) = (i + 1, first.len);
+            while j < list.len()
+                && j - i < self.max_segs
+                && list[j].class() == first.class()
+                && list[j].off == first.off + len as u64
+                && len + list[j].len <= self.max_bio
+            {
+                len += list[j].len;
+                j += 1;
+            }
+            if j == i + 1 {
+                self.submit_bios(
+                    first.idx,
+                    first.op,
+                    first.off,
+                    first.len,
+                    first.buf,
+                    first.flags,
+                );
+            } else {
+                self.submit_merged(&list[i..j], len);
+            }
+            i = j;
+        }
+        list.clear();
+        *self.plug.borrow_mut() = list;
+    }
+
+    /// Submits `run` (adjacent, same class, sorted) as one bio of `len`
+    /// bytes, a segment per request, chained through the slots' `next`.
+    fn submit_merged(&self, run: &[Plugged], len: u32) {
+        let first = run[0];
+        let mut bio = self.reactor().alloc_bio();
+        bio.op = first.op;
+        bio.sector = first.off >> SECTOR_SHIFT;
+        bio.flags = first.flags.difference(BioFlags::MAY_LEND);
+        {
+            let mut slots = self.slots.borrow_mut();
+            for (k, p) in run.iter().enumerate() {
+                // SAFETY: the request's buffer holds p.len bytes and stays
+                // untouched until the request finishes (submit's
+                // contract), which is after this bio completes.
+                unsafe { bio.add_seg(p.buf, p.len as usize) };
+                slots[p.idx].next = run.get(k + 1).map_or(NO_SLOT, |n| n.idx);
+            }
+        }
+        debug_assert_eq!(bio.len(), len);
+        bio.set_ctx(first.idx as u64);
+        bio.set_end_io(
+            front_merged_end_io,
+            (self as *const Front).cast_mut().cast(),
+        );
+        self.chan.submit(bio);
     }
 
     fn with_slot<T>(&self, idx: usize, f: impl FnOnce(&mut Slot) -> T) -> T {
@@ -603,6 +786,29 @@ fn front_end_io(bio: BioPtr) {
     // (BioFlags::MAY_LEND's contract), and the slice does not leave it.
     let lent = lent_seg.map(|(p, n)| unsafe { std::slice::from_raw_parts(p.cast_const(), n) });
     front.bio_done(idx, st, lent);
+}
+
+/// The end_io of a merged bio (queued dispatch): private is the front, ctx
+/// the first slot of the chain its requests form; each request takes the
+/// bio's status.
+fn front_merged_end_io(bio: BioPtr) {
+    // SAFETY: private is the front that sent the bio, kept alive by the
+    // references its requests hold until `finish`: while a request of the
+    // chain is unfinished, so is the front.
+    let front = unsafe { &*(bio.private() as *const Front) };
+    let mut idx = bio.ctx() as usize;
+    let st = bio.status();
+    drop(bio);
+    loop {
+        // Read before the request finishes (its slot is freed, and the
+        // last one's reference to the front given back).
+        let next = front.with_slot(idx, |s| std::mem::replace(&mut s.next, NO_SLOT));
+        front.bio_done(idx, st, None);
+        if next == NO_SLOT {
+            return;
+        }
+        idx = next;
+    }
 }
 
 #[cfg(test)]

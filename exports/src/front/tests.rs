@@ -30,6 +30,8 @@ struct Logged {
     flags: BioFlags,
     /// The segment's address (0 for dataless bios).
     base: usize,
+    /// Segments.
+    segs: usize,
 }
 
 struct MemDev {
@@ -37,6 +39,8 @@ struct MemDev {
     log: Mutex<Vec<Logged>>,
     /// Writes from this byte offset on fail with EIO.
     fail_from: u64,
+    /// Reports that merging helps it ([`Caps::MERGE`]).
+    merge: bool,
 }
 
 impl MemDev {
@@ -45,6 +49,7 @@ impl MemDev {
             data: Mutex::new(vec![0; SIZE]),
             log: Mutex::new(Vec::new()),
             fail_from: u64::MAX,
+            merge: false,
         })
     }
     fn log(&self) -> Vec<Logged> {
@@ -71,7 +76,12 @@ impl BlockDevice for MemDev {
         }
     }
     fn caps(&self) -> Caps {
-        Caps::FLUSH | Caps::DISCARD | Caps::WRITE_ZEROES
+        let caps = Caps::FLUSH | Caps::DISCARD | Caps::WRITE_ZEROES;
+        if self.merge {
+            caps | Caps::MERGE
+        } else {
+            caps
+        }
     }
     fn open(self: Arc<Self>, _: &Reactor) -> Result<Rc<dyn Channel>, Error> {
         Ok(Rc::new(MemChan {
@@ -95,6 +105,7 @@ impl Channel for MemChan {
             len: bio.len(),
             flags: bio.flags,
             base: bio.segs().first().map_or(0, |s| s.base as usize),
+            segs: bio.nr_segs(),
         });
         self.held.borrow_mut().push(bio);
     }
@@ -106,24 +117,18 @@ impl MemChan {
     fn release(&self) -> usize {
         let bios = std::mem::take(&mut *self.held.borrow_mut());
         let n = bios.len();
-        for bio in bios {
+        for mut bio in bios {
             let off = (bio.sector << SECTOR_SHIFT) as usize;
             let len = bio.len() as usize;
             let mut data = self.dev.data.lock().unwrap();
             let st = match bio.op {
                 Op::Write if off as u64 >= self.dev.fail_from => Status::IoErr,
                 Op::Write => {
-                    let s = bio.segs()[0];
-                    // SAFETY: the segment holds len bytes until completion.
-                    let src = unsafe { std::slice::from_raw_parts(s.base, len) };
-                    data[off..off + len].copy_from_slice(src);
+                    bio.copy_out(0, &mut data[off..off + len]);
                     Status::Ok
                 }
                 Op::Read => {
-                    let s = bio.segs()[0];
-                    // SAFETY: as above.
-                    let dst = unsafe { std::slice::from_raw_parts_mut(s.base, len) };
-                    dst.copy_from_slice(&data[off..off + len]);
+                    bio.copy_in(0, &data[off..off + len]);
                     Status::Ok
                 }
                 Op::WriteZeroes | Op::Discard => {
@@ -459,4 +464,251 @@ fn steady_state_recycles_slots_and_bounce_buffers() {
     assert_eq!(rig.front().slots.borrow().capacity(), slots);
     assert_eq!(rig.front().slots.borrow().len(), 0);
     assert_eq!(rig.front().bounces.borrow().len(), 1);
+}
+
+// ---------------------------------------------------------------------------
+// Dispatch (seed 004)
+// ---------------------------------------------------------------------------
+
+/// (op, offset, length, segments) of what reached the device.
+fn shapes(dev: &MemDev) -> Vec<(Op, u64, u32, usize)> {
+    dev.log()
+        .iter()
+        .map(|l| (l.op, l.off, l.len, l.segs))
+        .collect()
+}
+
+fn queued_rig(dev: Arc<MemDev>) -> Rig {
+    let rig = Rig::new(dev);
+    rig.front().set_dispatch(Dispatch::Queued);
+    rig
+}
+
+#[test]
+fn direct_sends_each_request_as_it_arrives_and_unplug_has_nothing_to_do() {
+    let rig = Rig::new(MemDev::new());
+    assert_eq!(rig.front().dispatch(), Dispatch::Direct);
+    let none = ReqFlags::default();
+    let (mut a, mut b) = (pattern(1, BS as usize), pattern(2, BS as usize));
+    rig.submit(1, FrontOp::Write, 0, &mut a, none);
+    assert_eq!(shapes(&rig.dev), vec![(Op::Write, 0, BS, 1)]);
+    rig.submit(2, FrontOp::Write, BS as u64, &mut b, none);
+    rig.front().unplug();
+    assert_eq!(
+        shapes(&rig.dev),
+        vec![(Op::Write, 0, BS, 1), (Op::Write, BS as u64, BS, 1)],
+        "adjacent writes stay two bios"
+    );
+    rig.run();
+    assert_eq!(rig.results(), vec![(1, Ok(())), (2, Ok(()))]);
+}
+
+#[test]
+fn queued_holds_a_batch_and_merges_adjacent_requests_up_to_the_max_io_size() {
+    let rig = queued_rig(MemDev::new());
+    let none = ReqFlags::default();
+    let mut w: Vec<Vec<u8>> = (0..5).map(|i| pattern(i, BS as usize)).collect();
+    // Out of order: 3, 0, 2, 4, 1 (blocks 0..5 of 4 KiB; bios of 8 KiB).
+    for &k in &[3usize, 0, 2, 4, 1] {
+        let off = k as u64 * BS as u64;
+        let r = rig.submit(k as u64, FrontOp::Write, off, &mut w[k], none);
+        assert_eq!(r, Submitted::Later);
+    }
+    assert!(rig.dev.log().is_empty(), "nothing goes before unplug");
+    rig.front().unplug();
+    let b = BS as u64;
+    assert_eq!(
+        shapes(&rig.dev),
+        vec![
+            (Op::Write, 0, MAX_IO, 2),
+            (Op::Write, 2 * b, MAX_IO, 2),
+            (Op::Write, 4 * b, BS, 1),
+        ]
+    );
+    // Each segment is the request's own buffer: nothing copied.
+    assert_eq!(rig.dev.log()[0].base, w[0].as_ptr() as usize);
+    rig.run();
+    let mut got = rig.results();
+    got.sort_by_key(|d| d.0);
+    assert_eq!(got, (0..5).map(|k| (k, Ok(()))).collect::<Vec<_>>());
+    assert_eq!(rig.front().in_flight(), 0);
+
+    // Reads merge too, and the merged read's data lands in each buffer.
+    let mut r: Vec<Vec<u8>> = (0..5).map(|_| vec![0u8; BS as usize]).collect();
+    for (k, buf) in r.iter_mut().enumerate().rev() {
+        rig.submit(10 + k as u64, FrontOp::Read, k as u64 * b, buf, none);
+    }
+    rig.front().unplug();
+    let reads: Vec<_> = shapes(&rig.dev)
+        .into_iter()
+        .filter(|s| s.0 == Op::Read)
+        .collect();
+    assert_eq!(
+        reads,
+        vec![
+            (Op::Read, 0, MAX_IO, 2),
+            (Op::Read, 2 * b, MAX_IO, 2),
+            (Op::Read, 4 * b, BS, 1)
+        ]
+    );
+    rig.run();
+    assert_eq!(r, w, "each request reads its own block back");
+}
+
+#[test]
+fn queued_does_not_merge_across_a_gap_or_across_ops() {
+    let rig = queued_rig(MemDev::new());
+    let none = ReqFlags::default();
+    let b = BS as u64;
+    let mut bufs: Vec<Vec<u8>> = (0..4).map(|i| pattern(i, BS as usize)).collect();
+    let [w0, r1, w3, w1] = &mut bufs[..] else {
+        unreachable!()
+    };
+    rig.submit(0, FrontOp::Write, 0, w0, none);
+    rig.submit(1, FrontOp::Read, b, r1, none); // a read between two writes
+    rig.submit(2, FrontOp::Write, 3 * b, w3, none); // a gap at block 2
+    rig.submit(3, FrontOp::Write, 5 * b, w1, none);
+    rig.front().unplug();
+    assert_eq!(
+        shapes(&rig.dev),
+        vec![
+            (Op::Read, b, BS, 1),
+            (Op::Write, 0, BS, 1),
+            (Op::Write, 3 * b, BS, 1),
+            (Op::Write, 5 * b, BS, 1),
+        ]
+    );
+    rig.run();
+    assert_eq!(rig.results().len(), 4);
+}
+
+#[test]
+fn an_error_on_a_merged_bio_fails_each_request_in_it_and_no_other() {
+    let dev = Arc::new(MemDev {
+        fail_from: 64 << 10,
+        ..Arc::into_inner(MemDev::new()).unwrap()
+    });
+    let rig = queued_rig(dev);
+    let none = ReqFlags::default();
+    let mut bufs: Vec<Vec<u8>> = (0..3).map(|i| pattern(i, BS as usize)).collect();
+    let [a, b, c] = &mut bufs[..] else {
+        unreachable!()
+    };
+    rig.submit(1, FrontOp::Write, 64 << 10, a, none);
+    rig.submit(2, FrontOp::Write, (64 << 10) + BS as u64, b, none);
+    rig.submit(3, FrontOp::Write, 0, c, none);
+    rig.front().unplug();
+    assert_eq!(
+        shapes(&rig.dev),
+        vec![(Op::Write, 0, BS, 1), (Op::Write, 64 << 10, MAX_IO, 2)]
+    );
+    rig.run();
+    let mut got = rig.results();
+    got.sort_by_key(|d| d.0);
+    assert_eq!(
+        got,
+        vec![
+            (1, Err(FrontError::Io)),
+            (2, Err(FrontError::Io)),
+            (3, Ok(()))
+        ]
+    );
+}
+
+#[test]
+fn queued_fua_writes_merge_and_each_still_completes_after_its_flush() {
+    // The device has no native FUA: the bios carry no FUA flag, so a FUA
+    // write merges with a plain one, and only the FUA one waits for a flush.
+    let rig = queued_rig(MemDev::new());
+    let fua = ReqFlags {
+        fua: true,
+        ..ReqFlags::default()
+    };
+    let mut bufs: Vec<Vec<u8>> = (0..2).map(|i| pattern(i, BS as usize)).collect();
+    let [a, b] = &mut bufs[..] else {
+        unreachable!()
+    };
+    rig.submit(1, FrontOp::Write, 0, a, fua);
+    rig.submit(2, FrontOp::Write, BS as u64, b, ReqFlags::default());
+    rig.front().unplug();
+    rig.step();
+    assert_eq!(rig.results(), vec![(2, Ok(()))], "the FUA write waits");
+    assert_eq!(
+        shapes(&rig.dev),
+        vec![(Op::Write, 0, MAX_IO, 2), (Op::Flush, 0, 0, 0)]
+    );
+    rig.run();
+    assert_eq!(rig.results(), vec![(1, Ok(()))]);
+}
+
+#[test]
+fn queued_sends_at_once_what_one_bio_cannot_carry() {
+    let rig = queued_rig(MemDev::new());
+    let none = ReqFlags::default();
+    let mut big = pattern(1, 2 * MAX_IO as usize);
+    rig.submit(1, FrontOp::Write, 0, &mut big, none);
+    let mut odd = pattern(2, 100);
+    rig.submit(2, FrontOp::Write, 100 << 10, &mut odd, none); // sub-block: RMW
+    rig.submit(3, FrontOp::Flush, 0, &mut [], none);
+    let mut z = vec![0u8; BS as usize];
+    rig.submit(4, FrontOp::WriteZeroes, 128 << 10, &mut z, none);
+    let ops: Vec<Op> = rig.dev.log().iter().map(|l| l.op).collect();
+    assert_eq!(
+        ops,
+        vec![Op::Write, Op::Write, Op::Read, Op::Flush, Op::WriteZeroes],
+        "nothing held"
+    );
+    rig.run();
+    assert_eq!(rig.results().len(), 4);
+}
+
+#[test]
+fn auto_queues_only_where_the_device_reports_that_merging_helps() {
+    let rig = Rig::new(MemDev::new());
+    rig.front().set_dispatch(Dispatch::Auto);
+    assert_eq!(rig.front().dispatch(), Dispatch::Direct);
+    let dev = Arc::new(MemDev {
+        merge: true,
+        ..Arc::into_inner(MemDev::new()).unwrap()
+    });
+    let rig = Rig::new(dev);
+    rig.front().set_dispatch(Dispatch::Auto);
+    assert_eq!(rig.front().dispatch(), Dispatch::Queued);
+    // Back to direct: what was held goes at once.
+    let mut w = pattern(1, BS as usize);
+    rig.submit(1, FrontOp::Write, 0, &mut w, ReqFlags::default());
+    assert!(rig.dev.log().is_empty());
+    rig.front().set_dispatch(Dispatch::Direct);
+    assert_eq!(shapes(&rig.dev), vec![(Op::Write, 0, BS, 1)]);
+    rig.run();
+    assert_eq!(rig.results(), vec![(1, Ok(()))]);
+}
+
+#[test]
+fn queued_steady_state_reuses_the_plug_list_and_slots() {
+    let rig = queued_rig(MemDev::new());
+    let mut bufs: Vec<Vec<u8>> = (0..8).map(|i| pattern(i, BS as usize)).collect();
+    let mut batch = |rig: &Rig| {
+        for (k, b) in bufs.iter_mut().enumerate() {
+            rig.submit(
+                k as u64,
+                FrontOp::Write,
+                k as u64 * BS as u64,
+                b,
+                ReqFlags::default(),
+            );
+        }
+        rig.front().unplug();
+        rig.run();
+        assert_eq!(rig.results().len(), 8);
+    };
+    batch(&rig);
+    let plug = rig.front().plug.borrow().capacity();
+    let slots = rig.front().slots.borrow().capacity();
+    for _ in 0..10 {
+        batch(&rig);
+    }
+    assert_eq!(rig.front().plug.borrow().capacity(), plug);
+    assert_eq!(rig.front().slots.borrow().capacity(), slots);
+    assert!(rig.front().plug.borrow().is_empty());
 }

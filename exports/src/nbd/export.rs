@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use udm_core::{BlockDevice, Caps};
+use udm_core::{BlockDevice, Caps, Dispatch};
 
 use super::proto::{self, ExportInfo};
 
@@ -20,6 +20,11 @@ pub struct Export {
     /// Connections in transmission on this export at once (None: only the
     /// server-wide cap).
     pub max_connections: Option<usize>,
+    /// How each connection's front hands requests to the device: `Direct`
+    /// or `Queued` ([`Export::set_dispatch`]; auto's choice by default).
+    pub dispatch: Dispatch,
+    /// Why that mode ([`Dispatch::choose`]).
+    pub dispatch_why: String,
 }
 
 impl Export {
@@ -34,6 +39,9 @@ impl Export {
     /// a flush after the write); CACHE is a no-op; CAN_MULTI_CONN is set
     /// because the server keeps no per-connection cache: every connection's
     /// I/O reaches the same device, and a flush reaches all of it.
+    ///
+    /// Dispatch is `auto`'s choice from the device's report until
+    /// [`Export::set_dispatch`].
     pub fn new(name: &str, dev: Arc<dyn BlockDevice>, read_only: bool) -> Export {
         let l = dev.limits();
         let caps = dev.caps();
@@ -60,6 +68,7 @@ impl Export {
                 flags |= proto::FLAG_SEND_WRITE_ZEROES | proto::FLAG_SEND_FAST_ZERO;
             }
         }
+        let (dispatch, dispatch_why) = Dispatch::Auto.choose(&*dev);
         Export {
             info: ExportInfo {
                 name: name.to_string(),
@@ -72,6 +81,13 @@ impl Export {
             },
             dev,
             max_connections: None,
+            dispatch,
+            dispatch_why,
         }
+    }
+
+    /// Sets the dispatch asked for (`auto` chooses from the device's report).
+    pub fn set_dispatch(&mut self, mode: Dispatch) {
+        (self.dispatch, self.dispatch_why) = mode.choose(&*self.dev);
     }
 }

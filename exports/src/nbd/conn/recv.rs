@@ -96,7 +96,16 @@ impl Conn {
             self.rend += n;
         }
         self.process();
+        self.unplug();
         self.arm_recv();
+    }
+
+    /// The requests of one receive are all in: the front submits what it
+    /// holds (queued dispatch; nothing in direct).
+    fn unplug(&self) {
+        if let Some(tx) = self.tx.as_ref() {
+            tx.front.unplug();
+        }
     }
 
     /// Releases a WRITE whose payload was still arriving (or a refused one
@@ -218,6 +227,7 @@ impl Conn {
         {
             self.blocked = false;
             self.process();
+            self.unplug();
             self.arm_recv();
         }
     }
@@ -239,6 +249,7 @@ impl Conn {
         // worker's poller, so the reactor outlives the front, which is used
         // on this thread only.
         let front = unsafe { Front::new(self.worker.reactor(), &*e.dev, chan) };
+        front.set_dispatch(e.dispatch);
         self.export = Some(e.info.name.clone());
         self.worker.handshake_done(self.id);
         self.tx = Some(Tx {
