@@ -44,6 +44,12 @@ pub struct ServeArgs {
     /// Reactor threads serving connections.
     #[arg(long, default_value_t = 1)]
     reactors: u32,
+    /// How requests go to each device: queued sorts and merges the
+    /// requests of each receive (for a disk or a network backend), direct
+    /// hands each on at once (for RAM); auto picks per device from its
+    /// report ('udm info').
+    #[arg(long, value_name = "MODE", default_value = "auto", value_parser = ["auto", "direct", "queued"])]
+    dispatch: String,
     /// The control socket (mode 0600) for 'udm status/table/message/reload
     /// --control PATH'; default: beside the first unix listen socket as
     /// <sock>.ctl, else $XDG_RUNTIME_DIR (or the temporary
@@ -165,6 +171,7 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
         exports,
         listens,
         reactors,
+        dispatch,
         control,
         completion,
         metrics,
@@ -227,6 +234,7 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
             },
         )?;
         let mut e = Export::new(name, dev, *ro);
+        e.set_dispatch(dispatch.parse()?);
         e.max_connections = export_caps
             .iter()
             .rev()
@@ -280,8 +288,15 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
                 Listen::Tcp(a) => format!("nbd://{a}/{}", i.name),
             };
             println!(
-                "udm: serving '{}' ({} bytes, block {}/{}/{}, flags {:#06x}) at {uri}",
-                i.name, i.size, i.min_block, i.pref_block, i.max_payload, i.flags
+                "udm: serving '{}' ({} bytes, block {}/{}/{}, flags {:#06x}, dispatch {} ({})) at {uri}",
+                i.name,
+                i.size,
+                i.min_block,
+                i.pref_block,
+                i.max_payload,
+                i.flags,
+                e.dispatch,
+                e.dispatch_why
             );
         }
     }

@@ -76,6 +76,10 @@ pub struct ExportDef {
     /// Re-attach the device a udm that died left behind (ublk).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub recover: bool,
+    /// `auto` (default), `direct` or `queued`: how requests go to the
+    /// device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dispatch: Option<String>,
 }
 
 impl ExportDef {
@@ -93,18 +97,22 @@ impl ExportDef {
                 )))
             }
         };
+        let opts = ExportOpts {
+            queues: self.queues,
+            depth: self.depth,
+            id: self.id,
+            recover: self.recover,
+            dispatch: self.dispatch.clone(),
+        };
+        opts.dispatch()
+            .map_err(|e| e.context(format!("export of '{}'", self.device)))?;
         Ok(ExportSpec {
             device: self.device.clone(),
             protocol: protocol.into(),
             address,
             name: self.name.clone(),
             read_only: self.read_only,
-            opts: ExportOpts {
-                queues: self.queues,
-                depth: self.depth,
-                id: self.id,
-                recover: self.recover,
-            },
+            opts,
         })
     }
 
@@ -121,6 +129,7 @@ impl ExportDef {
             depth: e.opts.depth,
             id: e.opts.id,
             recover: e.opts.recover,
+            dispatch: e.opts.dispatch,
         };
         match e.protocol.as_str() {
             "vhost-user-blk" => d.vhost_user_blk = Some(e.address),

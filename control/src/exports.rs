@@ -7,7 +7,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
-use udm_core::{BlockDevice, Error};
+use udm_core::{BlockDevice, Dispatch, Error};
 
 use crate::registry::Holder;
 
@@ -51,6 +51,11 @@ pub struct ExportOpts {
     /// Re-attach the device a udm that died left behind (ublk).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub recover: bool,
+    /// How requests go to the device: `auto` (the default: from the
+    /// device's report), `direct` or `queued` ([`Dispatch`]). Every
+    /// protocol takes it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dispatch: Option<String>,
 }
 
 impl ExportOpts {
@@ -59,8 +64,17 @@ impl ExportOpts {
         *self == ExportOpts::default()
     }
 
-    /// The names of the options set, as the command line spells them
-    /// (for a protocol's "does not take" error).
+    /// The dispatch asked for (`auto` when none), or an error naming
+    /// the bad value.
+    pub fn dispatch(&self) -> Result<Dispatch, Error> {
+        self.dispatch
+            .as_deref()
+            .map_or(Ok(Dispatch::Auto), str::parse)
+    }
+
+    /// The names of the options set that only some protocols take, as the
+    /// command line spells them (for a protocol's "does not take" error;
+    /// `--dispatch`, which every protocol takes, is not among them).
     pub fn names(&self) -> Vec<&'static str> {
         let mut v = Vec::new();
         if self.queues.is_some() {
@@ -99,6 +113,10 @@ pub struct ExportInfo {
     /// The protocol's options, as given.
     #[serde(default, skip_serializing_if = "ExportOpts::is_empty")]
     pub opts: ExportOpts,
+    /// The dispatch in use and why, e.g. `queued (auto: merging helps
+    /// (file on a disk, O_DIRECT))`.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub dispatch: String,
 }
 
 impl fmt::Display for ExportInfo {

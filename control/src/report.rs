@@ -41,6 +41,14 @@ pub struct Info {
     /// features, object size and cache mode).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backend: Option<String>,
+    /// Whether merging adjacent requests helps the device, and why:
+    /// `yes (file on a disk, O_DIRECT)` (its report, seed 004).
+    #[serde(default)]
+    pub merging: String,
+    /// The exports of the device, each with the dispatch it uses and why:
+    /// `lin (nbd): queued (auto: merging helps (…))`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub exports: Vec<String>,
 }
 
 impl fmt::Display for Info {
@@ -66,6 +74,10 @@ impl fmt::Display for Info {
         writeln!(f, "Event number:      {}", self.event_nr)?;
         if let Some(b) = &self.backend {
             writeln!(f, "Backend:           {b}")?;
+        }
+        writeln!(f, "Merging helps:     {}", self.merging)?;
+        for e in &self.exports {
+            writeln!(f, "Export dispatch:   {e}")?;
         }
         if self.deferred_remove {
             writeln!(f, "Deferred remove:   pending")?;
@@ -346,6 +358,8 @@ mod tests {
             event_nr: 0,
             deferred_remove: false,
             backend: Some("rbd rbd/img size 8".into()),
+            merging: "no (RAM: a request costs only its copy)".into(),
+            exports: vec!["a (nbd): direct (asked for)".into()],
         };
         let j = serde_json::to_string(&i).unwrap();
         assert!(
@@ -356,6 +370,9 @@ mod tests {
         assert!(i
             .to_string()
             .contains("Holders:           the table of 'l'"));
+        assert!(i
+            .to_string()
+            .contains("Export dispatch:   a (nbd): direct (asked for)\n"));
     }
 }
 

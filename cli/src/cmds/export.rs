@@ -51,6 +51,11 @@ pub struct AddArgs {
     /// Re-attach the device a udm that died left behind (ublk).
     #[arg(long)]
     recover: bool,
+    /// How requests go to the device: queued sorts and merges each batch
+    /// (for a disk or a network backend), direct hands each on at once
+    /// (for RAM); auto picks from the device's report ('udm info').
+    #[arg(long, value_name = "MODE", value_parser = ["auto", "direct", "queued"])]
+    dispatch: Option<String>,
     /// The device.
     device: String,
 }
@@ -73,6 +78,7 @@ impl AddArgs {
                 depth: self.depth,
                 id: self.id,
                 recover: self.recover,
+                dispatch: self.dispatch,
             },
         }
     }

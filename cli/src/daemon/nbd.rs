@@ -85,7 +85,7 @@ fn uri(name: &str, l: &Listen) -> String {
 
 impl ExportService for NbdExports {
     fn add(&self, ctl: &dyn Devices, spec: ExportSpec) -> Result<ExportInfo, Error> {
-        if !spec.opts.is_empty() {
+        if !spec.opts.names().is_empty() {
             return Err(Error::invalid(format!(
                 "an NBD export takes no {}",
                 spec.opts.names().join(", ")
@@ -109,12 +109,16 @@ impl ExportService for NbdExports {
                 ),
             ));
         }
+        let dispatch = spec.opts.dispatch()?;
         let dev = ctl.device(&spec.device).ok_or_else(|| {
             Error::new(
                 ErrorKind::NotFound,
                 format!("unknown device '{}'", spec.device),
             )
         })?;
+        let mut export = Export::new(&name, dev, spec.read_only);
+        export.set_dispatch(dispatch);
+        let dispatch = format!("{} ({})", export.dispatch, export.dispatch_why);
         let holder = Holder::Export {
             name: name.clone(),
             protocol: "nbd".into(),
@@ -122,7 +126,7 @@ impl ExportService for NbdExports {
         ctl.hold(&spec.device, holder.clone())?;
         let started = (|| {
             let srv = Server::bind(
-                vec![Export::new(&name, dev, spec.read_only)],
+                vec![export],
                 ServerConfig {
                     listen: vec![listen],
                     reactors: self.reactors,
@@ -160,6 +164,7 @@ impl ExportService for NbdExports {
             read_only: spec.read_only,
             clients: 0,
             opts: spec.opts,
+            dispatch,
         };
         tracing::info!("export '{name}' of '{}' at {}", info.device, info.uri);
         running.push(Running {

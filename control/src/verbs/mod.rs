@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use udm_core::{BlockDevice, Error, ErrorKind};
+use udm_core::{merge_report, BlockDevice, Error, ErrorKind};
 use udm_mapper::MappedDevice;
 
 use crate::exports::LimitsDef;
@@ -472,7 +472,18 @@ impl Control {
 
     /// `info NAME`.
     pub fn info(&self, name: &str) -> Result<Info, Error> {
-        info_of(&self.registry(), name)
+        let mut info = info_of(&self.registry(), name)?;
+        let service = lock(&self.exports).clone();
+        if let Some(s) = service {
+            info.exports = s
+                .list()
+                .exports
+                .into_iter()
+                .filter(|e| e.device == name && !e.dispatch.is_empty())
+                .map(|e| format!("{} ({}): {}", e.name, e.protocol, e.dispatch))
+                .collect();
+        }
+        Ok(info)
     }
 
     /// `ls`.
@@ -627,6 +638,11 @@ fn info_of(r: &Registry, name: &str) -> Result<Info, Error> {
         event_nr: e.event_nr(),
         deferred_remove: e.deferred_remove(),
         backend: e.device().describe(),
+        merging: {
+            let (helps, why) = merge_report(&**e.device());
+            format!("{} ({why})", if helps { "yes" } else { "no" })
+        },
+        exports: Vec::new(),
     })
 }
 
