@@ -357,3 +357,64 @@ fn jobs_pinned_with_cpus_run() {
     assert_eq!(code, 0, "{out} {err}");
     assert!(out.contains("\"mismatches\":0"), "{out}");
 }
+
+/// Queued dispatch (seed 004): batches of sequential and random I/O,
+/// merged into multi-segment bios that the targets then split at chunk
+/// and target boundaries, verify on every target over every backend.
+#[test]
+fn queued_dispatch_verifies_on_every_target_over_every_backend() {
+    for (backend, devs, _files) in backends("queued") {
+        for (name, table) in TABLES {
+            for rw in ["write", "randwrite"] {
+                verify(
+                    &backend,
+                    &devs,
+                    name,
+                    table,
+                    &["--rw", rw, "--bs", "4k", "--dispatch", "queued"],
+                );
+            }
+        }
+    }
+}
+
+fn json_field<'a>(out: &'a str, key: &str) -> &'a str {
+    out.split(&format!("\"{key}\":"))
+        .nth(1)
+        .and_then(|s| s.split([',', '}']).next())
+        .unwrap_or_else(|| panic!("no {key} in {out}"))
+}
+
+/// Auto takes the device's report: RAM direct, a per-request delay queued;
+/// and queued dispatch allocates nothing per I/O once warm.
+#[test]
+fn bench_dispatch_auto_follows_the_device_and_queued_allocates_nothing_per_io() {
+    let run = |dev: &str, extra: &[&str]| {
+        let mut a = vec![
+            "bench",
+            "--dev",
+            dev,
+            "--target",
+            "d",
+            "--runtime",
+            "0.5",
+            "--json",
+        ];
+        a.extend_from_slice(extra);
+        let (code, out, err) = udm(&a);
+        assert_eq!(code, 0, "{out} {err}");
+        assert_eq!(json_field(&out, "errors"), "0", "{out}");
+        out
+    };
+    let out = run("d=ram:64M", &[]);
+    assert_eq!(json_field(&out, "dispatch"), "\"direct\"", "{out}");
+    let out = run("d=null:64M,delay=20", &["--rw", "write"]);
+    assert_eq!(json_field(&out, "dispatch"), "\"queued\"", "{out}");
+    let out = run("d=null:1G", &["--rw", "write", "--dispatch", "queued"]);
+    assert_eq!(json_field(&out, "dispatch"), "\"queued\"", "{out}");
+    let allocs: f64 = json_field(&out, "allocs_per_io").parse().unwrap();
+    assert!(allocs < 0.001, "allocs per I/O: {allocs}");
+    let (code, _, err) = udm(&["bench", "--dispatch", "sorted"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("'sorted'"), "{err}");
+}

@@ -4,6 +4,13 @@
 //! Each I/O takes a fresh descriptor from the reactor's cache (so the
 //! descriptor cache is exercised as the kernel's bio cache is), submits it,
 //! and the completion records the latency and issues the slot's next I/O.
+//!
+//! With queued dispatch ([`JobCfg::queued`], seed 004) the I/Os issued in
+//! one batch (the start of a phase, or one reactor turn's completions) are
+//! held, then sorted by op and sector at the batch's end, and adjacent ones
+//! go as one bio with a segment per I/O, up to the device's `max_io_bytes`
+//! and `max_segments`; its completion completes each I/O in it (as the
+//! export front's queued dispatch does).
 
 use std::cell::{Cell, UnsafeCell};
 use std::rc::Rc;
@@ -92,6 +99,8 @@ pub struct JobCfg {
     pub verify: bool,
     /// PRNG seed.
     pub seed: u64,
+    /// Queued dispatch (else direct: each I/O submitted as issued).
+    pub queued: bool,
 }
 
 /// What one job measured.
@@ -141,6 +150,11 @@ struct Slot {
     job: *const Job,
     buf: *mut u8,
     t0: u64,
+    /// Queued dispatch: the held I/O, and the next slot of its merged bio
+    /// (null: the last).
+    op: Op,
+    sector: u64,
+    next: *mut Slot,
 }
 
 struct Job {
@@ -163,6 +177,12 @@ struct Job {
     stats: UnsafeCell<Stats>,
     progress: Arc<AtomicU64>,
     slots: UnsafeCell<Vec<Slot>>,
+    /// Queued dispatch: the slots whose I/O is held until [`Job::unplug`]
+    /// (capacity iodepth, so it never grows).
+    plug: UnsafeCell<Vec<*mut Slot>>,
+    /// The largest merged bio: the device's limits.
+    max_bytes: u32,
+    max_segs: usize,
 }
 
 struct Stats {
@@ -266,17 +286,28 @@ impl Job {
         };
         // SAFETY: the reactor outlives the job (run_on borrows it for its whole frame).
         let reactor = unsafe { &*self.reactor };
-        let mut bio = reactor.alloc_bio();
-        bio.op = op;
-        bio.sector = self.cfg.region_start + block * self.bs_sectors;
+        let sector = self.cfg.region_start + block * self.bs_sectors;
         // SAFETY: slots live in the job's vector, which is not resized after setup.
         let s = unsafe { &mut *slot };
         if op == Op::Write && matches!(self.phase.get(), Phase::VerifyWrite) {
             // SAFETY: the slot's buffer is bs bytes of the job's buffer and
             // no I/O of this slot is in flight.
             let b = unsafe { std::slice::from_raw_parts_mut(s.buf, self.cfg.bs as usize) };
-            pattern::fill(b, bio.sector, self.generation);
+            pattern::fill(b, sector, self.generation);
         }
+        if self.cfg.queued {
+            s.op = op;
+            s.sector = sector;
+            self.inflight.set(self.inflight.get() + 1);
+            s.t0 = clock::now();
+            // SAFETY: the job runs on one thread and nothing else borrows
+            // the plug list while this pushes (unplug does not issue).
+            unsafe { (*self.plug.get()).push(slot) };
+            return true;
+        }
+        let mut bio = reactor.alloc_bio();
+        bio.op = op;
+        bio.sector = sector;
         // SAFETY: the slot's buffer stays allocated until the job ends, which
         // waits for every I/O to complete; only this I/O uses it meanwhile.
         unsafe { bio.add_seg(s.buf, self.cfg.bs as usize) };
@@ -308,9 +339,71 @@ impl Job {
                 break;
             }
         }
+        self.unplug();
         if self.inflight.get() == 0 {
             self.advance();
         }
+    }
+
+    /// Submits the I/Os held for queued dispatch: sorted by op and sector,
+    /// adjacent ones merged into one bio of a segment each. Nothing held
+    /// (always, in direct mode): returns at once.
+    fn unplug(&self) {
+        // SAFETY: the job runs on one thread; nothing issues while this
+        // runs (bios complete only from a later reactor turn).
+        let plug = unsafe { &mut *self.plug.get() };
+        if plug.is_empty() {
+            return;
+        }
+        // The plug's entries are slots of the job's vector, not resized
+        // after setup, each with its I/O held ("see above" below).
+        plug.sort_unstable_by_key(|&s| {
+            // SAFETY: see above.
+            unsafe { ((*s).op as u8, (*s).sector) }
+        });
+        // SAFETY: as in issue.
+        let reactor = unsafe { &*self.reactor };
+        let bs = self.cfg.bs;
+        let mut i = 0;
+        while i < plug.len() {
+            let first = plug[i];
+            // SAFETY: see above.
+            let (op, sector) = unsafe { ((*first).op, (*first).sector) };
+            let (mut j, mut len) = (i + 1, bs);
+            while j < plug.len()
+                && j - i < self.max_segs
+                && len + bs <= self.max_bytes
+                // SAFETY: see above.
+                && unsafe { (*plug[j]).op == op && (*plug[j]).sector == sector + (len >> SECTOR_SHIFT) as u64 }
+            {
+                len += bs;
+                j += 1;
+            }
+            let mut bio = reactor.alloc_bio();
+            bio.op = op;
+            bio.sector = sector;
+            for k in i..j {
+                let next = if k + 1 < j {
+                    plug[k + 1]
+                } else {
+                    std::ptr::null_mut()
+                };
+                // SAFETY: see above; the slot's buffer is bs bytes of the
+                // job's buffer, allocated until the job ends, which waits
+                // for every I/O; only this I/O uses it meanwhile.
+                unsafe {
+                    (*plug[k]).next = next;
+                    bio.add_seg((*plug[k]).buf, bs as usize);
+                }
+            }
+            if j == i + 1 {
+                bio.buf_index = self.buf_index;
+            }
+            bio.set_end_io(bench_merged_end_io, first.cast());
+            self.chan.submit(bio);
+            i = j;
+        }
+        plug.clear();
     }
 
     /// Moves to the next phase once the current one has drained.
@@ -333,7 +426,8 @@ fn bench_end_io(bio: BioPtr) {
     if phase != Phase::Prefill {
         // SAFETY: as above.
         let t0 = unsafe { (*slot).t0 };
-        job.complete(&bio, clock::to_ns(now.wrapping_sub(t0)), slot);
+        let lat = clock::to_ns(now.wrapping_sub(t0));
+        job.complete(bio.op, bio.len(), bio.sector, bio.status(), lat, slot);
     }
     drop(bio); // back to the cache before the next allocation
     job.inflight.set(job.inflight.get() - 1);
@@ -343,14 +437,51 @@ fn bench_end_io(bio: BioPtr) {
     }
 }
 
+/// The end_io of a bio of queued dispatch: private is the first slot of
+/// the chain of I/Os it carries; each completes with the bio's status.
+fn bench_merged_end_io(bio: BioPtr) {
+    let mut slot = bio.private() as *mut Slot;
+    // SAFETY: private is a slot of a live job (set in unplug).
+    let job = unsafe { &*(*slot).job };
+    let now = clock::now();
+    let phase = job.phase.get();
+    let status = bio.status();
+    drop(bio);
+    let bs = job.cfg.bs;
+    while !slot.is_null() {
+        // SAFETY: the chain's slots are the job's (unplug linked them);
+        // `next` is read before the slot's next I/O relinks it.
+        let (next, op, sector, t0) =
+            unsafe { ((*slot).next, (*slot).op, (*slot).sector, (*slot).t0) };
+        if phase != Phase::Prefill {
+            let lat = clock::to_ns(now.wrapping_sub(t0));
+            job.complete(op, bs, sector, status, lat, slot);
+        }
+        job.inflight.set(job.inflight.get() - 1);
+        let more = phase != Phase::Run || job.cfg.runtime.is_none() || now < job.deadline.get();
+        if !(more && job.issue(slot)) && job.inflight.get() == 0 {
+            job.advance();
+        }
+        slot = next;
+    }
+}
+
 impl Job {
     #[inline]
-    fn complete(&self, bio: &Bio, lat_ns: u64, slot: *mut Slot) {
+    fn complete(
+        &self,
+        op: Op,
+        len: u32,
+        sector: u64,
+        status: Status,
+        lat_ns: u64,
+        slot: *mut Slot,
+    ) {
         let ios = self.with_stats(|st| {
             let _ = st.hist.record(lat_ns.max(1));
             st.ios += 1;
-            st.bytes += bio.len() as u64;
-            if bio.op == Op::Read {
+            st.bytes += len as u64;
+            if op == Op::Read {
                 st.reads += 1;
             } else {
                 st.writes += 1;
@@ -360,14 +491,13 @@ impl Job {
         if ios & 1023 == 0 {
             self.progress.store(ios, Ordering::Relaxed);
         }
-        let status = bio.status();
         if status != Status::Ok {
-            self.record_error(bio, status);
+            self.record_error(op, len, sector, status);
         } else if self.phase.get() == Phase::VerifyRead {
             // SAFETY: the read completed into the slot's buffer; nothing else
             // uses it until the slot's next I/O.
-            let b = unsafe { std::slice::from_raw_parts((*slot).buf, bio.len() as usize) };
-            let r = pattern::check(b, bio.sector, self.generation);
+            let b = unsafe { std::slice::from_raw_parts((*slot).buf, len as usize) };
+            let r = pattern::check(b, sector, self.generation);
             self.with_stats(|st| {
                 st.verified += 1;
                 if let Err(m) = r {
@@ -379,15 +509,13 @@ impl Job {
     }
 
     #[cold]
-    fn record_error(&self, bio: &Bio, status: Status) {
+    fn record_error(&self, op: Op, len: u32, sector: u64, status: Status) {
         self.with_stats(|st| {
             st.errors += 1;
             if st.first_error.is_none() {
                 st.first_error = Some(format!(
-                    "{} of {} bytes at sector {}: {status}",
-                    bio.op.name(),
-                    bio.len(),
-                    bio.sector
+                    "{} of {len} bytes at sector {sector}: {status}",
+                    op.name()
                 ));
             }
         });
@@ -461,6 +589,9 @@ fn run_on(
         }),
         progress,
         slots: UnsafeCell::new(Vec::new()),
+        plug: UnsafeCell::new(Vec::with_capacity(cfg.iodepth as usize)),
+        max_bytes: dev.limits().max_io_bytes.max(cfg.bs),
+        max_segs: dev.limits().max_segments.max(1) as usize,
         cfg,
     };
     {
@@ -472,6 +603,9 @@ fn run_on(
                 // SAFETY: i * bs is inside the iodepth * bs buffer.
                 buf: unsafe { base.add(i * bs) },
                 t0: 0,
+                op: Op::Read,
+                sector: 0,
+                next: std::ptr::null_mut(),
             });
         }
     }
@@ -479,7 +613,10 @@ fn run_on(
 
     if job.cfg.prefill && !job.cfg.verify {
         job.start_phase(Phase::Prefill);
-        reactor.run_until(|| job.phase.get() != Phase::Prefill);
+        reactor.run_until(|| {
+            job.unplug();
+            job.phase.get() != Phase::Prefill
+        });
     }
     if !matches!(job.cfg.rw, Pattern::Read | Pattern::RandRead) {
         flush_first(reactor, &*job.chan);
@@ -493,7 +630,12 @@ fn run_on(
     } else {
         Phase::Run
     });
-    reactor.run_until(|| job.phase.get() == Phase::Done && job.inflight.get() == 0);
+    // Each call of the closure after a turn ends that turn's batch: the
+    // I/Os its completions issued go down together (queued dispatch).
+    reactor.run_until(|| {
+        job.unplug();
+        job.phase.get() == Phase::Done && job.inflight.get() == 0
+    });
     let elapsed = t0.elapsed();
     let allocs = alloc::thread_allocs() - a0;
     let c1 = thread_cpu();

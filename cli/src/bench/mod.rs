@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use udm_core::{
-    affinity, BlockDevice, CompletionMode, Error, PoolConfig, Reactor, ReactorConfig, ReactorPool,
-    StopToken, SECTOR_SHIFT,
+    affinity, BlockDevice, CompletionMode, Dispatch, Error, PoolConfig, Reactor, ReactorConfig,
+    ReactorPool, StopToken, SECTOR_SHIFT,
 };
 use udm_mapper::MappedDevice;
 
@@ -96,6 +96,12 @@ pub struct BenchArgs {
     /// Print one JSON object instead of the summary.
     #[arg(long)]
     json: bool,
+    /// How I/Os go to the device: direct submits each as issued; queued
+    /// holds each batch (what one reactor turn's completions issue), sorts
+    /// it and merges adjacent I/Os into multi-segment bios; auto picks from
+    /// the device's report ('udm info': merging helps).
+    #[arg(long, value_name = "MODE", default_value = "auto", value_parser = ["auto", "direct", "queued"])]
+    dispatch: String,
 }
 
 /// Everything one run needs.
@@ -116,6 +122,8 @@ struct BenchCfg {
     json: bool,
     /// CPUs to pin jobs to, round-robin; empty: not pinned.
     cpus: Vec<usize>,
+    /// Dispatch asked for.
+    dispatch: Dispatch,
 }
 
 /// Runs `udm bench`.
@@ -174,6 +182,7 @@ pub fn main(args: BenchArgs) -> Result<i32, Error> {
             Some(s) => parse_cpus(s)?,
             None => Vec::new(),
         },
+        dispatch: args.dispatch.parse()?,
     };
     if cfg.iodepth == 0 || cfg.jobs == 0 {
         return Err(Error::invalid("--iodepth and --jobs must be at least 1"));
@@ -258,6 +267,8 @@ struct BenchJson<'a> {
     fast_path: bool,
     cache: bool,
     mode: &'a str,
+    dispatch: &'a str,
+    dispatch_why: &'a str,
     runtime_s: f64,
     ios: u64,
     reads: u64,
@@ -329,6 +340,7 @@ fn run(dev: &Arc<dyn BlockDevice>, cfg: BenchCfg) -> Result<Report, Error> {
             cfg.jobs, cfg.bs
         )));
     }
+    let (dispatch, dispatch_why) = cfg.dispatch.choose(&**dev);
     crate::clock::init();
     let reactor = ReactorConfig {
         mode: cfg.mode,
@@ -358,6 +370,7 @@ fn run(dev: &Arc<dyn BlockDevice>, cfg: BenchCfg) -> Result<Report, Error> {
             prefill: cfg.prefill,
             verify: cfg.verify,
             seed: seed.wrapping_add(j as u64 * 0x9e37_79b9),
+            queued: dispatch == Dispatch::Queued,
         })
         .collect();
     let pool_cfg = PoolConfig {
@@ -410,10 +423,15 @@ fn run(dev: &Arc<dyn BlockDevice>, cfg: BenchCfg) -> Result<Report, Error> {
         results.push(result?);
         drop(buf);
     }
-    Ok(report(&cfg, dev, &results))
+    Ok(report(&cfg, dev, &results, (dispatch, &dispatch_why)))
 }
 
-fn report(cfg: &BenchCfg, dev: &Arc<dyn BlockDevice>, rs: &[JobResult]) -> Report {
+fn report(
+    cfg: &BenchCfg,
+    dev: &Arc<dyn BlockDevice>,
+    rs: &[JobResult],
+    (dispatch, why): (Dispatch, &str),
+) -> Report {
     let mut hist = Histogram::<u64>::new_with_bounds(1, 3_600_000_000_000, 3)
         .unwrap_or_else(|_| unreachable!("constant bounds are valid"));
     let (mut ios, mut reads, mut writes, mut bytes, mut errors, mut allocs) = (0, 0, 0, 0, 0, 0);
@@ -472,6 +490,8 @@ fn report(cfg: &BenchCfg, dev: &Arc<dyn BlockDevice>, rs: &[JobResult]) -> Repor
             fast_path: cfg.fast_path,
             cache: cfg.cache,
             mode,
+            dispatch: dispatch.name(),
+            dispatch_why: why,
             runtime_s: r3(secs),
             ios,
             reads,
@@ -503,7 +523,7 @@ fn report(cfg: &BenchCfg, dev: &Arc<dyn BlockDevice>, rs: &[JobResult]) -> Repor
         }
     } else {
         println!(
-            "{}: rw={} bs={} iodepth={} jobs={} fast-path={} cache={} mode={mode}{}",
+            "{}: rw={} bs={} iodepth={} jobs={} fast-path={} cache={} mode={mode}{} dispatch={dispatch} ({why})",
             cfg.target,
             cfg.rw.name(),
             human_bytes(cfg.bs as u64),
