@@ -8,6 +8,7 @@
 mod common;
 
 use std::path::Path;
+use std::process::Command;
 
 use common::daemon::Daemon;
 
@@ -49,4 +50,29 @@ fn bad_ublk_options_are_refused_naming_the_option() {
     let err = d.fails(&["export", "add", "nope", "--ublk"]);
     assert!(err.contains("unknown device 'nope'"), "{err}");
     assert_eq!(d.ok(&["export", "ls"]), "");
+}
+
+/// The short guest scenario: fio --verify through /dev/ublkb0 over linear
+/// and striped RAM devices, ext4 on it with a copy and fsck, discard, and
+/// a removal refused while the device is open. Every check prints a
+/// `RESULT` line; the script exits 0 only when all passed.
+#[test]
+fn in_the_guest_ublk_serves_fio_verify_ext4_and_discard() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = Command::new(root.join("scripts/guest.sh"))
+        .arg("ublk")
+        .env("UDM", env!("CARGO_BIN_EXE_udm"))
+        .output()
+        .expect("scripts/guest.sh");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "the guest's ublk scenario failed:\n{text}"
+    );
+    assert!(text.contains("RESULT ublk_fio_linear=ok"), "{text}");
+    assert!(!text.contains("=FAIL"), "{text}");
 }

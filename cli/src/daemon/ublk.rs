@@ -125,7 +125,7 @@ impl ExportService for UblkExports {
                 return Err(Error::new(
                     ErrorKind::Busy,
                     format!(
-                        "{} is open ({n} holders; --force removes it anyway, failing their I/O)",
+                        "{} is open (held by {n}; --force removes it anyway, failing their I/O)",
                         running[i].info.uri
                     ),
                 ));
