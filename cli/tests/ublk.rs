@@ -52,15 +52,18 @@ fn bad_ublk_options_are_refused_naming_the_option() {
     assert_eq!(d.ok(&["export", "ls"]), "");
 }
 
-/// The short guest scenario: fio --verify through /dev/ublkb0 over linear
-/// and striped RAM devices, ext4 on it with a copy and fsck, discard, and
-/// a removal refused while the device is open. Every check prints a
-/// `RESULT` line; the script exits 0 only when all passed.
+/// The short guest scenarios, in one boot: `ublk` (fio --verify through
+/// /dev/ublkb0 over linear and striped RAM devices, ext4 on it with a copy
+/// and fsck, discard, removal refused while the device is open) and
+/// `recovery` (udm killed with SIGKILL under fio and under a mounted
+/// filesystem, restarted with --recover: fio verifies every block, fsck
+/// passes, synced data survives). Every check prints a `RESULT` line; the
+/// script exits 0 only when all passed.
 #[test]
-fn in_the_guest_ublk_serves_fio_verify_ext4_and_discard() {
+fn in_the_guest_ublk_serves_fio_ext4_and_discard_and_recovers_from_sigkill() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let out = Command::new(root.join("scripts/guest.sh"))
-        .arg("ublk")
+        .args(["ublk", "recovery"])
         .env("UDM", env!("CARGO_BIN_EXE_udm"))
         .output()
         .expect("scripts/guest.sh");
@@ -73,6 +76,15 @@ fn in_the_guest_ublk_serves_fio_verify_ext4_and_discard() {
         out.status.success(),
         "the guest's ublk scenario failed:\n{text}"
     );
-    assert!(text.contains("RESULT ublk_fio_linear=ok"), "{text}");
+    for check in [
+        "ublk_fio_linear",
+        "ublk_fsck",
+        "recover_fio_verified_after_kill",
+    ] {
+        assert!(
+            text.contains(&format!("RESULT {check}=ok")),
+            "{check}:\n{text}"
+        );
+    }
     assert!(!text.contains("=FAIL"), "{text}");
 }

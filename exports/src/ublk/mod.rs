@@ -41,6 +41,8 @@ use queue::Queue;
 pub const DEFAULT_DEPTH: u32 = 64;
 /// The largest request the device takes (its per-tag buffer).
 pub const MAX_IO_BYTES: u32 = 512 << 10;
+/// How long a recovery waits for the kernel to let go of the dead server.
+const RECOVER_WAIT: Duration = Duration::from_secs(10);
 /// How long a stop waits for the queues to see the kernel's abort.
 const STOP_WAIT: Duration = Duration::from_secs(10);
 
@@ -190,8 +192,27 @@ impl UblkDevice {
                     dev.limits().sectors
                 )));
             }
-            ctrl.start_recovery(id)
-                .map_err(|e| ctrl_err("START_USER_RECOVERY (is it left by a dead udm?)", id, e))?;
+            // The kernel takes it once the dead server's char device is
+            // released (its exit finished) and the device quiesced: EBUSY
+            // until then.
+            let t0 = Instant::now();
+            loop {
+                match ctrl.start_recovery(id) {
+                    Ok(()) => break,
+                    Err(e)
+                        if e.raw_os_error() == Some(libc::EBUSY) && t0.elapsed() < RECOVER_WAIT =>
+                    {
+                        std::thread::sleep(Duration::from_millis(50))
+                    }
+                    Err(e) => {
+                        return Err(ctrl_err(
+                            "START_USER_RECOVERY (is it live, or not left by a dead udm?)",
+                            id,
+                            e,
+                        ))
+                    }
+                }
+            }
             (
                 id,
                 info.nr_hw_queues as u32,
