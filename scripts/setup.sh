@@ -3,7 +3,7 @@
 # Idempotent: installs only what is missing. Run as root (or with sudo).
 set -euo pipefail
 
-APT_PACKAGES=(build-essential pkg-config valgrind bc fio nbdkit libnbd-bin python3-libnbd zstd xz-utils
+APT_PACKAGES=(build-essential pkg-config valgrind bc fio e2fsprogs nbdkit libnbd-bin python3-libnbd zstd xz-utils
     librbd-dev librados-dev ceph-mon ceph-osd ceph-common)
 # QEMU from Debian 12's backports (10.x: qemu-img, qemu-io, qemu-nbd,
 # qemu-storage-daemon, and qemu-system-x86_64 for the test guest): the two

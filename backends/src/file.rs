@@ -153,6 +153,7 @@ impl FileDevice {
             .ring_of(RingKind {
                 iopoll: true,
                 sqpoll: self.opts.sqpoll,
+                ..RingKind::default()
             })
             .map_err(|e| Error::os(format!("file '{}': IOPOLL ring", self.path), e))?;
         let lbs = self.limits.logical_block_size as usize;
@@ -252,6 +253,7 @@ impl BlockDevice for FileDevice {
             let kind = RingKind {
                 sqpoll: self.opts.sqpoll,
                 iopoll: self.opts.iopoll,
+                ..RingKind::default()
             };
             let r = reactor
                 .ring_of(kind)

@@ -63,6 +63,9 @@ pub struct ReactorConfig {
     pub ring_entries: u32,
     /// How long hybrid mode spins before it sleeps; the most adaptive mode does.
     pub hybrid_spin: Duration,
+    /// The reactor's ring has 128-byte SQEs ([`RingKind::sqe128`]), for
+    /// exports whose commands are URING_CMDs (ublk).
+    pub sqe128: bool,
 }
 
 impl Default for ReactorConfig {
@@ -72,6 +75,7 @@ impl Default for ReactorConfig {
             cache_size: DEFAULT_CACHE_SIZE,
             ring_entries: 1024,
             hybrid_spin: Duration::from_micros(50),
+            sqe128: false,
         }
     }
 }
@@ -453,7 +457,13 @@ pub struct Reactor {
 impl Reactor {
     /// Creates a reactor with its own io_uring.
     pub fn new(config: ReactorConfig) -> io::Result<Reactor> {
-        let ring = Ring::new(config.ring_entries, RingKind::default())?;
+        let ring = Ring::new(
+            config.ring_entries,
+            RingKind {
+                sqe128: config.sqe128,
+                ..RingKind::default()
+            },
+        )?;
         // SAFETY: plain syscall; the result is checked.
         let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if efd < 0 {

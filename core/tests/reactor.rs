@@ -1246,12 +1246,14 @@ fn reactors_have_distinct_ids_and_their_own_rings() {
     let sq = a.ring_of(RingKind {
         sqpoll: true,
         iopoll: false,
+        ..RingKind::default()
     });
     if let Ok(sq) = sq {
         let again = a
             .ring_of(RingKind {
                 sqpoll: true,
                 iopoll: false,
+                ..RingKind::default()
             })
             .unwrap();
         assert!(

@@ -2,6 +2,8 @@
 //!
 //! - [`nbd`]: the Network Block Device protocol (fixed newstyle handshake,
 //!   structured replies, `base:allocation`), served from the reactors.
+//! - [`ublk`]: a Linux block device (`/dev/ublkbN`) served by the kernel's
+//!   ublk driver over io_uring URING_CMDs on the reactors' own rings.
 //!
 //! Exports sit on top of the stack: they serve any
 //! `Arc<dyn udm_core::BlockDevice>` and know nothing of targets or backends.
@@ -10,3 +12,4 @@
 
 pub mod front;
 pub mod nbd;
+pub mod ublk;

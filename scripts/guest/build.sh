@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the guest's base image once: a Debian 6.12 kernel (it has dm,
 # dm-log-writes, ublk_drv, null_blk and NVMe poll queues) and an initramfs
-# with busybox, fio, dmsetup and the kernel modules the tests load. Nothing
+# with busybox, fio, dmsetup, e2fsprogs (mke2fs, e2fsck) and the kernel
+# modules the tests load. Nothing
 # is installed on the host: packages are downloaded and unpacked under
 # $GUEST_DIR (default ~/.cache/udm/guest, kept across clones).
 #
@@ -13,7 +14,10 @@ ROOT=$(cd "$HERE/../.." && pwd)
 W=${GUEST_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/udm/guest}
 mkdir -p "$W"
 cd "$W"
-if [ -f base.cpio.gz ] && [ -f vmlinuz ] && [ -x busybox ] && [ -z "${REBUILD:-}" ]; then
+# Bumped when the image's contents change: an older cached image is rebuilt.
+BASE_VERSION=4
+if [ -f base.cpio.gz ] && [ -f vmlinuz ] && [ -x busybox ] && [ -z "${REBUILD:-}" ] &&
+    [ "$(cat base.version 2>/dev/null)" = "$BASE_VERSION" ]; then
     exit 0
 fi
 # bookworm-security's 6.12 (Debian 12's 6.1 has no ublk).
@@ -52,6 +56,11 @@ for a in $("$R/bin/busybox" --list); do [ "$a" = busybox ] || ln -sf busybox "$R
 "$HERE/libs.sh" "$R" /usr/bin/fio /bin/fio
 "$HERE/libs.sh" "$R" "$W/dm/sbin/dmsetup" /sbin/dmsetup
 cp "$W"/dm/lib/x86_64-linux-gnu/libdevmapper.so.1.02.1 "$R/lib/x86_64-linux-gnu/"
+for b in mke2fs e2fsck; do
+    "$HERE/libs.sh" "$R" "/sbin/$b" "/sbin/$b"
+done
+mkdir -p "$R/etc"
+[ -f /etc/mke2fs.conf ] && cp /etc/mke2fs.conf "$R/etc/"
 
 # Modules and what they need, decompressed, with a load order.
 MD=$KD/lib/modules/$KV
@@ -73,7 +82,7 @@ add_mod() {
     echo "$base" >>"$R/lib/modules/order"
 }
 for m in virtio virtio_ring virtio_pci virtio_blk brd dm-mod dm-log-writes dm-flakey dm-delay \
-    dm-dust dm-writecache ublk_drv nbd null_blk nvme; do
+    dm-dust dm-writecache ublk_drv nbd null_blk nvme crc32c_generic ext4; do
     rel=$(grep -E "/$m\.ko(\.xz|\.zst)?:" "$MD/modules.dep" | cut -d: -f1 | head -1 || true)
     if [ -n "$rel" ]; then
         add_mod "$rel"
@@ -85,4 +94,5 @@ cp "$HERE/init.sh" "$R/init"
 chmod 755 "$R/init"
 (cd "$R" && find . | "$W/bb/bin/busybox" cpio -o -H newc 2>/dev/null | gzip -1 >"$W/base.cpio.gz")
 rm -rf "$R" bb dm kmod
+echo "$BASE_VERSION" >base.version
 echo "guest/build: $(du -h base.cpio.gz | cut -f1) initramfs, kernel $KV"

@@ -1,0 +1,157 @@
+//! The daemon's ublk exports: each `export add --ublk` adds a
+//! `/dev/ublkbN` served by queue threads of its own; `export remove`
+//! stops and deletes it (refused while a process holds it open, unless
+//! forced); the daemon's stop deletes them all.
+
+use std::sync::{Mutex, MutexGuard};
+
+use udm_control::{Devices, ExportInfo, ExportList, ExportService, ExportSpec, Holder};
+use udm_core::{Error, ErrorKind, ReactorConfig};
+use udm_exports::ublk::{UblkConfig, UblkDevice};
+
+struct Running {
+    info: ExportInfo,
+    holder: Holder,
+    dev: UblkDevice,
+}
+
+/// The daemon's ublk exports (an [`ExportService`]).
+pub struct UblkExports {
+    reactor: ReactorConfig,
+    running: Mutex<Vec<Running>>,
+}
+
+impl UblkExports {
+    /// Exports whose queues' reactors are built as `reactor` says.
+    pub fn new(reactor: ReactorConfig) -> UblkExports {
+        UblkExports {
+            reactor,
+            running: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn running(&self) -> MutexGuard<'_, Vec<Running>> {
+        self.running.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn stop(ctl: &dyn Devices, r: Running) {
+        let name = r.info.name.clone();
+        if let Err(e) = r.dev.stop() {
+            tracing::warn!("export '{name}': {e}");
+        }
+        let _ = ctl.release(&r.info.device, &r.holder);
+        tracing::info!("export '{name}' removed");
+    }
+}
+
+impl ExportService for UblkExports {
+    fn add(&self, ctl: &dyn Devices, spec: ExportSpec) -> Result<ExportInfo, Error> {
+        if !spec.address.is_empty() {
+            return Err(Error::invalid(format!(
+                "a ublk export takes no address (got '{}')",
+                spec.address
+            )));
+        }
+        let name = spec.name.clone().unwrap_or_else(|| spec.device.clone());
+        let mut running = self.running();
+        if running.iter().any(|r| r.info.name == name) {
+            return Err(Error::new(
+                ErrorKind::Busy,
+                format!("an export named '{name}' exists"),
+            ));
+        }
+        if let Some(r) = running.iter().find(|r| Some(r.dev.id()) == spec.opts.id) {
+            return Err(Error::new(
+                ErrorKind::Busy,
+                format!("/dev/ublkb{} is export '{}'", r.dev.id(), r.info.name),
+            ));
+        }
+        let dev = ctl.device(&spec.device).ok_or_else(|| {
+            Error::new(
+                ErrorKind::NotFound,
+                format!("unknown device '{}'", spec.device),
+            )
+        })?;
+        let holder = Holder::Export {
+            name: name.clone(),
+            protocol: "ublk".into(),
+        };
+        ctl.hold(&spec.device, holder.clone())?;
+        let cfg = UblkConfig {
+            id: spec.opts.id,
+            queues: spec.opts.queues,
+            depth: spec.opts.depth,
+            read_only: spec.read_only,
+            recover: spec.opts.recover,
+            reactor: self.reactor,
+        };
+        let dev = match UblkDevice::start(dev, cfg) {
+            Ok(d) => d,
+            Err(e) => {
+                let _ = ctl.release(&spec.device, &holder);
+                return Err(e);
+            }
+        };
+        let info = ExportInfo {
+            name: name.clone(),
+            device: spec.device,
+            protocol: spec.protocol,
+            address: spec.address,
+            uri: dev.path().display().to_string(),
+            read_only: spec.read_only,
+            clients: 0,
+            opts: spec.opts,
+        };
+        tracing::info!("export '{name}' of '{}' at {}", info.device, info.uri);
+        running.push(Running {
+            info: info.clone(),
+            holder,
+            dev,
+        });
+        Ok(info)
+    }
+
+    fn remove(&self, ctl: &dyn Devices, name: &str, force: bool) -> Result<(), Error> {
+        let r = {
+            let mut running = self.running();
+            let Some(i) = running.iter().position(|r| r.info.name == name) else {
+                return Err(Error::new(
+                    ErrorKind::NotFound,
+                    format!("unknown export '{name}'"),
+                ));
+            };
+            let n = running[i].dev.openers();
+            if n > 0 && !force {
+                return Err(Error::new(
+                    ErrorKind::Busy,
+                    format!(
+                        "{} is open (held by {n}; --force removes it anyway, failing their I/O)",
+                        running[i].info.uri
+                    ),
+                ));
+            }
+            running.remove(i)
+        };
+        UblkExports::stop(ctl, r);
+        Ok(())
+    }
+
+    fn list(&self) -> ExportList {
+        let exports = self
+            .running()
+            .iter()
+            .map(|r| ExportInfo {
+                clients: r.dev.openers(),
+                ..r.info.clone()
+            })
+            .collect();
+        ExportList { exports }
+    }
+
+    fn stop_all(&self, ctl: &dyn Devices) {
+        let all: Vec<Running> = self.running().drain(..).collect();
+        for r in all {
+            UblkExports::stop(ctl, r);
+        }
+    }
+}

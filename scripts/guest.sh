@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Runs guest scenarios: boots the test guest once (scripts/guest/run.sh:
+# the Debian 6.12 kernel under QEMU/TCG with udm inside) and runs each
+# SCENARIO (scripts/guest/scenarios/NAME.sh) in it, in order.
+#
+#   scripts/guest.sh [--long] SCENARIO...      e.g. scripts/guest.sh ublk
+#
+# Every check prints `RESULT name=ok` or `RESULT name=FAIL` (figures:
+# `RESULT name=value`); the exit status is 0 only when every check of
+# every scenario passed and the guest finished. --long runs the longer
+# forms (larger fio sizes). Env: UDM (the binary; default: builds
+# target/release/udm), and run.sh's (GUEST_MEM, GUEST_TIMEOUT, GUEST_LOG).
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+ROOT=$(cd "$HERE/.." && pwd)
+LONG=0
+SCEN=()
+for a in "$@"; do
+    case $a in
+    --long) LONG=1 ;;
+    -h | --help) sed -n '2,12p' "$0"; exit 0 ;;
+    -*) echo "guest.sh: unknown option $a" >&2; exit 2 ;;
+    *)
+        [ -f "$HERE/guest/scenarios/$a.sh" ] || {
+            echo "guest.sh: unknown scenario '$a' (known: $(cd "$HERE/guest/scenarios" && ls | sed 's/\.sh$//' | tr '\n' ' '))" >&2
+            exit 2
+        }
+        SCEN+=("$a")
+        ;;
+    esac
+done
+[ ${#SCEN[@]} -gt 0 ] || { echo "usage: scripts/guest.sh [--long] SCENARIO..." >&2; exit 2; }
+if [ -z "${UDM:-}" ]; then
+    (cd "$ROOT" && cargo build --release -q -p udm)
+    export UDM=$ROOT/target/release/udm
+fi
+T=$(mktemp -d)
+trap 'rm -rf "$T"' EXIT
+{
+    echo 'set +e'
+    echo "LONG=$LONG"
+    # check NAME CMD...: runs CMD, prints RESULT NAME=ok|FAIL.
+    cat <<'SH'
+FAILED=0
+check() {
+    local check_name=$1
+    shift
+    if "$@"; then
+        echo "RESULT $check_name=ok"
+    else
+        echo "RESULT $check_name=FAIL"
+        FAILED=$((FAILED + 1))
+    fi
+}
+[ "$LONG" = 1 ] && export FIO_SIZE=512M
+SH
+    for s in "${SCEN[@]}"; do
+        echo "echo '== scenario $s'"
+        cat "$HERE/guest/scenarios/$s.sh"
+    done
+    echo 'echo "RESULT failed_checks=$FAILED"'
+    echo '[ "$FAILED" = 0 ]'
+} >"$T/test.sh"
+set +e
+"$HERE/guest/run.sh" "$T/test.sh" | tee "$T/out"
+rc=${PIPESTATUS[0]}
+set -e
+grep -q '^guest: RESULT ' "$T/out" || { echo "guest.sh: no results (rc $rc)" >&2; exit 3; }
+if grep -q '^guest: RESULT .*=FAIL$' "$T/out"; then
+    echo "guest.sh: failed: $(sed -n 's/^guest: RESULT \(.*\)=FAIL$/\1/p' "$T/out" | tr '\n' ' ')" >&2
+    exit 1
+fi
+exit "$rc"

@@ -1,0 +1,69 @@
+# Scenario ublk (sourced by the guest's /test.sh; see scripts/guest.sh):
+# udm's ublk export under real kernel clients. Each check prints
+# `RESULT name=ok|FAIL`; `check` counts failures in $FAILED.
+insmod /lib/modules/ublk_drv.ko
+[ -e /dev/ublk-control ] || mdev -s
+export UDM_CONTROL=/tmp/udm.sock
+: >/tmp/udm.log
+udm daemon >/tmp/udm.log 2>&1 &
+UDM_PID=$!
+i=0
+until grep -q "daemon ready" /tmp/udm.log; do
+    i=$((i + 1)); [ $i -lt 100 ] || { cat /tmp/udm.log; break; }; sleep 0.1
+done
+udm create r0 ram:128M
+udm create r1 ram:64M
+udm create r2 ram:64M
+udm create lin --table "0 262144 linear r0 0"
+udm create str --table "0 262144 striped 2 128 r1 0 r2 0"
+
+fio_verify() { # DEV NAME [more fio args]
+    local dev=$1 name=$2 rc
+    shift 2
+    fio --name="$name" --filename="$dev" --direct=1 --ioengine=io_uring --rw=randwrite \
+        --bs=4k --bsrange=4k-256k --iodepth=16 --size="${FIO_SIZE:-48M}" --verify=crc32c \
+        --verify_fatal=1 --do_verify=1 --numjobs=1 "$@" >/tmp/fio-$name.log 2>&1
+    rc=$?
+    grep -E "err=|IOPS" /tmp/fio-$name.log | head -3
+    return $rc
+}
+
+# fio --verify over linear, then striped.
+check ublk_add_linear udm export add lin --ublk --id 0 --queues 2 --depth 64
+check ublk_dev_appears test -b /dev/ublkb0
+check ublk_size_is_the_devices sh -c '[ "$(cat /sys/block/ublkb0/size)" = 262144 ]'
+check ublk_fio_linear fio_verify /dev/ublkb0 lin
+check ublk_remove_linear udm export remove lin
+check ublk_dev_gone sh -c '! test -e /dev/ublkb0'
+check ublk_add_striped udm export add str --ublk --id 0
+check ublk_fio_striped fio_verify /dev/ublkb0 str --iodepth=32
+# Discard: the RAM device zeroes what is discarded.
+dd if=/dev/urandom of=/dev/ublkb0 bs=1M count=2 oflag=direct 2>/dev/null
+check ublk_discard blkdiscard -o 0 -l 1048576 /dev/ublkb0
+check ublk_discard_zeroes sh -c 'dd if=/dev/ublkb0 bs=1M count=1 iflag=direct 2>/dev/null | cmp - /dev/zero -n 1048576'
+# A filesystem: mkfs, mount, copy, unmount, fsck.
+ln -sf /proc/mounts /etc/mtab 2>/dev/null || true
+mkdir -p /mnt/u
+check ublk_mkfs_ext4 /sbin/mke2fs -q -F -t ext4 /dev/ublkb0
+check ublk_mount mount -t ext4 /dev/ublkb0 /mnt/u
+dd if=/dev/urandom of=/tmp/blob bs=1M count=8 2>/dev/null
+cp /tmp/blob /mnt/u/blob && cp -r /bin /mnt/u/bin
+# While mounted, the export cannot be removed.
+check ublk_remove_refused_while_open sh -c '! udm export remove str 2>/tmp/rm.err && grep -q "is open" /tmp/rm.err'
+cat /tmp/rm.err
+check ublk_umount umount /mnt/u
+check ublk_fsck /sbin/e2fsck -f -n /dev/ublkb0
+check ublk_remount mount -t ext4 -o ro /dev/ublkb0 /mnt/u
+check ublk_copy_intact sh -c 'grep -q "^/dev/ublkb0 /mnt/u " /proc/mounts && cmp /tmp/blob /mnt/u/blob && diff -r /bin /mnt/u/bin' 
+umount /mnt/u
+# Open by a reader: refused; --force removes it, the reader gets errors.
+sleep 30 </dev/ublkb0 &
+HOLDER=$!
+check ublk_remove_refused_while_held sh -c '! udm export remove str 2>/dev/null'
+check ublk_remove_forced udm export remove --force str
+kill $HOLDER 2>/dev/null
+check ublk_dev_gone_after_force sh -c '! test -e /dev/ublkb0'
+# A daemon stop deletes the devices it serves.
+udm export add lin --ublk --id 3 >/dev/null
+kill $UDM_PID; wait $UDM_PID
+check ublk_daemon_stop_deletes sh -c '! test -e /dev/ublkb3 && ! test -e /dev/ublkc3'
