@@ -265,6 +265,12 @@ impl Front {
         self.slots.borrow().len()
     }
 
+    /// Ends a batch of requests: the export calls it once it has submitted
+    /// everything one notification brought (a kick, a receive). Direct
+    /// dispatch has nothing held back, so this does nothing here; queued
+    /// dispatch (seed 004) sends the batch it collected.
+    pub fn unplug(&self) {}
+
     fn reactor(&self) -> &Reactor {
         // SAFETY: `new`'s contract: the reactor outlives the front.
         unsafe { &*self.reactor }
