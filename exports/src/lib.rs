@@ -2,6 +2,8 @@
 //!
 //! - [`nbd`]: the Network Block Device protocol (fixed newstyle handshake,
 //!   structured replies, `base:allocation`), served from the reactors.
+//! - [`vhost`]: vhost-user-blk, for virtual machines: the guest's virtqueues
+//!   run on the reactors, its memory is the I/O buffer.
 //!
 //! Exports sit on top of the stack: they serve any
 //! `Arc<dyn udm_core::BlockDevice>` and know nothing of targets or backends.
@@ -10,3 +12,4 @@
 
 pub mod front;
 pub mod nbd;
+pub mod vhost;
