@@ -8,6 +8,7 @@
 
 mod exports;
 mod nbd;
+mod vhost;
 
 use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
@@ -91,10 +92,15 @@ pub fn main(a: DaemonArgs) -> Result<i32, Error> {
     let listener = udm_control::bind(&path)?;
     let ctl = Arc::new(Control::default());
     ctl.set_limits(limits_def);
-    let exports = exports::Exports::new().with(
-        "nbd",
-        Box::new(nbd::NbdExports::new(a.reactors as usize, reactor, limits)?),
-    );
+    let exports = exports::Exports::new()
+        .with(
+            "nbd",
+            Box::new(nbd::NbdExports::new(a.reactors as usize, reactor, limits)?),
+        )
+        .with(
+            "vhost-user-blk",
+            Box::new(vhost::VhostExports::new(a.reactors as usize, reactor)),
+        );
     ctl.set_exports(Arc::new(exports));
     if let Some(c) = &config {
         if let Err(e) = c.apply(&ctl) {

@@ -61,10 +61,22 @@ pub struct Device {
 }
 
 /// Logs why a request is refused and returns the error the crate maps to
-/// a failed reply.
+/// a failed reply (REPLY_ACK's status). The connection goes on: the
+/// server ends it only for errors of other kinds (a malformed message, a
+/// request whose reply would carry a value).
 fn refuse<T>(why: String) -> Result<T> {
     tracing::warn!("vhost: frontend: {why}");
-    Err(Error::InvalidParam)
+    Err(refused())
+}
+
+/// The error of a request refused by the device (see [`refuse`]).
+fn refused() -> Error {
+    Error::ReqHandlerError(std::io::Error::other("refused"))
+}
+
+/// Whether `e` is a refusal the connection survives.
+pub fn is_refusal(e: &Error) -> bool {
+    matches!(e, Error::ReqHandlerError(_))
 }
 
 impl Device {
@@ -221,13 +233,28 @@ impl Device {
             Err(e) => return refuse(e),
         };
         self.mem = Some(mem.clone());
+        // The reactors take the new memory before the frontend is answered:
+        // it may put buffers in a new region as soon as it is.
         let mut sent = vec![false; self.handles.len()];
+        let (tx, rx) = mpsc::channel();
+        let mut waits = 0;
         for (i, r) in self.rings.iter().enumerate() {
             let h = i % self.handles.len();
             if r.running && !sent[h] {
                 sent[h] = true;
-                let m = mem.clone();
-                on_worker(&self.handles[h], move |w| w.set_mem(m));
+                let (m, tx) = (mem.clone(), tx.clone());
+                if on_worker(&self.handles[h], move |w| {
+                    w.set_mem(m);
+                    let _ = tx.send(());
+                }) {
+                    waits += 1;
+                }
+            }
+        }
+        for _ in 0..waits {
+            if rx.recv_timeout(QUEUE_TIMEOUT).is_err() {
+                tracing::warn!("vhost: a reactor did not take the new memory table");
+                return Err(Error::BackendInternalError);
             }
         }
         for i in 0..self.rings.len() {
@@ -337,7 +364,9 @@ impl VhostUserBackendReqHandlerMut for Device {
     }
 
     fn get_vring_base(&mut self, index: u32) -> Result<VhostUserVringState> {
-        self.ring(index)?;
+        // Its reply carries the base: an error cannot be told, so the
+        // frontend is disconnected.
+        self.ring(index).map_err(|_| Error::InvalidParam)?;
         let i = index as usize;
         self.stop(i)?;
         let r = &mut self.rings[i];

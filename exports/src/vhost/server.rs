@@ -17,7 +17,7 @@ use udm_core::{BlockDevice, Error, PoolConfig, Reactor, ReactorConfig, ReactorPo
 use vhost::vhost_user::{BackendReqHandler, Error as VuError};
 
 use super::config::BlkConfig;
-use super::control::Device;
+use super::control::{is_refusal, Device};
 use super::queue::Worker;
 
 /// Reactor-local key under which each reactor keeps its [`Worker`].
@@ -195,6 +195,8 @@ impl Server {
             }
             match h.handle_request() {
                 Ok(()) => {}
+                // Refused and answered (logged by the device).
+                Err(e) if is_refusal(&e) => {}
                 Err(VuError::Disconnected) | Err(VuError::PartialMessage) => {
                     tracing::info!("vhost: {at}: frontend disconnected");
                     break false;
