@@ -1,5 +1,6 @@
 //! `udm serve`: builds the stack from `--dev` specs (or a `--config` file of
-//! them) and serves devices over NBD until SIGINT/SIGTERM.
+//! them) and serves devices over NBD (or one over vhost-user-blk) until
+//! SIGINT/SIGTERM.
 //!
 //! On a signal it stops accepting, finishes the requests in flight, flushes
 //! every device and exits 0.
@@ -13,6 +14,7 @@ use std::sync::Arc;
 use udm_control::{Control, ControlServer, Holder};
 use udm_core::{BlockDevice, CompletionMode, Error, ReactorConfig};
 use udm_exports::nbd::{limits, server, Export, Limits, Listen, Server, ServerConfig};
+use udm_exports::vhost;
 
 const AFTER_HELP: &str = "\
 Without --dev or --config: a 1 GiB RAM disk (ram0) with a linear device
@@ -50,6 +52,14 @@ pub struct ServeArgs {
     /// report ('udm info').
     #[arg(long, value_name = "MODE", default_value = "auto", value_parser = ["auto", "direct", "queued"])]
     dispatch: String,
+    /// Serve the export over vhost-user-blk (virtual machines) at this
+    /// socket path instead of NBD (one export).
+    #[arg(long, value_name = "PATH", conflicts_with_all = ["listens", "export_max_connections"])]
+    vhost_user_blk: Option<PathBuf>,
+    /// vhost-user-blk: queues, each on its own reactor [default:
+    /// --reactors].
+    #[arg(long, value_name = "N", requires = "vhost_user_blk")]
+    queues: Option<u16>,
     /// The control socket (mode 0600) for 'udm status/table/message/reload
     /// --control PATH'; default: beside the first unix listen socket as
     /// <sock>.ctl, else $XDG_RUNTIME_DIR (or the temporary
@@ -172,6 +182,8 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
         listens,
         reactors,
         dispatch,
+        vhost_user_blk,
+        queues,
         control,
         completion,
         metrics,
@@ -226,11 +238,15 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
             return Err(Error::invalid(format!("--export '{name}': exported twice")));
         }
         // The export holds its device: it cannot be removed under it.
+        let protocol = match vhost_user_blk {
+            Some(_) => "vhost-user-blk",
+            None => "nbd",
+        };
         stack.hold(
             name,
             Holder::Export {
                 name: name.clone(),
-                protocol: "nbd".into(),
+                protocol: protocol.into(),
             },
         )?;
         let mut e = Export::new(name, dev, *ro);
@@ -250,7 +266,15 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
             "--export-max-connections '{n}': no such export"
         )));
     }
-    let listen: Vec<Listen> = if listens.is_empty() {
+    if vhost_user_blk.is_some() && table.len() != 1 {
+        return Err(Error::invalid(
+            "--vhost-user-blk serves one device: give one --export",
+        ));
+    }
+    let listen: Vec<Listen> = if let Some(p) = &vhost_user_blk {
+        // Only for the control socket's default place, beside it.
+        vec![Listen::Unix(p.clone())]
+    } else if listens.is_empty() {
         let p = std::env::temp_dir().join(format!("udm-nbd-{}.sock", std::process::id()));
         vec![Listen::Unix(p)]
     } else {
@@ -270,19 +294,42 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
     // Bound before any thread of ours starts: it sets the umask around bind.
     let ctl_listener = udm_control::bind(&ctl_path)?;
     let unlink = Unlink(ctl_path.clone());
-    let srv = Server::bind(
-        table,
-        ServerConfig {
-            listen,
-            reactors: reactors as usize,
-            reactor,
-            limits,
-            pool: None,
-        },
-    )?;
-    for e in srv.exports() {
+    let srv = match vhost_user_blk {
+        Some(path) => {
+            let e = &table[0];
+            let q = queues.unwrap_or(reactors as u16);
+            let vs = vhost::Server::bind(
+                e.dev.clone(),
+                vhost::ServerConfig {
+                    path,
+                    queues: q,
+                    reactors: 0,
+                    reactor,
+                    read_only: wanted[0].1,
+                },
+            )?;
+            println!(
+                "udm: serving '{}' ({} bytes) over vhost-user-blk at {} ({q} queues)",
+                e.info.name,
+                e.info.size,
+                vs.path().display()
+            );
+            Srv::Vhost(vs)
+        }
+        None => Srv::Nbd(Server::bind(
+            table,
+            ServerConfig {
+                listen,
+                reactors: reactors as usize,
+                reactor,
+                limits,
+                pool: None,
+            },
+        )?),
+    };
+    for e in srv.nbd_exports() {
         let i = &e.info;
-        for l in srv.addresses() {
+        for l in srv.nbd_addresses() {
             let uri = match &l {
                 Listen::Unix(p) => format!("nbd+unix:///{}?socket={}", i.name, p.display()),
                 Listen::Tcp(a) => format!("nbd://{a}/{}", i.name),
@@ -341,8 +388,37 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
     for (n, s) in &failed {
         tracing::error!("flush of '{n}' failed: {s}");
     }
-    tracing::info!("nbd: stopped; {} devices flushed", all.len() - failed.len());
+    tracing::info!("stopped; {} devices flushed", all.len() - failed.len());
     Ok(if failed.is_empty() { 0 } else { 1 })
+}
+
+/// The server `udm serve` runs.
+enum Srv {
+    Nbd(Server),
+    Vhost(vhost::Server),
+}
+
+impl Srv {
+    fn nbd_exports(&self) -> &[Export] {
+        match self {
+            Srv::Nbd(s) => s.exports(),
+            Srv::Vhost(_) => &[],
+        }
+    }
+
+    fn nbd_addresses(&self) -> Vec<Listen> {
+        match self {
+            Srv::Nbd(s) => s.addresses(),
+            Srv::Vhost(_) => Vec::new(),
+        }
+    }
+
+    fn run(self, stop_fd: std::os::fd::RawFd) -> Result<(), Error> {
+        match self {
+            Srv::Nbd(s) => s.run(stop_fd),
+            Srv::Vhost(s) => s.run(stop_fd),
+        }
+    }
 }
 
 /// Removes the control socket if start-up fails after binding it.

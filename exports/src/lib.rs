@@ -4,6 +4,8 @@
 //!   structured replies, `base:allocation`), served from the reactors.
 //! - [`ublk`]: a Linux block device (`/dev/ublkbN`) served by the kernel's
 //!   ublk driver over io_uring URING_CMDs on the reactors' own rings.
+//! - [`vhost`]: vhost-user-blk, for virtual machines: the guest's virtqueues
+//!   run on the reactors, its memory is the I/O buffer.
 //!
 //! Exports sit on top of the stack: they serve any
 //! `Arc<dyn udm_core::BlockDevice>` and know nothing of targets or backends.
@@ -13,3 +15,4 @@
 pub mod front;
 pub mod nbd;
 pub mod ublk;
+pub mod vhost;

@@ -9,6 +9,7 @@
 mod exports;
 mod nbd;
 mod ublk;
+mod vhost;
 
 use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
@@ -97,7 +98,11 @@ pub fn main(a: DaemonArgs) -> Result<i32, Error> {
             "nbd",
             Box::new(nbd::NbdExports::new(a.reactors as usize, reactor, limits)?),
         )
-        .with("ublk", Box::new(ublk::UblkExports::new(reactor)));
+        .with("ublk", Box::new(ublk::UblkExports::new(reactor)))
+        .with(
+            "vhost-user-blk",
+            Box::new(vhost::VhostExports::new(a.reactors as usize, reactor)),
+        );
     ctl.set_exports(Arc::new(exports));
     if let Some(c) = &config {
         if let Err(e) = c.apply(&ctl) {

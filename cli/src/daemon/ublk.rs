@@ -101,6 +101,7 @@ impl ExportService for UblkExports {
             read_only: spec.read_only,
             clients: 0,
             opts: spec.opts,
+            dispatch: String::new(),
         };
         tracing::info!("export '{name}' of '{}' at {}", info.device, info.uri);
         running.push(Running {

@@ -1,0 +1,285 @@
+//! One virtio-blk request out of its descriptor chain (VIRTIO 1.2 §5.2.6):
+//! a 16-byte header the driver wrote, the data, and a status byte the
+//! device writes, laid over the descriptors in any framing.
+//!
+//! The walk trusts nothing: every descriptor must lie whole inside one of
+//! the guest's memory regions (the caller's `map` says where it is in this
+//! process, or refuses it), readable descriptors come before writable
+//! ones, and the header and status must fit. The chain's length is
+//! bounded by the ring (a loop ends when the ring's size is used up: see
+//! virtio-queue's `DescriptorChain`).
+
+use virtio_bindings::virtio_blk::{VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN};
+
+/// Bytes of a request's header (type, reserved, sector).
+pub const HEADER_LEN: usize = 16;
+
+/// A run of guest memory, mapped into this process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Seg {
+    /// Where it is mapped.
+    pub ptr: *mut u8,
+    /// Its length in bytes.
+    pub len: u32,
+    /// The device writes it (else it reads it).
+    pub writable: bool,
+}
+
+/// A descriptor as the chain gives it: guest address, length, whether
+/// the device may write it.
+pub type Desc = (u64, u32, bool);
+
+/// A chain that cannot be a request: nothing can be reported to the
+/// driver through it but its return with no bytes written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BadChain {
+    /// A descriptor lies (in part) outside the guest's memory.
+    Unmapped {
+        /// Its guest address.
+        addr: u64,
+        /// Its length.
+        len: u32,
+    },
+    /// A readable descriptor follows a writable one.
+    ReadAfterWrite,
+    /// Fewer than 16 readable bytes for the header.
+    ShortHeader,
+    /// No writable byte for the status.
+    NoStatus,
+    /// More descriptors than a request may have.
+    TooLong,
+}
+
+impl std::fmt::Display for BadChain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BadChain::Unmapped { addr, len } => write!(
+                f,
+                "descriptor {addr:#x}+{len} lies outside the guest's memory"
+            ),
+            BadChain::ReadAfterWrite => f.write_str("a readable descriptor follows a writable one"),
+            BadChain::ShortHeader => f.write_str("fewer than 16 bytes for the request header"),
+            BadChain::NoStatus => f.write_str("no writable byte for the status"),
+            BadChain::TooLong => f.write_str("too many descriptors"),
+        }
+    }
+}
+
+/// A request's header and where its status goes; its data segments are
+/// left in the caller's vector.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Parsed {
+    /// VIRTIO_BLK_T_*.
+    pub kind: u32,
+    /// The header's sector.
+    pub sector: u64,
+    /// The status byte.
+    pub status: *mut u8,
+    /// Whether the data's direction is the one the type needs (writable
+    /// for IN and GET_ID, readable for the others, none for FLUSH).
+    pub layout_ok: bool,
+    /// Bytes of data.
+    pub data_len: u64,
+}
+
+/// Descriptors one request may have: SEG_MAX data segments, the header
+/// and the status, with room for split headers.
+pub const MAX_DESCS: usize = 1024;
+
+/// Walks `descs`, mapping each with `map(addr, len)`, into `segs` (the
+/// request's data, cleared first) and the [`Parsed`] header.
+pub fn parse(
+    descs: impl Iterator<Item = Desc>,
+    map: impl Fn(u64, u32) -> Option<*mut u8>,
+    segs: &mut Vec<Seg>,
+) -> Result<Parsed, BadChain> {
+    segs.clear();
+    let mut seen_write = false;
+    for (n, (addr, len, writable)) in descs.enumerate() {
+        if n >= MAX_DESCS {
+            return Err(BadChain::TooLong);
+        }
+        if writable {
+            seen_write = true;
+        } else if seen_write {
+            return Err(BadChain::ReadAfterWrite);
+        }
+        if len == 0 {
+            continue;
+        }
+        let ptr = map(addr, len).ok_or(BadChain::Unmapped { addr, len })?;
+        segs.push(Seg { ptr, len, writable });
+    }
+    // The header: the first 16 readable bytes.
+    let mut hdr = [0u8; HEADER_LEN];
+    let mut got = 0;
+    let mut first = 0;
+    while got < HEADER_LEN {
+        let Some(s) = segs.get_mut(first) else {
+            return Err(BadChain::ShortHeader);
+        };
+        if s.writable {
+            return Err(BadChain::ShortHeader);
+        }
+        let n = (HEADER_LEN - got).min(s.len as usize);
+        // SAFETY: `map` vouched for s.len bytes at s.ptr, n <= s.len; the
+        // guest may change them meanwhile, which only changes the values
+        // read (they are validated as values from here on).
+        unsafe { std::ptr::copy_nonoverlapping(s.ptr, hdr[got..].as_mut_ptr(), n) };
+        got += n;
+        if n == s.len as usize {
+            first += 1;
+        } else {
+            // SAFETY: n < s.len: still inside the segment.
+            s.ptr = unsafe { s.ptr.add(n) };
+            s.len -= n as u32;
+        }
+    }
+    // The status: the last writable byte.
+    let n = segs.len();
+    let status = match segs.last_mut() {
+        Some(s) if s.writable && n > first => {
+            s.len -= 1;
+            // SAFETY: the segment had len >= 1 bytes (empty ones were
+            // skipped); this is its last.
+            let p = unsafe { s.ptr.add(s.len as usize) };
+            if s.len == 0 {
+                segs.pop();
+            }
+            p
+        }
+        _ => return Err(BadChain::NoStatus),
+    };
+    segs.drain(..first);
+    let kind = u32::from_le_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]);
+    let sector = u64::from_le_bytes([
+        hdr[8], hdr[9], hdr[10], hdr[11], hdr[12], hdr[13], hdr[14], hdr[15],
+    ]);
+    let want_write = kind == VIRTIO_BLK_T_IN || kind == VIRTIO_BLK_T_GET_ID;
+    let layout_ok = if kind == VIRTIO_BLK_T_FLUSH {
+        segs.is_empty()
+    } else {
+        segs.iter().all(|s| s.writable == want_write)
+    };
+    let data_len = segs.iter().map(|s| s.len as u64).sum();
+    Ok(Parsed {
+        kind,
+        sector,
+        status,
+        layout_ok,
+        data_len,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use virtio_bindings::virtio_blk::VIRTIO_BLK_T_OUT;
+
+    /// A fake guest memory of 4 KiB at guest address 0x1000.
+    struct Guest(Vec<u8>);
+
+    impl Guest {
+        fn map(&self) -> impl Fn(u64, u32) -> Option<*mut u8> + '_ {
+            move |addr, len| {
+                let off = addr.checked_sub(0x1000)? as usize;
+                (off + len as usize <= self.0.len())
+                    .then(|| self.0.as_ptr().wrapping_add(off).cast_mut())
+            }
+        }
+        fn header(&mut self, at: usize, kind: u32, sector: u64) {
+            self.0[at..at + 4].copy_from_slice(&kind.to_le_bytes());
+            self.0[at + 8..at + 16].copy_from_slice(&sector.to_le_bytes());
+        }
+    }
+
+    #[test]
+    fn a_read_in_three_descriptors_has_one_data_segment_and_the_status_after_it() {
+        let mut g = Guest(vec![0; 4096]);
+        g.header(0, VIRTIO_BLK_T_IN, 7);
+        let mut segs = Vec::new();
+        let descs = [(0x1000, 16, false), (0x1200, 512, true), (0x1400, 1, true)];
+        let p = parse(descs.into_iter(), g.map(), &mut segs).unwrap();
+        assert_eq!(
+            (p.kind, p.sector, p.layout_ok, p.data_len),
+            (0, 7, true, 512)
+        );
+        assert_eq!(segs.len(), 1);
+        assert_eq!(segs[0].ptr, g.0.as_ptr().wrapping_add(0x200).cast_mut());
+        assert_eq!(p.status, g.0.as_ptr().wrapping_add(0x400).cast_mut());
+    }
+
+    #[test]
+    fn header_data_and_status_may_share_descriptors() {
+        let mut g = Guest(vec![0; 4096]);
+        g.header(0, VIRTIO_BLK_T_OUT, 3);
+        let mut segs = Vec::new();
+        // Header + 512 bytes of data in one, status in a 1-byte tail.
+        let descs = [(0x1000, 16 + 512, false), (0x1800, 1, true)];
+        let p = parse(descs.into_iter(), g.map(), &mut segs).unwrap();
+        assert_eq!(
+            (p.kind, p.sector, p.layout_ok, p.data_len),
+            (1, 3, true, 512)
+        );
+        assert_eq!(segs[0].ptr, g.0.as_ptr().wrapping_add(16).cast_mut());
+        // A read whose status ends its data descriptor.
+        g.header(0x100, VIRTIO_BLK_T_IN, 0);
+        let descs = [(0x1100, 16, false), (0x1200, 513, true)];
+        let p = parse(descs.into_iter(), g.map(), &mut segs).unwrap();
+        assert_eq!((p.layout_ok, p.data_len), (true, 512));
+        assert_eq!(p.status, g.0.as_ptr().wrapping_add(0x400).cast_mut());
+    }
+
+    #[test]
+    fn malformed_chains_are_named() {
+        let mut g = Guest(vec![0; 4096]);
+        g.header(0, VIRTIO_BLK_T_IN, 0);
+        let mut segs = Vec::new();
+        let cases: [(&[Desc], BadChain); 5] = [
+            (
+                &[(0x1000, 16, false), (0x1f00, 512, true)],
+                BadChain::Unmapped {
+                    addr: 0x1f00,
+                    len: 512,
+                },
+            ),
+            (
+                &[(0x1000, 16, false), (0x1200, 1, true), (0x1300, 8, false)],
+                BadChain::ReadAfterWrite,
+            ),
+            (
+                &[(0x1000, 8, false), (0x1200, 1, true)],
+                BadChain::ShortHeader,
+            ),
+            (
+                &[(0x1000, 16, false), (0x1200, 512, false)],
+                BadChain::NoStatus,
+            ),
+            (&[(0x1000, 16, false)], BadChain::NoStatus),
+        ];
+        for (descs, want) in cases {
+            let got = parse(descs.iter().copied(), g.map(), &mut segs);
+            assert_eq!(got, Err(want), "{descs:?}");
+        }
+        // An address that wraps around is outside too.
+        let descs = [(u64::MAX - 4, 16, false), (0x1200, 1, true)];
+        assert!(matches!(
+            parse(descs.into_iter(), g.map(), &mut segs),
+            Err(BadChain::Unmapped { .. })
+        ));
+    }
+
+    #[test]
+    fn data_in_the_wrong_direction_is_a_bad_request_not_a_bad_chain() {
+        let mut g = Guest(vec![0; 4096]);
+        g.header(0, VIRTIO_BLK_T_OUT, 0);
+        let mut segs = Vec::new();
+        // A write whose data the device would write: refused by status.
+        let descs = [(0x1000, 16, false), (0x1200, 512, true), (0x1400, 1, true)];
+        let p = parse(descs.into_iter(), g.map(), &mut segs).unwrap();
+        assert!(!p.layout_ok);
+        g.header(0, VIRTIO_BLK_T_FLUSH, 0);
+        let p = parse(descs.into_iter(), g.map(), &mut segs).unwrap();
+        assert!(!p.layout_ok);
+    }
+}

@@ -1,0 +1,99 @@
+//! The guest's memory as the frontend shares it: each region a file
+//! descriptor mapped here (`MAP_SHARED`), known by its guest-physical
+//! address and by its address in the frontend's process (vring addresses
+//! come in the latter).
+
+use std::fs::File;
+use std::sync::Arc;
+
+use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
+
+/// One mapped region.
+#[derive(Clone)]
+pub struct Region {
+    /// Guest-physical address of its start.
+    pub gpa: u64,
+    /// Its length in bytes.
+    pub len: u64,
+    /// Its address in the frontend's process.
+    pub user_addr: u64,
+    mapping: Arc<GuestRegionMmap>,
+}
+
+impl Region {
+    /// Maps `len` bytes of `file` from `offset`, at guest address `gpa`.
+    pub fn map(
+        file: File,
+        offset: u64,
+        gpa: u64,
+        len: u64,
+        user_addr: u64,
+    ) -> Result<Region, String> {
+        if len == 0 || gpa.checked_add(len).is_none() || user_addr.checked_add(len).is_none() {
+            return Err(format!(
+                "memory region {gpa:#x}+{len:#x}: empty or wraps around"
+            ));
+        }
+        let size = usize::try_from(len).map_err(|_| "memory region too large".to_string())?;
+        let m = MmapRegion::from_file(FileOffset::new(file, offset), size).map_err(|e| {
+            format!("mapping memory region {gpa:#x}+{len:#x} at offset {offset:#x}: {e}")
+        })?;
+        let mapping = GuestRegionMmap::new(m, GuestAddress(gpa))
+            .ok_or_else(|| format!("memory region {gpa:#x}+{len:#x} wraps around"))?;
+        Ok(Region {
+            gpa,
+            len,
+            user_addr,
+            mapping: Arc::new(mapping),
+        })
+    }
+
+    fn host(&self) -> *mut u8 {
+        self.mapping.as_ptr()
+    }
+}
+
+/// The guest's memory: its regions, for the queues (shared, immutable; a
+/// change makes a new one).
+pub struct Memory {
+    /// For virtio-queue's ring accesses.
+    pub guest: GuestMemoryMmap,
+    regions: Vec<Region>,
+}
+
+impl Memory {
+    /// The memory of `regions`; refused if two overlap.
+    pub fn new(regions: Vec<Region>) -> Result<Memory, String> {
+        let guest =
+            GuestMemoryMmap::from_arc_regions(regions.iter().map(|r| r.mapping.clone()).collect())
+                .map_err(|e| format!("guest memory regions: {e}"))?;
+        Ok(Memory { guest, regions })
+    }
+
+    /// The regions.
+    pub fn regions(&self) -> &[Region] {
+        &self.regions
+    }
+
+    /// Where `len` bytes at guest address `gpa` are mapped here, if they
+    /// lie whole inside one region.
+    #[inline]
+    pub fn map(&self, gpa: u64, len: u32) -> Option<*mut u8> {
+        for r in &self.regions {
+            let off = gpa.wrapping_sub(r.gpa);
+            if gpa >= r.gpa && off < r.len && len as u64 <= r.len - off {
+                // SAFETY: off < r.len, the mapping's length.
+                return Some(unsafe { r.host().add(off as usize) });
+            }
+        }
+        None
+    }
+
+    /// The guest address of the frontend's address `va`.
+    pub fn gpa_of(&self, va: u64) -> Option<u64> {
+        self.regions.iter().find_map(|r| {
+            let off = va.checked_sub(r.user_addr)?;
+            (off < r.len).then_some(r.gpa + off)
+        })
+    }
+}

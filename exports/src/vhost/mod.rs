@@ -1,0 +1,37 @@
+//! vhost-user-blk export: a udm device served to a virtual machine's
+//! frontend (QEMU, Cloud Hypervisor, crosvm, libblkio) over a unix
+//! socket, with the guest's memory as the I/O buffers.
+//!
+//! ```text
+//!   server.rs    the socket; the control thread speaks vhost-user with one
+//!      │         frontend at a time (vhost's BackendReqHandler parses and
+//!      │         answers the messages) and accepts the next when it goes
+//!   control.rs   the device side of the messages: features, config space,
+//!      │         memory table, each ring's setup; starts and stops rings
+//!      │ Start / stop / call / memory, via ReactorHandle::send
+//!      ▼
+//!   queue.rs     one virtqueue on one reactor: the kick eventfd read on the
+//!      │         reactor's io_uring, chains → requests → the export front
+//!      │         (crate::front), used ring + call eventfd at end of turn
+//!   chain.rs     a descriptor chain → a virtio-blk request (fuzzed)
+//!   memory.rs    the guest's memory regions, mapped
+//!   config.rs    feature bits and the configuration space
+//! ```
+//!
+//! Offered: VIRTIO_BLK_F_SIZE_MAX, SEG_MAX, BLK_SIZE, TOPOLOGY, FLUSH,
+//! CONFIG_WCE, MQ, RO (read-only exports), DISCARD and WRITE_ZEROES (when
+//! the device has them), GET_ID; VIRTIO_RING_F_EVENT_IDX and
+//! INDIRECT_DESC; protocol features MQ, CONFIG, CONFIGURE_MEM_SLOTS,
+//! REPLY_ACK and RESET_DEVICE. Not offered: INFLIGHT_SHMFD (a restart of
+//! udm under a running guest loses the requests in flight), config-change
+//! notifications (a resize is not seen by the guest until it re-reads the
+//! configuration).
+
+pub mod chain;
+pub mod config;
+mod control;
+pub mod memory;
+mod queue;
+pub mod server;
+
+pub use server::{Clients, Server, ServerConfig};

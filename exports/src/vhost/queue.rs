@@ -1,0 +1,646 @@
+//! A virtqueue on its reactor: the kick eventfd read on the reactor's
+//! io_uring, descriptor chains walked into requests to the export front
+//! with guest memory as the buffers, completions written to the used
+//! ring, and the driver notified through the call eventfd at the end of
+//! the turn (once for all that completed in it).
+//!
+//! A reactor owns its queues: nothing here is shared or locked. The
+//! control thread reaches a queue only through messages to its reactor
+//! ([`Worker::start`], [`Worker::stop`], [`Worker::set_call`],
+//! [`Worker::set_mem`]).
+
+use std::cell::RefCell;
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::Sender;
+use std::sync::Arc;
+
+use slab::Slab;
+use udm_core::io_uring::{opcode, types};
+use udm_core::{BlockDevice, Poller, Reactor, RingOp};
+use virtio_bindings::virtio_blk::*;
+use virtio_queue::{Queue, QueueT};
+
+use super::chain::{self, Seg};
+use super::config::{MAX_RANGES, MAX_RANGE_SECTORS};
+use super::memory::Memory;
+use super::server::Shared;
+use crate::front::{Done, Front, FrontError, FrontOp, ReqFlags, Request, Submitted};
+
+const S_OK: u8 = VIRTIO_BLK_S_OK as u8;
+const S_IOERR: u8 = VIRTIO_BLK_S_IOERR as u8;
+const S_UNSUPP: u8 = VIRTIO_BLK_S_UNSUPP as u8;
+
+/// What the control thread hands a reactor to run queue `index`.
+pub struct Start {
+    /// The queue's index.
+    pub index: u16,
+    /// The ring, set up and valid for `mem`.
+    pub queue: Queue,
+    /// The guest's memory.
+    pub mem: Arc<Memory>,
+    /// The driver's kick eventfd.
+    pub kick: File,
+    /// The call eventfd (None: the driver polls).
+    pub call: Option<File>,
+}
+
+/// One request in flight: its chain's head, what is left of it, and
+/// where its status goes.
+struct VReq {
+    head: u16,
+    /// Front requests in flight, plus one while it is being submitted.
+    pending: u32,
+    status: u8,
+    status_ptr: *mut u8,
+    /// Bytes written into the chain (the used element's length).
+    written: u32,
+    /// Keeps the memory its pointers are in mapped.
+    _mem: Arc<Memory>,
+}
+
+/// One queue on its reactor. Boxed (its kick op's address is handed to
+/// the ring); freed by the worker once stopped, with no kick read and no
+/// request in flight.
+#[repr(C)]
+pub struct VQueue {
+    kick_op: RingOp,
+    kick_buf: u64,
+    kick_inflight: bool,
+    kick: File,
+    call: Option<File>,
+    index: u16,
+    queue: Queue,
+    mem: Arc<Memory>,
+    front: Rc<Front>,
+    shared: Arc<Shared>,
+    reqs: Slab<VReq>,
+    segs: Vec<Seg>,
+    worker: *const Worker,
+    in_dirty: bool,
+    /// Completed requests were added to the used ring since the last
+    /// notification check.
+    used_added: bool,
+    /// Requests wait in the ring because as many as it holds are in flight.
+    throttled: bool,
+    /// Set by [`Worker::stop`]: answered with the next available index
+    /// once nothing is in flight.
+    stop: Option<Sender<u16>>,
+    /// The ring is unusable (its memory refused an access): nothing more
+    /// is taken from it.
+    broken: bool,
+}
+
+fn status_of(e: FrontError) -> u8 {
+    match e {
+        FrontError::NotSupported => S_UNSUPP,
+        _ => S_IOERR,
+    }
+}
+
+impl VQueue {
+    fn worker(&self) -> &Worker {
+        // SAFETY: the worker frees its queues before it goes (Worker::release).
+        unsafe { &*self.worker }
+    }
+
+    /// Posts the read of the kick eventfd on the reactor's ring.
+    fn arm_kick(&mut self) {
+        if self.kick_inflight || self.stop.is_some() || self.broken {
+            return;
+        }
+        let e = opcode::Read::new(
+            types::Fd(self.kick.as_raw_fd()),
+            (&mut self.kick_buf as *mut u64).cast(),
+            8,
+        )
+        .build();
+        self.kick_inflight = true;
+        let op: *mut RingOp = &mut self.kick_op;
+        // SAFETY: the read writes kick_buf, a field of this boxed queue,
+        // which is freed only once kick_inflight is false again (the CQE
+        // arrived: Worker::retire checks it); the kick file stays open as
+        // long as the queue.
+        unsafe { self.worker().reactor().ring().push_op(e, op) };
+    }
+
+    fn on_kick(&mut self, res: i32) {
+        self.kick_inflight = false;
+        if self.stop.is_some() {
+            self.dirty();
+            return;
+        }
+        if res < 0 && res != -libc::EINTR && res != -libc::EAGAIN {
+            tracing::warn!(
+                "vhost: queue {}: reading its kick eventfd: {}",
+                self.index,
+                std::io::Error::from_raw_os_error(-res)
+            );
+            self.broken = true;
+            self.dirty();
+            return;
+        }
+        self.process();
+        self.arm_kick();
+    }
+
+    /// Takes every available chain (the EVENT_IDX loop: notifications off
+    /// while draining, on again, and drain again if more came meanwhile).
+    fn process(&mut self) {
+        let mem = self.mem.clone();
+        loop {
+            if self.queue.disable_notification(&mem.guest).is_err() {
+                return self.fail_ring("its avail ring is outside guest memory");
+            }
+            while self.reqs.len() < self.queue.size() as usize {
+                let Some(chain) = self.queue.pop_descriptor_chain(&mem.guest) else {
+                    break;
+                };
+                let head = chain.head_index();
+                let descs = chain.map(|d| (d.addr().0, d.len(), d.is_write_only()));
+                let mut segs = std::mem::take(&mut self.segs);
+                match chain::parse(descs, |a, l| mem.map(a, l), &mut segs) {
+                    Ok(p) => self.start_request(head, p, &segs, &mem),
+                    Err(e) => {
+                        tracing::warn!(
+                            "vhost: queue {}: chain {head}: {e}; returned unanswered",
+                            self.index
+                        );
+                        self.add_used(head, 0);
+                    }
+                }
+                self.segs = segs;
+            }
+            if self.reqs.len() >= self.queue.size() as usize {
+                // Resumed when a request completes.
+                self.throttled = true;
+                break;
+            }
+            match self.queue.enable_notification(&mem.guest) {
+                Ok(true) => continue,
+                Ok(false) => break,
+                Err(_) => return self.fail_ring("its used ring is outside guest memory"),
+            }
+        }
+        self.front.unplug();
+    }
+
+    fn fail_ring(&mut self, why: &str) {
+        if !self.broken {
+            tracing::warn!("vhost: queue {}: {why}; stopped", self.index);
+        }
+        self.broken = true;
+    }
+
+    fn start_request(&mut self, head: u16, p: chain::Parsed, segs: &[Seg], mem: &Arc<Memory>) {
+        let idx = self.reqs.insert(VReq {
+            head,
+            pending: 1,
+            status: S_OK,
+            status_ptr: p.status,
+            written: 1,
+            _mem: mem.clone(),
+        });
+        let st = self.submit_request(idx, p, segs);
+        self.piece_done(idx, st);
+    }
+
+    /// Submits the front requests of request `idx`; returns the status of
+    /// what failed at once.
+    fn submit_request(&mut self, idx: usize, p: chain::Parsed, segs: &[Seg]) -> u8 {
+        let cfg = &self.shared.cfg;
+        if !p.layout_ok {
+            return S_IOERR;
+        }
+        let writes = matches!(
+            p.kind,
+            VIRTIO_BLK_T_OUT | VIRTIO_BLK_T_DISCARD | VIRTIO_BLK_T_WRITE_ZEROES
+        );
+        if writes && cfg.read_only {
+            return S_IOERR;
+        }
+        match p.kind {
+            VIRTIO_BLK_T_IN | VIRTIO_BLK_T_OUT => {
+                let Some(mut off) = p.sector.checked_mul(512) else {
+                    return S_IOERR;
+                };
+                if p.data_len > cfg.size {
+                    return S_IOERR;
+                }
+                let (op, fua) = if p.kind == VIRTIO_BLK_T_IN {
+                    self.reqs[idx].written += p.data_len as u32;
+                    (FrontOp::Read, false)
+                } else {
+                    let wt = cfg.volatile_cache && !self.shared.writeback.load(Ordering::Relaxed);
+                    (FrontOp::Write, wt)
+                };
+                let flags = ReqFlags {
+                    fua,
+                    ..ReqFlags::default()
+                };
+                for s in segs {
+                    let st = self.submit(idx, op, off, s.len, flags, s.ptr);
+                    if st != S_OK {
+                        return st;
+                    }
+                    off += s.len as u64;
+                }
+                S_OK
+            }
+            VIRTIO_BLK_T_FLUSH => self.submit(
+                idx,
+                FrontOp::Flush,
+                0,
+                0,
+                ReqFlags::default(),
+                std::ptr::null_mut(),
+            ),
+            VIRTIO_BLK_T_GET_ID => {
+                // The id, NUL-padded to 20 bytes, as much as fits.
+                let mut id = [0u8; VIRTIO_BLK_ID_BYTES as usize];
+                id[..cfg.id.len()].copy_from_slice(&cfg.id);
+                let mut n = 0;
+                for s in segs {
+                    let k = (id.len() - n).min(s.len as usize);
+                    // SAFETY: k <= s.len writable bytes of guest memory
+                    // (chain::parse mapped the segment whole).
+                    unsafe { std::ptr::copy_nonoverlapping(id[n..].as_ptr(), s.ptr, k) };
+                    n += k;
+                }
+                self.reqs[idx].written += n as u32;
+                S_OK
+            }
+            VIRTIO_BLK_T_DISCARD | VIRTIO_BLK_T_WRITE_ZEROES => self.submit_ranges(idx, p, segs),
+            _ => S_UNSUPP,
+        }
+    }
+
+    /// Discard and write-zeroes: an array of (sector, sectors, flags).
+    fn submit_ranges(&mut self, idx: usize, p: chain::Parsed, segs: &[Seg]) -> u8 {
+        let discard = p.kind == VIRTIO_BLK_T_DISCARD;
+        let offered = self.shared.cfg.features
+            & (1 << if discard {
+                VIRTIO_BLK_F_DISCARD
+            } else {
+                VIRTIO_BLK_F_WRITE_ZEROES
+            })
+            != 0;
+        if !offered {
+            return S_UNSUPP;
+        }
+        if p.data_len == 0 || !p.data_len.is_multiple_of(16) || p.data_len > MAX_RANGES as u64 * 16
+        {
+            return S_UNSUPP;
+        }
+        let mut buf = [0u8; MAX_RANGES as usize * 16];
+        let mut n = 0;
+        for s in segs {
+            // SAFETY: s.len readable bytes of guest memory (mapped whole by
+            // chain::parse); n + s.len <= data_len <= buf's length.
+            unsafe { std::ptr::copy_nonoverlapping(s.ptr, buf[n..].as_mut_ptr(), s.len as usize) };
+            n += s.len as usize;
+        }
+        for r in buf[..n].chunks_exact(16) {
+            let sector = u64::from_le_bytes(r[0..8].try_into().unwrap_or_default());
+            let sectors = u32::from_le_bytes(r[8..12].try_into().unwrap_or_default());
+            let flags = u32::from_le_bytes(r[12..16].try_into().unwrap_or_default());
+            // Bit 0 is UNMAP: a discard may not ask it; write-zeroes may.
+            if flags & !1 != 0 || (discard && flags != 0) {
+                return S_UNSUPP;
+            }
+            if sectors > MAX_RANGE_SECTORS {
+                return S_UNSUPP;
+            }
+            let Some(off) = sector.checked_mul(512) else {
+                return S_IOERR;
+            };
+            let (op, rf) = if discard {
+                (FrontOp::Discard, ReqFlags::default())
+            } else {
+                (
+                    FrontOp::WriteZeroes,
+                    ReqFlags {
+                        no_hole: flags & 1 == 0,
+                        ..ReqFlags::default()
+                    },
+                )
+            };
+            let st = self.submit(idx, op, off, sectors << 9, rf, std::ptr::null_mut());
+            if st != S_OK {
+                return st;
+            }
+        }
+        S_OK
+    }
+
+    /// One front request of request `idx`.
+    fn submit(
+        &mut self,
+        idx: usize,
+        op: FrontOp,
+        offset: u64,
+        len: u32,
+        flags: ReqFlags,
+        buf: *mut u8,
+    ) -> u8 {
+        let req = Request {
+            op,
+            offset,
+            len,
+            flags,
+            buf,
+            token: idx as u64,
+            done: front_done,
+            ctx: (self as *mut VQueue).cast(),
+        };
+        // SAFETY: `buf` is `len` bytes of guest memory mapped whole by
+        // chain::parse and kept mapped by the request's Arc<Memory> until
+        // it completes; the device's driver does not reuse the buffer
+        // before the request is in the used ring, which happens after
+        // every front request of it completed (piece_done).
+        match unsafe { self.front.submit(req) } {
+            Submitted::Later => {
+                self.reqs[idx].pending += 1;
+                S_OK
+            }
+            Submitted::Now(Ok(())) => S_OK,
+            Submitted::Now(Err(e)) => status_of(e),
+        }
+    }
+
+    /// A part of request `idx` ended with status `st`.
+    fn piece_done(&mut self, idx: usize, st: u8) {
+        let r = &mut self.reqs[idx];
+        if st != S_OK && r.status == S_OK {
+            r.status = st;
+        }
+        r.pending -= 1;
+        if r.pending > 0 {
+            return;
+        }
+        let r = self.reqs.remove(idx);
+        // SAFETY: the status byte is guest memory mapped by chain::parse,
+        // kept mapped by r's Arc<Memory>, which lives until after this.
+        unsafe { std::ptr::write_volatile(r.status_ptr, r.status) };
+        let written = if r.status == S_OK { r.written } else { 1 };
+        self.add_used(r.head, written);
+    }
+
+    fn add_used(&mut self, head: u16, len: u32) {
+        if self.queue.add_used(&self.mem.guest, head, len).is_err() {
+            self.fail_ring("its used ring is outside guest memory");
+        }
+        self.used_added = true;
+        self.dirty();
+    }
+
+    fn dirty(&mut self) {
+        if !self.in_dirty {
+            self.in_dirty = true;
+            let p: *mut VQueue = self;
+            self.worker().dirty.borrow_mut().push(p);
+        }
+    }
+
+    /// Tells the driver about what was added to the used ring, if it
+    /// wants to know.
+    fn notify(&mut self) {
+        if !self.used_added {
+            return;
+        }
+        self.used_added = false;
+        let wants = self
+            .queue
+            .needs_notification(&self.mem.guest)
+            .unwrap_or(true);
+        if let (true, Some(call)) = (wants, &self.call) {
+            let one: u64 = 1;
+            // SAFETY: writes 8 bytes from a live u64 to the call eventfd.
+            unsafe { libc::write(call.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        }
+    }
+
+    /// Whether a stopped queue may be freed.
+    fn retirable(&self) -> bool {
+        self.stop.is_some() && !self.kick_inflight && self.reqs.is_empty()
+    }
+}
+
+/// The [`crate::front::DoneFn`] of every front request of a queue.
+fn front_done(ctx: *mut (), done: Done<'_>) {
+    // SAFETY: ctx is the queue that submitted the request; it is not freed
+    // while a request is in flight (retirable()).
+    let q = unsafe { &mut *ctx.cast::<VQueue>() };
+    let st = match done.result {
+        Ok(()) => S_OK,
+        Err(e) => status_of(e),
+    };
+    q.piece_done(done.token as usize, st);
+}
+
+fn kick_done(op: *mut RingOp, res: i32, _flags: u32) {
+    // SAFETY: the op is the first field of a #[repr(C)] VQueue, alive
+    // until its kick read completed (this call).
+    let q = unsafe { &mut *op.cast::<VQueue>() };
+    q.on_kick(res);
+}
+
+/// A reactor's share of a vhost-user-blk export: the device's front on
+/// this reactor and the queues placed here. Registered as a poller: at the
+/// end of each turn it notifies the driver for the queues that completed
+/// requests, resumes throttled ones and frees stopped ones.
+pub struct Worker {
+    reactor: *const Reactor,
+    dev: Arc<dyn BlockDevice>,
+    shared: Arc<Shared>,
+    front: RefCell<Option<Rc<Front>>>,
+    queues: RefCell<Vec<*mut VQueue>>,
+    dirty: RefCell<Vec<*mut VQueue>>,
+    scratch: RefCell<Vec<*mut VQueue>>,
+}
+
+impl Worker {
+    /// A worker for `reactor`, which must outlive it (the server keeps both
+    /// on the reactor's thread and releases the worker first).
+    pub fn new(reactor: &Reactor, dev: Arc<dyn BlockDevice>, shared: Arc<Shared>) -> Rc<Worker> {
+        Rc::new(Worker {
+            reactor,
+            dev,
+            shared,
+            front: RefCell::new(None),
+            queues: RefCell::new(Vec::new()),
+            dirty: RefCell::new(Vec::new()),
+            scratch: RefCell::new(Vec::new()),
+        })
+    }
+
+    fn reactor(&self) -> &Reactor {
+        // SAFETY: `new`'s contract.
+        unsafe { &*self.reactor }
+    }
+
+    fn front(&self) -> Result<Rc<Front>, String> {
+        if let Some(f) = &*self.front.borrow() {
+            return Ok(f.clone());
+        }
+        let chan = self
+            .dev
+            .clone()
+            .open(self.reactor())
+            .map_err(|e| format!("opening '{}': {e}", self.dev.name()))?;
+        // SAFETY: the reactor outlives the worker, which holds the front
+        // and drops it in release(), on this thread.
+        let f = unsafe { Front::new(self.reactor(), &*self.dev, chan) };
+        *self.front.borrow_mut() = Some(f.clone());
+        Ok(f)
+    }
+
+    /// Starts a queue here; `done` gets the outcome.
+    pub fn start(&self, s: Start, done: Sender<Result<(), String>>) {
+        let front = match self.front() {
+            Ok(f) => f,
+            Err(e) => {
+                let _ = done.send(Err(e));
+                return;
+            }
+        };
+        let q = Box::new(VQueue {
+            kick_op: RingOp {
+                complete: kick_done,
+            },
+            kick_buf: 0,
+            kick_inflight: false,
+            kick: s.kick,
+            call: s.call,
+            index: s.index,
+            queue: s.queue,
+            mem: s.mem,
+            front,
+            shared: self.shared.clone(),
+            reqs: Slab::new(),
+            segs: Vec::with_capacity(64),
+            worker: self,
+            in_dirty: false,
+            used_added: false,
+            throttled: false,
+            stop: None,
+            broken: false,
+        });
+        let p = Box::into_raw(q);
+        self.queues.borrow_mut().push(p);
+        let _ = done.send(Ok(()));
+        // SAFETY: just made; freed only by retire().
+        let q = unsafe { &mut *p };
+        // Requests the driver queued before the ring started (or while
+        // the frontend was away) are taken now.
+        q.process();
+        q.arm_kick();
+    }
+
+    fn find(&self, index: u16) -> Option<*mut VQueue> {
+        self.queues
+            .borrow()
+            .iter()
+            // SAFETY: queues in the list are live (see retire()).
+            .find(|&&p| unsafe { (*p).index } == index && unsafe { (*p).stop.is_none() })
+            .copied()
+    }
+
+    /// Stops queue `index`: it takes nothing more from the ring, and once
+    /// its requests in flight completed, `done` gets its next available
+    /// index and it is freed.
+    pub fn stop(&self, index: u16, done: Sender<u16>) {
+        let Some(p) = self.find(index) else {
+            let _ = done.send(0);
+            return;
+        };
+        // SAFETY: as in find().
+        let q = unsafe { &mut *p };
+        q.stop = Some(done);
+        if q.kick_inflight {
+            // Completes the pending read (the eventfd is the driver's; an
+            // extra kick is harmless to it).
+            let one: u64 = 1;
+            // SAFETY: writes 8 bytes from a live u64 to the kick eventfd.
+            unsafe { libc::write(q.kick.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        }
+        q.dirty();
+    }
+
+    /// Queue `index` signals completions through `call` from now on.
+    pub fn set_call(&self, index: u16, call: Option<File>) {
+        if let Some(p) = self.find(index) {
+            // SAFETY: as in find().
+            unsafe { (*p).call = call };
+        }
+    }
+
+    /// The guest's memory changed: the queues use `mem` from now on
+    /// (requests in flight keep the old mapping alive until they finish).
+    pub fn set_mem(&self, mem: Arc<Memory>) {
+        for &p in self.queues.borrow().iter() {
+            // SAFETY: as in find().
+            unsafe { (*p).mem = mem.clone() };
+        }
+    }
+
+    /// Queues placed here and not yet freed.
+    pub fn queues(&self) -> usize {
+        self.queues.borrow().len()
+    }
+
+    fn retire(&self, p: *mut VQueue) {
+        self.queues.borrow_mut().retain(|&x| x != p);
+        // SAFETY: made by Box::into_raw in start(); no kick read and no
+        // request refers to it (retirable()), and it left every list.
+        let q = unsafe { Box::from_raw(p) };
+        if let Some(tx) = &q.stop {
+            let _ = tx.send(q.queue.next_avail());
+        }
+    }
+
+    /// Drops the front (before the reactor goes); every queue must be freed.
+    pub fn release(&self) {
+        *self.front.borrow_mut() = None;
+    }
+}
+
+impl Poller for Worker {
+    fn poll(&self) -> usize {
+        if self.dirty.borrow().is_empty() {
+            return 0;
+        }
+        let mut batch = std::mem::take(&mut *self.scratch.borrow_mut());
+        std::mem::swap(&mut batch, &mut *self.dirty.borrow_mut());
+        for &p in &batch {
+            // SAFETY: a queue in the dirty list is live: only retire() frees
+            // queues, and only from this loop, after taking it off the list.
+            let q = unsafe { &mut *p };
+            q.in_dirty = false;
+            q.notify();
+            if q.retirable() {
+                self.retire(p);
+                continue;
+            }
+            if q.throttled
+                && q.stop.is_none()
+                && !q.broken
+                && q.reqs.len() < q.queue.size() as usize
+            {
+                // Room again: the requests that waited in the ring.
+                q.throttled = false;
+                q.process();
+                q.notify();
+            }
+        }
+        batch.clear();
+        *self.scratch.borrow_mut() = batch;
+        0
+    }
+
+    fn must_spin(&self) -> bool {
+        !self.dirty.borrow().is_empty()
+    }
+}
