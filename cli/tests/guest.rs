@@ -1,5 +1,6 @@
 //! udm against the Linux kernel, in the test guest (`scripts/guest/`,
-//! QEMU/TCG): what the kernel writes, udm reads the same way.
+//! QEMU/TCG): what the kernel writes, udm reads the same way, and what udm
+//! writes is what the kernel would.
 
 #![allow(clippy::unwrap_used)]
 
@@ -91,5 +92,31 @@ dd if=/dev/ram0 of=/dev/vdc bs=1M conv=fsync 2>/dev/null
             // The second phase's writes are not in yet.
             assert!(got[mb..mb + 4096].iter().all(|&b| b == 0));
         }
+    }
+}
+
+/// The same O_DIRECT writes, flushes, a discard and marks, through Linux's
+/// dm-log-writes and through udm's log-writes exported over ublk, in one
+/// guest (`scripts/guest.sh logwrites`): the two logs are the same bytes,
+/// so what reads Linux's logs (xfstests' replay-log) reads udm's.
+#[test]
+fn udm_logs_the_same_bytes_as_linux_dm_log_writes_for_the_same_io() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = Command::new(root.join("scripts/guest.sh"))
+        .arg("logwrites")
+        .env("UDM", env!("CARGO_BIN_EXE_udm"))
+        .output()
+        .expect("scripts/guest.sh");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "the guest's scenario failed:\n{text}");
+    for check in ["lw_linux_writes", "lw_udm_writes", "lw_logs_identical"] {
+        assert!(
+            text.contains(&format!("RESULT {check}=ok")),
+            "{check}:\n{text}"
+        );
     }
 }
