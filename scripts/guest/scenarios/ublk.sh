@@ -72,6 +72,12 @@ check ublk_remove_refused_while_held sh -c '! udm export remove str 2>/dev/null'
 check ublk_remove_forced udm export remove --force str
 kill $HOLDER 2>/dev/null
 check ublk_dev_gone_after_force sh -c '! test -e /dev/ublkb0'
+# Read-only: the kernel sees a read-only disk; reads work, writes fail.
+udm export add lin --ublk --id 2 --read-only >/dev/null
+check ublk_ro_flag sh -c '[ "$(cat /sys/block/ublkb2/ro)" = 1 ]'
+check ublk_ro_reads dd if=/dev/ublkb2 of=/dev/null bs=1M count=4 iflag=direct
+check ublk_ro_writes_fail sh -c '! dd if=/dev/zero of=/dev/ublkb2 bs=4k count=1 oflag=direct 2>/dev/null'
+check ublk_ro_remove udm export remove lin
 # A forced removal under fio: fio gets errors and ends, udm goes on.
 udm export add lin --ublk --id 1 >/dev/null
 fio --name=race --filename=/dev/ublkb1 --direct=1 --ioengine=io_uring --rw=randrw --bs=4k \
