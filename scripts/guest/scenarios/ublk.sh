@@ -90,6 +90,18 @@ while kill -0 $RACE 2>/dev/null && [ $i -lt 100 ]; do i=$((i + 1)); sleep 0.1; d
 check ublk_fio_ended_after_forced_removal sh -c "! kill -0 $RACE 2>/dev/null"
 wait $RACE 2>/dev/null
 check ublk_daemon_alive_after_forced_removal udm ls
+# udm serve --ublk: the one-shot form, until SIGTERM.
+udm serve --dev sr=ram:32M --ublk --control /tmp/serve.ctl >/tmp/serve.log 2>&1 &
+SERVE=$!
+i=0
+until grep -q "control socket" /tmp/serve.log; do i=$((i + 1)); [ $i -lt 100 ] || break; sleep 0.1; done
+SDEV=$(sed -n "s/^udm: serving 'sr' .* at //p" /tmp/serve.log)
+cat /tmp/serve.log
+check ublk_serve_device sh -c "[ -b '$SDEV' ] && [ \"\$(blockdev --getsize64 '$SDEV')\" = 33554432 ]"
+check ublk_serve_fio fio_verify "$SDEV" serve --size=16M
+kill $SERVE
+wait $SERVE
+check ublk_serve_stops sh -c "! test -e '$SDEV'"
 # A daemon stop deletes the devices it serves.
 udm export add lin --ublk --id 3 >/dev/null
 kill $UDM_PID; wait $UDM_PID
