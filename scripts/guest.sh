@@ -8,8 +8,10 @@
 # Every check prints `RESULT name=ok` or `RESULT name=FAIL` (figures:
 # `RESULT name=value`); the exit status is 0 only when every check of
 # every scenario passed and the guest finished. --long runs the longer
-# forms (larger fio sizes). Env: UDM (the binary; default: builds
-# target/release/udm), and run.sh's (GUEST_MEM, GUEST_TIMEOUT, GUEST_LOG).
+# forms (larger fio sizes, longer benchmarks). Env: UDM (the binary;
+# default: builds target/release/udm), SCN_* (passed into the guest, for
+# a scenario's knobs: e.g. SCN_UDM_ARGS=--interrupt for dm-compare), and
+# run.sh's (GUEST_MEM, GUEST_TIMEOUT, GUEST_LOG).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/.." && pwd)
@@ -39,6 +41,9 @@ trap 'rm -rf "$T"' EXIT
 {
     echo 'set +e'
     echo "LONG=$LONG"
+    while IFS='=' read -r k _; do
+        printf 'export %s=%q\n' "$k" "${!k}"
+    done < <(env | grep '^SCN_[A-Za-z0-9_]*=' || true)
     # check NAME CMD...: runs CMD, prints RESULT NAME=ok|FAIL.
     cat <<'SH'
 FAILED=0

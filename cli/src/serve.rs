@@ -88,6 +88,10 @@ pub struct ServeArgs {
     /// --max-connections, half lent to the connections that need more.
     #[arg(long, value_name = "SIZE", default_value = "256M")]
     max_inflight: String,
+    /// Serve the exports as Linux block devices, /dev/ublkbN (ublk, one
+    /// queue per CPU; docs/ublk.md), instead of over NBD.
+    #[arg(long, conflicts_with_all = ["listens", "export_max_connections", "vhost_user_blk"])]
+    ublk: bool,
 }
 
 /// The built-in stack of `udm serve`.
@@ -191,6 +195,7 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
         max_connections,
         export_max_connections,
         max_inflight,
+        ublk,
     } = a;
     let limits = parse_limits(&handshake_timeout, max_connections, &max_inflight)?;
     let export_caps = export_max_connections
@@ -238,9 +243,10 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
             return Err(Error::invalid(format!("--export '{name}': exported twice")));
         }
         // The export holds its device: it cannot be removed under it.
-        let protocol = match vhost_user_blk {
-            Some(_) => "vhost-user-blk",
-            None => "nbd",
+        let protocol = match (&vhost_user_blk, ublk) {
+            (_, true) => "ublk",
+            (Some(_), false) => "vhost-user-blk",
+            (None, false) => "nbd",
         };
         stack.hold(
             name,
@@ -265,6 +271,9 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
         return Err(Error::invalid(format!(
             "--export-max-connections '{n}': no such export"
         )));
+    }
+    if ublk {
+        return serve_ublk(stack, &wanted, control, reactor, stop);
     }
     if vhost_user_blk.is_some() && table.len() != 1 {
         return Err(Error::invalid(
@@ -419,6 +428,64 @@ impl Srv {
             Srv::Vhost(s) => s.run(stop_fd),
         }
     }
+}
+
+/// `udm serve --ublk`: each export as `/dev/ublkbN` until SIGINT or
+/// SIGTERM, then the devices are deleted and flushed.
+fn serve_ublk(
+    stack: Arc<Control>,
+    wanted: &[(String, bool)],
+    control: Option<PathBuf>,
+    reactor: ReactorConfig,
+    stop: (UnixStream, UnixStream),
+) -> Result<i32, Error> {
+    use udm_exports::ublk::{UblkConfig, UblkDevice};
+    let ctl_path = control.unwrap_or_else(|| udm_control::default_path(None));
+    let ctl_listener = udm_control::bind(&ctl_path)?;
+    let unlink = Unlink(ctl_path.clone());
+    let mut devs = Vec::new();
+    for (name, ro) in wanted {
+        let Some(dev) = stack.get(name) else {
+            continue; // checked by the caller
+        };
+        let cfg = UblkConfig {
+            id: None,
+            queues: None,
+            depth: None,
+            read_only: *ro,
+            recover: false,
+            reactor,
+        };
+        let d = UblkDevice::start(dev.clone(), cfg)?;
+        println!(
+            "udm: serving '{name}' ({} bytes) at {}",
+            dev.limits().bytes(),
+            d.path().display()
+        );
+        devs.push(d);
+    }
+    let ctl = ControlServer::start(ctl_listener, ctl_path.clone(), stack.clone())?;
+    std::mem::forget(unlink); // the control server removes it now
+    println!("udm: control socket at {}", ctl_path.display());
+    let _ = std::io::stdout().flush();
+    let mut b = [0u8; 1];
+    let _ = (&stop.1).read(&mut b);
+    ctl.shutdown();
+    for d in devs {
+        if let Err(e) = d.stop() {
+            tracing::warn!("{e}");
+        }
+    }
+    let all: Vec<Arc<dyn BlockDevice>> = stack.devices();
+    let failed = server::flush_all(&all)?;
+    for (n, s) in &failed {
+        tracing::error!("flush of '{n}' failed: {s}");
+    }
+    tracing::info!(
+        "ublk: stopped; {} devices flushed",
+        all.len() - failed.len()
+    );
+    Ok(if failed.is_empty() { 0 } else { 1 })
 }
 
 /// Removes the control socket if start-up fails after binding it.

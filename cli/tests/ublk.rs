@@ -30,6 +30,29 @@ fn on_a_kernel_without_ublk_export_add_says_so_in_one_line_and_exits_2() {
 }
 
 #[test]
+fn on_a_kernel_without_ublk_serve_says_so_in_one_line_and_exits_2() {
+    if Path::new("/dev/ublk-control").exists() {
+        eprintln!("skipped: this kernel has ublk (the guest test covers it)");
+        return;
+    }
+    let dir = common::TempDir::new("serve-ublk");
+    let ctl = dir.path("ctl");
+    let (code, _, err) = common::udm(&[
+        "serve",
+        "--dev",
+        "r=ram:16M",
+        "--ublk",
+        "--control",
+        ctl.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("ublk not available in this kernel"), "{err}");
+    // The control socket bound before the failure is gone.
+    assert!(!ctl.exists());
+}
+
+#[test]
 fn bad_ublk_options_are_refused_naming_the_option() {
     let d = Daemon::start(&[]);
     d.ok(&["create", "r", "ram:16M"]);

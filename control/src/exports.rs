@@ -39,7 +39,8 @@ pub struct ExportSpec {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ExportOpts {
-    /// Queues (vhost-user-blk, ublk); default: one per reactor.
+    /// Queues (vhost-user-blk: default one per reactor; ublk: one thread
+    /// each, default one per CPU).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queues: Option<u32>,
     /// Requests each queue holds (ublk).

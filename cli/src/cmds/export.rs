@@ -39,10 +39,11 @@ pub struct AddArgs {
     /// Refuse writes.
     #[arg(long)]
     read_only: bool,
-    /// Queues (vhost-user-blk, ublk; default: one per reactor).
+    /// Queues (vhost-user-blk: default one per reactor; ublk: one thread
+    /// each, default one per CPU).
     #[arg(long, value_name = "N")]
     queues: Option<u32>,
-    /// Requests each queue holds (ublk).
+    /// Requests each queue holds (ublk; default 64).
     #[arg(long, value_name = "D")]
     depth: Option<u32>,
     /// The N of /dev/ublkbN (ublk; default: the next free).

@@ -100,7 +100,12 @@ impl ExportService for UblkExports {
             uri: dev.path().display().to_string(),
             read_only: spec.read_only,
             clients: 0,
-            opts: spec.opts,
+            // The id the kernel gave, so that dump-config recreates (or,
+            // with recover, re-attaches) the same /dev/ublkbN.
+            opts: udm_control::ExportOpts {
+                id: Some(dev.id()),
+                ..spec.opts
+            },
             dispatch: String::new(),
         };
         tracing::info!("export '{name}' of '{}' at {}", info.device, info.uri);

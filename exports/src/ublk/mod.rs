@@ -231,8 +231,20 @@ impl UblkDevice {
                 ..sys::DevInfo::default()
             };
             let want = info.dev_id;
-            ctrl.add(&mut info)
-                .map_err(|e| ctrl_err("ADD_DEV", want, e))?;
+            if let Err(e) = ctrl.add(&mut info) {
+                // A device a dead server left: say how to take it back.
+                let left = e.raw_os_error() == Some(libc::EEXIST)
+                    && ctrl
+                        .info(want)
+                        .is_ok_and(|i| i.state == sys::UBLK_S_DEV_QUIESCED);
+                if left {
+                    return Err(Error::new(
+                        ErrorKind::Busy,
+                        format!("ublk device {want} was left by a server that died (--recover re-attaches it)"),
+                    ));
+                }
+                return Err(ctrl_err("ADD_DEV", want, e));
+            }
             let id = info.dev_id;
             let mut p = params(&*dev, read_only, info.max_io_buf_bytes);
             if let Err(e) = ctrl.set_params(id, &mut p) {

@@ -209,7 +209,8 @@ impl Queue {
         if data && bytes > self.buf_bytes as u64 {
             return self.commit(tag, -libc::EINVAL);
         }
-        if op != FrontOp::Read && self.read_only {
+        // A flush changes nothing: a read-only device takes it too.
+        if !matches!(op, FrontOp::Read | FrontOp::Flush) && self.read_only {
             return self.commit(tag, -libc::EROFS);
         }
         let len = bytes.min(u32::MAX as u64) as u32;

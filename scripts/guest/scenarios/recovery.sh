@@ -30,6 +30,8 @@ check recover_device_kept test -b /dev/ublkb5
 check recover_fio_still_running kill -0 $FIO
 sleep 1
 check recover_second_daemon start_udm /tmp/rec2.log
+check recover_plain_add_says_recover sh -c '! udm export add d --ublk --id 5 2>/tmp/rec.err && grep -q -- "--recover" /tmp/rec.err'
+cat /tmp/rec.err
 check recover_reattach udm export add d --ublk --id 5 --recover
 wait $FIO
 FIO_RC=$?

@@ -37,6 +37,15 @@ check ublk_remove_linear udm export remove lin
 check ublk_dev_gone sh -c '! test -e /dev/ublkb0'
 check ublk_add_striped udm export add str --ublk --id 0
 check ublk_fio_striped fio_verify /dev/ublkb0 str --iodepth=32
+# An id the kernel has given to another server: refused, naming it.
+: >/tmp/udm2.log
+UDM_CONTROL=/tmp/udm2.sock udm daemon >/tmp/udm2.log 2>&1 &
+UDM2=$!
+sleep 1
+UDM_CONTROL=/tmp/udm2.sock udm create other ram:16M
+check ublk_id_in_use_refused sh -c '! UDM_CONTROL=/tmp/udm2.sock udm export add other --ublk --id 0 2>/tmp/id.err && grep -q "ublk device 0 exists" /tmp/id.err'
+cat /tmp/id.err
+kill $UDM2; wait $UDM2
 # Discard: the RAM device zeroes what is discarded.
 dd if=/dev/urandom of=/dev/ublkb0 bs=1M count=2 oflag=direct 2>/dev/null
 check ublk_discard blkdiscard -o 0 -l 1048576 /dev/ublkb0
@@ -63,6 +72,36 @@ check ublk_remove_refused_while_held sh -c '! udm export remove str 2>/dev/null'
 check ublk_remove_forced udm export remove --force str
 kill $HOLDER 2>/dev/null
 check ublk_dev_gone_after_force sh -c '! test -e /dev/ublkb0'
+# Read-only: the kernel sees a read-only disk; reads work, writes fail.
+udm export add lin --ublk --id 2 --read-only >/dev/null
+check ublk_ro_flag sh -c '[ "$(cat /sys/block/ublkb2/ro)" = 1 ]'
+check ublk_ro_reads dd if=/dev/ublkb2 of=/dev/null bs=1M count=4 iflag=direct
+check ublk_ro_writes_fail sh -c '! dd if=/dev/zero of=/dev/ublkb2 bs=4k count=1 oflag=direct 2>/dev/null'
+check ublk_ro_remove udm export remove lin
+# A forced removal under fio: fio gets errors and ends, udm goes on.
+udm export add lin --ublk --id 1 >/dev/null
+fio --name=race --filename=/dev/ublkb1 --direct=1 --ioengine=io_uring --rw=randrw --bs=4k \
+    --iodepth=32 --time_based --runtime=60 >/tmp/fio-race.log 2>&1 &
+RACE=$!
+sleep 2
+check ublk_forced_removal_under_io udm export remove --force lin
+i=0
+while kill -0 $RACE 2>/dev/null && [ $i -lt 100 ]; do i=$((i + 1)); sleep 0.1; done
+check ublk_fio_ended_after_forced_removal sh -c "! kill -0 $RACE 2>/dev/null"
+wait $RACE 2>/dev/null
+check ublk_daemon_alive_after_forced_removal udm ls
+# udm serve --ublk: the one-shot form, until SIGTERM.
+udm serve --dev sr=ram:32M --ublk --control /tmp/serve.ctl >/tmp/serve.log 2>&1 &
+SERVE=$!
+i=0
+until grep -q "control socket" /tmp/serve.log; do i=$((i + 1)); [ $i -lt 100 ] || break; sleep 0.1; done
+SDEV=$(sed -n "s/^udm: serving 'sr' .* at //p" /tmp/serve.log)
+cat /tmp/serve.log
+check ublk_serve_device sh -c "[ -b '$SDEV' ] && [ \"\$(blockdev --getsize64 '$SDEV')\" = 33554432 ]"
+check ublk_serve_fio fio_verify "$SDEV" serve --size=16M
+kill $SERVE
+wait $SERVE
+check ublk_serve_stops sh -c "! test -e '$SDEV'"
 # A daemon stop deletes the devices it serves.
 udm export add lin --ublk --id 3 >/dev/null
 kill $UDM_PID; wait $UDM_PID
