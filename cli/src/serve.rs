@@ -266,6 +266,11 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
             "--export-max-connections '{n}': no such export"
         )));
     }
+    if vhost_user_blk.is_some() && dispatch == "queued" {
+        return Err(Error::invalid(
+            "--dispatch queued: a vhost-user-blk export dispatches direct only",
+        ));
+    }
     if vhost_user_blk.is_some() && table.len() != 1 {
         return Err(Error::invalid(
             "--vhost-user-blk serves one device: give one --export",
