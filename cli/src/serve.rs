@@ -272,6 +272,12 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
             "--export-max-connections '{n}': no such export"
         )));
     }
+    if dispatch == "queued" && (ublk || vhost_user_blk.is_some()) {
+        return Err(Error::invalid(format!(
+            "--dispatch queued: a {} export dispatches direct only",
+            if ublk { "ublk" } else { "vhost-user-blk" }
+        )));
+    }
     if ublk {
         return serve_ublk(stack, &wanted, control, reactor, stop);
     }

@@ -289,3 +289,39 @@ fn a_config_file_export_takes_a_dispatch_and_a_bad_one_names_it() {
         "{err}"
     );
 }
+
+/// vhost-user-blk and ublk exports dispatch direct only (so far): asking
+/// for queued is refused by name, and `udm info` says why they are direct.
+#[test]
+fn exports_that_dispatch_direct_only_refuse_queued_and_say_so() {
+    let d = Daemon::start(&[]);
+    d.ok(&["create", "r", "ram:4M"]);
+    let sock = d.dir.path("r.vhost");
+    let sock = sock.to_str().unwrap();
+    let err = d.fails(&[
+        "export",
+        "add",
+        "r",
+        "--vhost-user-blk",
+        sock,
+        "--dispatch",
+        "queued",
+    ]);
+    assert!(
+        err.contains("--dispatch queued: a vhost-user-blk export dispatches direct only"),
+        "{err}"
+    );
+    let err = d.fails(&["export", "add", "r", "--ublk", "--dispatch", "queued"]);
+    assert!(
+        err.contains("--dispatch queued: a ublk export dispatches direct only"),
+        "{err}"
+    );
+    d.ok(&["export", "add", "r", "--vhost-user-blk", sock]);
+    let info = d.ok(&["info", "r"]);
+    assert!(
+        info.contains(
+            "Export dispatch:   r (vhost-user-blk): direct (a vhost-user-blk export dispatches direct only)"
+        ),
+        "{info}"
+    );
+}

@@ -52,6 +52,7 @@ impl ExportService for UblkExports {
                 spec.address
             )));
         }
+        let dispatch = spec.opts.direct_only("ublk")?;
         let name = spec.name.clone().unwrap_or_else(|| spec.device.clone());
         let mut running = self.running();
         if running.iter().any(|r| r.info.name == name) {
@@ -106,7 +107,7 @@ impl ExportService for UblkExports {
                 id: Some(dev.id()),
                 ..spec.opts
             },
-            dispatch: String::new(),
+            dispatch,
         };
         tracing::info!("export '{name}' of '{}' at {}", info.device, info.uri);
         running.push(Running {

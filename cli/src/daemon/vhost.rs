@@ -67,6 +67,7 @@ impl VhostExports {
 impl ExportService for VhostExports {
     fn add(&self, ctl: &dyn Devices, spec: ExportSpec) -> Result<ExportInfo, Error> {
         let o = &spec.opts;
+        let dispatch = o.direct_only("vhost-user-blk")?;
         let mut refused = Vec::new();
         if o.depth.is_some() {
             refused.push("--depth");
@@ -152,7 +153,7 @@ impl ExportService for VhostExports {
             read_only: spec.read_only,
             clients: 0,
             opts: spec.opts,
-            dispatch: String::new(),
+            dispatch,
         };
         tracing::info!(
             "export '{name}' of '{}' at {} (vhost-user-blk, {queues} queues)",

@@ -41,6 +41,8 @@ struct MemDev {
     fail_from: u64,
     /// Reports that merging helps it ([`Caps::MERGE`]).
     merge: bool,
+    /// Most segments in one bio.
+    max_segments: u32,
 }
 
 impl MemDev {
@@ -50,6 +52,7 @@ impl MemDev {
             log: Mutex::new(Vec::new()),
             fail_from: u64::MAX,
             merge: false,
+            max_segments: 1024,
         })
     }
     fn log(&self) -> Vec<Logged> {
@@ -72,6 +75,7 @@ impl BlockDevice for MemDev {
             logical_block_size: BS,
             physical_block_size: BS,
             max_io_bytes: MAX_IO,
+            max_segments: self.max_segments,
             ..Limits::new(SIZE as u64 >> SECTOR_SHIFT)
         }
     }
@@ -711,4 +715,37 @@ fn queued_steady_state_reuses_the_plug_list_and_slots() {
     assert_eq!(rig.front().plug.borrow().capacity(), plug);
     assert_eq!(rig.front().slots.borrow().capacity(), slots);
     assert!(rig.front().plug.borrow().is_empty());
+}
+
+#[test]
+fn queued_merges_no_more_requests_than_the_device_takes_segments() {
+    // A device taking one segment per bio: adjacent requests cannot
+    // share one, so each is its own bio.
+    let dev = Arc::new(MemDev {
+        max_segments: 1,
+        ..Arc::into_inner(MemDev::new()).unwrap()
+    });
+    let rig = queued_rig(dev);
+    let mut w: Vec<Vec<u8>> = (0..3).map(|i| pattern(i, BS as usize)).collect();
+    for (k, b) in w.iter_mut().enumerate() {
+        rig.submit(
+            k as u64,
+            FrontOp::Write,
+            k as u64 * BS as u64,
+            b,
+            ReqFlags::default(),
+        );
+    }
+    rig.front().unplug();
+    let b = BS as u64;
+    assert_eq!(
+        shapes(&rig.dev),
+        vec![
+            (Op::Write, 0, BS, 1),
+            (Op::Write, b, BS, 1),
+            (Op::Write, 2 * b, BS, 1)
+        ]
+    );
+    rig.run();
+    assert_eq!(rig.results().len(), 3);
 }
