@@ -571,6 +571,7 @@ impl Worker {
 
     /// Queue `index` signals completions through `call` from now on.
     pub fn set_call(&self, index: u16, call: Option<File>) {
+        tracing::trace!("vhost: queue {index}: call fd {}", call.is_some());
         if let Some(p) = self.find(index) {
             // SAFETY: as in find().
             unsafe { (*p).call = call };
