@@ -159,6 +159,15 @@ impl VQueue {
                     break;
                 };
                 let head = chain.head_index();
+                if head >= self.queue.size() {
+                    // Nothing to answer: a used element must name a head.
+                    tracing::warn!(
+                        "vhost: queue {}: avail entry names descriptor {head}, past the ring's {}; skipped",
+                        self.index,
+                        self.queue.size()
+                    );
+                    continue;
+                }
                 let descs = chain.map(|d| (d.addr().0, d.len(), d.is_write_only()));
                 let mut segs = std::mem::take(&mut self.segs);
                 match chain::parse(descs, |a, l| mem.map(a, l), &mut segs) {
