@@ -30,6 +30,7 @@
 pub mod chain;
 pub mod config;
 mod control;
+pub mod fuzzing;
 pub mod memory;
 mod queue;
 pub mod server;
