@@ -84,6 +84,11 @@ impl Device {
     /// `handles[i % handles.len()]`.
     pub fn new(shared: Arc<Shared>, handles: Vec<ReactorHandle>) -> Device {
         let rings = (0..shared.queues).map(|_| Ring::default()).collect();
+        // A new frontend starts with the device's own cache mode.
+        shared.writeback.store(
+            shared.cfg.volatile_cache,
+            std::sync::atomic::Ordering::Relaxed,
+        );
         Device {
             shared,
             handles,
