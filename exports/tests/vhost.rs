@@ -437,7 +437,8 @@ mod hostile {
             .unwrap();
             fe.set_vring_base(0, 0).unwrap();
             let call = EventFd::new(libc::EFD_NONBLOCK).unwrap();
-            let kick = EventFd::new(0).unwrap();
+            // Non-blocking, as QEMU makes its kick eventfds.
+            let kick = EventFd::new(libc::EFD_NONBLOCK).unwrap();
             fe.set_vring_call(0, &call).unwrap();
             fe.set_vring_kick(0, &kick).unwrap();
             fe.set_vring_enable(0, true).unwrap();
