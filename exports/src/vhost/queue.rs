@@ -1,4 +1,4 @@
-//! A virtqueue on its reactor: the kick eventfd read on the reactor's
+//! A virtqueue on its reactor: the kick eventfd polled on the reactor's
 //! io_uring, descriptor chains walked into requests to the export front
 //! with guest memory as the buffers, completions written to the used
 //! ring, and the driver notified through the call eventfd at the end of
