@@ -346,4 +346,17 @@ fn a_frontend_that_breaks_the_protocol_is_refused_and_the_export_serves_the_next
         "{}",
         d.log()
     );
+
+    // One that sends half a message and waits does not hold up a forced
+    // remove: it is cut.
+    let mut half = Raw::connect(&sock);
+    half.0.write_all(&[1, 0, 0]).unwrap();
+    wait_for("the frontend is counted", || {
+        ls_line(&d, "r").ends_with("1 clients")
+    });
+    let t0 = Instant::now();
+    d.ok(&["export", "remove", "--force", "r"]);
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    assert!(half.closed());
+    assert!(!sock.exists());
 }

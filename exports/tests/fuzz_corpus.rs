@@ -6,6 +6,7 @@
 
 use udm_core::fuzz_corpus::corpus;
 use udm_exports::nbd::fuzzing;
+use udm_exports::vhost::fuzzing as vhost_fuzzing;
 
 #[test]
 fn the_handshake_corpus_runs_clean() {
@@ -22,5 +23,19 @@ fn the_request_corpus_runs_clean() {
     assert!(!inputs.is_empty(), "the request corpus has its seeds");
     for (_name, data) in inputs {
         fuzzing::request(&data);
+    }
+}
+
+#[test]
+fn the_vhost_chain_corpus_runs_clean() {
+    let inputs = corpus("vhost_chain").unwrap();
+    assert!(!inputs.is_empty(), "the vhost chain corpus has its seeds");
+    for (name, data) in inputs {
+        vhost_fuzzing::chains(&data);
+        if name == "seed-read" {
+            // The well-formed seed's chain is parsed whole.
+            let n = vhost_fuzzing::PARSED.load(std::sync::atomic::Ordering::Relaxed);
+            assert_eq!(n, 1, "{name}");
+        }
     }
 }

@@ -349,3 +349,241 @@ impl WriteAt for File {
         self.write_all_at(data, 0).unwrap();
     }
 }
+
+// ---------------------------------------------------------------------------
+// A frontend that puts what it likes in its rings: the vhost crate's
+// frontend sets up a queue over memory the test writes by hand.
+
+mod hostile {
+    use super::*;
+    use std::time::{Duration, Instant};
+    use vhost::vhost_user::message::VhostUserProtocolFeatures;
+    use vhost::vhost_user::{Frontend, VhostUserFrontend};
+    use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
+    use vmm_sys_util::eventfd::EventFd;
+
+    /// Guest-physical address of the guest's memory (0 is outside it).
+    const G: u64 = 0x10_0000;
+    const MEM: usize = 1 << 20;
+    const QSIZE: u16 = 16;
+    const DESC: usize = 0;
+    const AVAIL: usize = 0x1000;
+    const USED: usize = 0x2000;
+    const F_NEXT: u16 = 1;
+    const F_WRITE: u16 = 2;
+    const F_INDIRECT: u16 = 4;
+
+    /// A guest: its memory (a memfd mapped here), one queue set up on the
+    /// server, and the count of chains it made available.
+    struct Guest {
+        _fe: Frontend,
+        mem: *mut u8,
+        _memfd: File,
+        kick: EventFd,
+        _call: EventFd,
+        avail: u16,
+    }
+
+    impl Guest {
+        fn connect(path: &Path) -> Guest {
+            // SAFETY: plain syscall with a NUL-terminated name; checked below.
+            let fd = unsafe { libc::memfd_create(c"guest".as_ptr(), libc::MFD_CLOEXEC) };
+            assert!(fd >= 0);
+            // SAFETY: a fresh descriptor we own.
+            let memfd = unsafe { File::from_raw_fd(fd) };
+            memfd.set_len(MEM as u64).unwrap();
+            // SAFETY: a new shared mapping of the memfd, checked below.
+            let mem = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    MEM,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED,
+                    memfd.as_raw_fd(),
+                    0,
+                )
+            };
+            assert_ne!(mem, libc::MAP_FAILED);
+            let mem = mem.cast::<u8>();
+            let mut fe = Frontend::connect(path, 1).unwrap();
+            fe.set_owner().unwrap();
+            let f = fe.get_features().unwrap();
+            fe.set_features(f & !(1 << 29)).unwrap(); // no EVENT_IDX
+            let p = fe.get_protocol_features().unwrap();
+            fe.set_protocol_features(p & VhostUserProtocolFeatures::REPLY_ACK)
+                .unwrap();
+            let region = VhostUserMemoryRegionInfo {
+                guest_phys_addr: G,
+                memory_size: MEM as u64,
+                userspace_addr: mem as u64,
+                mmap_offset: 0,
+                mmap_handle: memfd.as_raw_fd(),
+            };
+            fe.set_mem_table(&[region]).unwrap();
+            fe.set_vring_num(0, QSIZE).unwrap();
+            let va = |off: usize| mem as u64 + off as u64;
+            fe.set_vring_addr(
+                0,
+                &VringConfigData {
+                    queue_max_size: QSIZE,
+                    queue_size: QSIZE,
+                    flags: 0,
+                    desc_table_addr: va(DESC),
+                    used_ring_addr: va(USED),
+                    avail_ring_addr: va(AVAIL),
+                    log_addr: None,
+                },
+            )
+            .unwrap();
+            fe.set_vring_base(0, 0).unwrap();
+            let call = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+            // Non-blocking, as QEMU makes its kick eventfds.
+            let kick = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+            fe.set_vring_call(0, &call).unwrap();
+            fe.set_vring_kick(0, &kick).unwrap();
+            fe.set_vring_enable(0, true).unwrap();
+            Guest {
+                _fe: fe,
+                mem,
+                _memfd: memfd,
+                kick,
+                _call: call,
+                avail: 0,
+            }
+        }
+
+        fn write(&self, off: usize, bytes: &[u8]) {
+            assert!(off + bytes.len() <= MEM);
+            // SAFETY: inside the mapping (checked above).
+            unsafe {
+                std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.mem.add(off), bytes.len())
+            };
+        }
+
+        fn read(&self, off: usize, len: usize) -> Vec<u8> {
+            let mut v = vec![0u8; len];
+            // SAFETY: as in write.
+            unsafe { std::ptr::copy_nonoverlapping(self.mem.add(off), v.as_mut_ptr(), len) };
+            v
+        }
+
+        fn desc(&self, i: u16, addr: u64, len: u32, flags: u16, next: u16) {
+            let mut d = Vec::new();
+            d.extend_from_slice(&addr.to_le_bytes());
+            d.extend_from_slice(&len.to_le_bytes());
+            d.extend_from_slice(&flags.to_le_bytes());
+            d.extend_from_slice(&next.to_le_bytes());
+            self.write(DESC + i as usize * 16, &d);
+        }
+
+        /// A request header at `off`.
+        fn header(&self, off: usize, kind: u32, sector: u64) {
+            let mut h = kind.to_le_bytes().to_vec();
+            h.extend_from_slice(&[0; 4]);
+            h.extend_from_slice(&sector.to_le_bytes());
+            self.write(off, &h);
+        }
+
+        fn used_idx(&self) -> u16 {
+            let b = self.read(USED + 2, 2);
+            u16::from_le_bytes([b[0], b[1]])
+        }
+
+        /// Makes the chain at `head` available, kicks, and waits for it in
+        /// the used ring; its used element's (id, len).
+        fn submit(&mut self, head: u16) -> (u32, u32) {
+            let slot = AVAIL + 4 + (self.avail % QSIZE) as usize * 2;
+            self.write(slot, &head.to_le_bytes());
+            self.avail = self.avail.wrapping_add(1);
+            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+            self.write(AVAIL + 2, &self.avail.to_le_bytes());
+            self.kick.write(1).unwrap();
+            let t0 = Instant::now();
+            while self.used_idx() != self.avail {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(5),
+                    "chain {head} never used"
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let e = self.read(USED + 4 + ((self.avail - 1) % QSIZE) as usize * 8, 8);
+            (
+                u32::from_le_bytes(e[0..4].try_into().unwrap()),
+                u32::from_le_bytes(e[4..8].try_into().unwrap()),
+            )
+        }
+
+        /// A three-descriptor request of `kind` at `sector` from head 0:
+        /// header at 0x3000, data (`len`, `data_flags`) at 0x4000, status
+        /// at 0x3800. Its status byte and used length.
+        fn request(&mut self, kind: u32, sector: u64, len: u32, data_flags: u16) -> (u8, u32) {
+            self.header(0x3000, kind, sector);
+            self.write(0x3800, &[0xff]);
+            self.desc(0, G + 0x3000, 16, F_NEXT, 1);
+            self.desc(1, G + 0x4000, len, data_flags | F_NEXT, 2);
+            self.desc(2, G + 0x3800, 1, F_WRITE, 0);
+            let (id, used) = self.submit(0);
+            assert_eq!(id, 0);
+            (self.read(0x3800, 1)[0], used)
+        }
+    }
+
+    #[test]
+    fn malformed_chains_are_answered_with_errors_and_the_queue_goes_on() {
+        let srv = Served::start(MemfdDev::new(SIZE), 1, false);
+        let mut g = Guest::connect(&srv.path);
+        // A good read: status OK, 512 bytes and the status written.
+        assert_eq!(g.request(0, 0, 512, F_WRITE), (0, 513));
+        // Past the end of the device: an I/O error.
+        assert_eq!(g.request(0, SIZE / 512, 512, F_WRITE).0, 1);
+        // A write whose data the device would have to write: an error.
+        assert_eq!(g.request(1, 0, 512, F_WRITE).0, 1);
+        // An unknown type: unsupported.
+        assert_eq!(g.request(99, 0, 512, 0).0, 2);
+
+        // Chains that cannot carry a status come back with nothing
+        // written, and nothing is touched outside the guest's memory:
+        // data outside it (below it, and past its end),
+        for addr in [0x1000, G + MEM as u64 - 256] {
+            g.header(0x3000, 0, 0);
+            g.desc(3, G + 0x3000, 16, F_NEXT, 4);
+            g.desc(4, addr, 512, F_WRITE | F_NEXT, 5);
+            g.desc(5, G + 0x3800, 1, F_WRITE, 0);
+            assert_eq!(g.submit(3), (3, 0), "data at {addr:#x}");
+        }
+        // a loop (the walk stops after the ring's size),
+        g.desc(6, G + 0x3000, 16, F_NEXT, 7);
+        g.desc(7, G + 0x4000, 512, F_WRITE | F_NEXT, 6);
+        assert_eq!(g.submit(6), (6, 0));
+        // an indirect table outside the memory, and one inside an
+        // indirect table,
+        g.desc(8, 0x10, 48, F_INDIRECT, 0);
+        assert_eq!(g.submit(8), (8, 0));
+        g.desc(9, G + 0x5000, 48, F_INDIRECT, 0);
+        let mut t = Vec::new();
+        for (a, l, f, n) in [
+            (G + 0x3000, 16u32, F_NEXT, 1u16),
+            (G + 0x6000, 48, F_INDIRECT | F_NEXT, 2),
+            (G + 0x3800, 1, F_WRITE, 0),
+        ] {
+            t.extend_from_slice(&a.to_le_bytes());
+            t.extend_from_slice(&l.to_le_bytes());
+            t.extend_from_slice(&f.to_le_bytes());
+            t.extend_from_slice(&n.to_le_bytes());
+        }
+        g.write(0x5000, &t);
+        let (id, _) = g.submit(9);
+        assert_eq!(id, 9);
+        // a header cut short.
+        g.desc(10, G + 0x3000, 8, F_NEXT, 11);
+        g.desc(11, G + 0x3800, 1, F_WRITE, 0);
+        assert_eq!(g.submit(10), (10, 0));
+
+        // The queue still serves good requests.
+        assert_eq!(g.request(0, 8, 4096, F_WRITE), (0, 4097));
+        drop(g);
+        // And the next frontend is served.
+        let mut c = Client::connect(&srv.path, 1);
+        assert_eq!(c.read(0, 0, 0, 4096), 0);
+    }
+}

@@ -84,6 +84,11 @@ impl Device {
     /// `handles[i % handles.len()]`.
     pub fn new(shared: Arc<Shared>, handles: Vec<ReactorHandle>) -> Device {
         let rings = (0..shared.queues).map(|_| Ring::default()).collect();
+        // A new frontend starts with the device's own cache mode.
+        shared.writeback.store(
+            shared.cfg.volatile_cache,
+            std::sync::atomic::Ordering::Relaxed,
+        );
         Device {
             shared,
             handles,
@@ -172,6 +177,11 @@ impl Device {
         on_worker(self.handle(index), move |w| w.start(start, tx));
         match rx.recv_timeout(QUEUE_TIMEOUT) {
             Ok(Ok(())) => {
+                tracing::debug!(
+                    "vhost: queue {index} started: {} entries from {}, event_idx {event_idx}",
+                    self.rings[index].num,
+                    self.rings[index].base
+                );
                 self.rings[index].running = true;
                 Ok(())
             }
@@ -204,16 +214,22 @@ impl Device {
         Ok(())
     }
 
-    /// Stops every ring and forgets the frontend's state (a reset or the
-    /// frontend going away).
-    pub fn disconnect(&mut self) {
+    /// Stops every ring and forgets its setup and the features (a reset:
+    /// the memory table and protocol features belong to the connection
+    /// and stay, as the frontend does not send them again).
+    fn reset(&mut self) {
         for i in 0..self.rings.len() {
             let _ = self.stop(i);
             self.rings[i] = Ring::default();
         }
+        self.features = 0;
+    }
+
+    /// Stops every ring and forgets all the frontend gave (it went away).
+    pub fn disconnect(&mut self) {
+        self.reset();
         self.mem = None;
         self.regions.clear();
-        self.features = 0;
         self.protocol = 0;
     }
 
@@ -283,12 +299,14 @@ impl VhostUserBackendReqHandlerMut for Device {
     }
 
     fn reset_owner(&mut self) -> Result<()> {
-        self.disconnect();
+        tracing::trace!("vhost: reset_owner");
+        self.reset();
         Ok(())
     }
 
     fn reset_device(&mut self) -> Result<()> {
-        self.disconnect();
+        tracing::trace!("vhost: reset_device");
+        self.reset();
         Ok(())
     }
 
@@ -297,6 +315,7 @@ impl VhostUserBackendReqHandlerMut for Device {
     }
 
     fn set_features(&mut self, features: u64) -> Result<()> {
+        tracing::trace!("vhost: set_features");
         let extra = features & !self.shared.cfg.features;
         if extra != 0 {
             return refuse(format!("features {extra:#x} were not offered"));
@@ -311,6 +330,7 @@ impl VhostUserBackendReqHandlerMut for Device {
         files: Vec<File>,
         _postcopy: Option<bool>,
     ) -> Result<Option<Vec<VhostUserMemoryRegionBase>>> {
+        tracing::trace!("vhost: set_mem_table");
         let mut new = Vec::with_capacity(regions.len());
         for (r, f) in regions.iter().zip(files) {
             new.push(Device::map_region(r, f)?);
@@ -321,6 +341,7 @@ impl VhostUserBackendReqHandlerMut for Device {
     }
 
     fn set_vring_num(&mut self, index: u32, num: u32) -> Result<()> {
+        tracing::trace!("vhost: set_vring_num {index}");
         if num == 0 || num > MAX_QUEUE_SIZE as u32 || !num.is_power_of_two() {
             return refuse(format!(
                 "queue {index}: size {num} is not a power of two up to {MAX_QUEUE_SIZE}"
@@ -352,6 +373,7 @@ impl VhostUserBackendReqHandlerMut for Device {
     }
 
     fn set_vring_base(&mut self, index: u32, base: u32) -> Result<()> {
+        tracing::trace!("vhost: set_vring_base {index}");
         let r = self.ring(index)?;
         if r.running {
             return refuse(format!("queue {index}: base set while it runs"));
@@ -364,6 +386,7 @@ impl VhostUserBackendReqHandlerMut for Device {
     }
 
     fn get_vring_base(&mut self, index: u32) -> Result<VhostUserVringState> {
+        tracing::trace!("vhost: get_vring_base {index}");
         // Its reply carries the base: an error cannot be told, so the
         // frontend is disconnected.
         self.ring(index).map_err(|_| Error::InvalidParam)?;
@@ -377,6 +400,7 @@ impl VhostUserBackendReqHandlerMut for Device {
     }
 
     fn set_vring_kick(&mut self, index: u8, fd: Option<File>) -> Result<()> {
+        tracing::trace!("vhost: set_vring_kick {index}");
         self.ring(index as u32)?;
         let Some(fd) = fd else {
             return refuse(format!(
@@ -390,6 +414,7 @@ impl VhostUserBackendReqHandlerMut for Device {
     }
 
     fn set_vring_call(&mut self, index: u8, fd: Option<File>) -> Result<()> {
+        tracing::trace!("vhost: set_vring_call {index}");
         self.ring(index as u32)?;
         let i = index as usize;
         if self.rings[i].running {
@@ -401,6 +426,7 @@ impl VhostUserBackendReqHandlerMut for Device {
     }
 
     fn set_vring_err(&mut self, index: u8, _fd: Option<File>) -> Result<()> {
+        tracing::trace!("vhost: set_vring_err {index}");
         self.ring(index as u32)?;
         Ok(())
     }
@@ -414,6 +440,7 @@ impl VhostUserBackendReqHandlerMut for Device {
     }
 
     fn set_protocol_features(&mut self, features: u64) -> Result<()> {
+        tracing::trace!("vhost: set_protocol_features");
         let offered = self.get_protocol_features()?.bits();
         let extra = features & !offered;
         if extra != 0 {
@@ -428,6 +455,7 @@ impl VhostUserBackendReqHandlerMut for Device {
     }
 
     fn set_vring_enable(&mut self, index: u32, enable: bool) -> Result<()> {
+        tracing::trace!("vhost: set_vring_enable {index}");
         self.ring(index)?;
         let i = index as usize;
         self.rings[i].enabled = enable;
@@ -455,6 +483,7 @@ impl VhostUserBackendReqHandlerMut for Device {
     }
 
     fn set_config(&mut self, offset: u32, buf: &[u8], _flags: VhostUserConfigFlags) -> Result<()> {
+        tracing::trace!("vhost: set_config");
         let wce = self.features & (1 << VIRTIO_BLK_F_CONFIG_WCE) != 0;
         if wce && offset as usize == WRITEBACK_OFFSET && buf.len() == 1 {
             self.shared
@@ -496,6 +525,7 @@ impl VhostUserBackendReqHandlerMut for Device {
         fd: File,
         _postcopy: Option<bool>,
     ) -> Result<Option<VhostUserMemoryRegionBase>> {
+        tracing::trace!("vhost: add_mem_region");
         if self.regions.len() >= MAX_MEM_SLOTS {
             return refuse(format!("more than {MAX_MEM_SLOTS} memory regions"));
         }
@@ -509,6 +539,7 @@ impl VhostUserBackendReqHandlerMut for Device {
     }
 
     fn remove_mem_region(&mut self, region: &VhostUserSingleMemoryRegion) -> Result<()> {
+        tracing::trace!("vhost: remove_mem_region");
         let (gpa, len) = (region.guest_phys_addr, region.memory_size);
         let Some(i) = self
             .regions

@@ -10,7 +10,7 @@
 //!      │         memory table, each ring's setup; starts and stops rings
 //!      │ Start / stop / call / memory, via ReactorHandle::send
 //!      ▼
-//!   queue.rs     one virtqueue on one reactor: the kick eventfd read on the
+//!   queue.rs     one virtqueue on one reactor: the kick eventfd polled on the
 //!      │         reactor's io_uring, chains → requests → the export front
 //!      │         (crate::front), used ring + call eventfd at end of turn
 //!   chain.rs     a descriptor chain → a virtio-blk request (fuzzed)
@@ -30,6 +30,7 @@
 pub mod chain;
 pub mod config;
 mod control;
+pub mod fuzzing;
 pub mod memory;
 mod queue;
 pub mod server;

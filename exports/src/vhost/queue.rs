@@ -1,4 +1,4 @@
-//! A virtqueue on its reactor: the kick eventfd read on the reactor's
+//! A virtqueue on its reactor: the kick eventfd polled on the reactor's
 //! io_uring, descriptor chains walked into requests to the export front
 //! with guest memory as the buffers, completions written to the used
 //! ring, and the driver notified through the call eventfd at the end of
@@ -67,7 +67,6 @@ struct VReq {
 #[repr(C)]
 pub struct VQueue {
     kick_op: RingOp,
-    kick_buf: u64,
     kick_inflight: bool,
     kick: File,
     call: Option<File>,
@@ -106,24 +105,28 @@ impl VQueue {
         unsafe { &*self.worker }
     }
 
-    /// Posts the read of the kick eventfd on the reactor's ring.
+    /// Posts a poll of the kick eventfd on the reactor's ring (a poll, not
+    /// a read: a read of an eventfd the frontend made non-blocking, as
+    /// QEMU does, fails with EAGAIN at once instead of waiting).
     fn arm_kick(&mut self) {
         if self.kick_inflight || self.stop.is_some() || self.broken {
             return;
         }
-        let e = opcode::Read::new(
-            types::Fd(self.kick.as_raw_fd()),
-            (&mut self.kick_buf as *mut u64).cast(),
-            8,
-        )
-        .build();
+        let e = opcode::PollAdd::new(types::Fd(self.kick.as_raw_fd()), libc::POLLIN as u32).build();
         self.kick_inflight = true;
         let op: *mut RingOp = &mut self.kick_op;
-        // SAFETY: the read writes kick_buf, a field of this boxed queue,
-        // which is freed only once kick_inflight is false again (the CQE
-        // arrived: Worker::retire checks it); the kick file stays open as
-        // long as the queue.
+        // SAFETY: the op is a field of this boxed queue, which is freed
+        // only once kick_inflight is false again (the CQE arrived:
+        // Worker::retire checks it); the kick file stays open as long as
+        // the queue.
         unsafe { self.worker().reactor().ring().push_op(e, op) };
+    }
+
+    /// Clears the kick eventfd's counter (non-blocking: see Worker::start).
+    fn drain_kick(&self) {
+        let mut v: u64 = 0;
+        // SAFETY: reads 8 bytes into a live u64 from the queue's eventfd.
+        unsafe { libc::read(self.kick.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
     }
 
     fn on_kick(&mut self, res: i32) {
@@ -134,7 +137,7 @@ impl VQueue {
         }
         if res < 0 && res != -libc::EINTR && res != -libc::EAGAIN {
             tracing::warn!(
-                "vhost: queue {}: reading its kick eventfd: {}",
+                "vhost: queue {}: polling its kick eventfd: {}",
                 self.index,
                 std::io::Error::from_raw_os_error(-res)
             );
@@ -142,6 +145,9 @@ impl VQueue {
             self.dirty();
             return;
         }
+        // Cleared before the ring is read: a kick after this is seen by
+        // the next poll.
+        self.drain_kick();
         self.process();
         self.arm_kick();
     }
@@ -159,6 +165,15 @@ impl VQueue {
                     break;
                 };
                 let head = chain.head_index();
+                if head >= self.queue.size() {
+                    // Nothing to answer: a used element must name a head.
+                    tracing::warn!(
+                        "vhost: queue {}: avail entry names descriptor {head}, past the ring's {}; skipped",
+                        self.index,
+                        self.queue.size()
+                    );
+                    continue;
+                }
                 let descs = chain.map(|d| (d.addr().0, d.len(), d.is_write_only()));
                 let mut segs = std::mem::take(&mut self.segs);
                 match chain::parse(descs, |a, l| mem.map(a, l), &mut segs) {
@@ -510,7 +525,6 @@ impl Worker {
             kick_op: RingOp {
                 complete: kick_done,
             },
-            kick_buf: 0,
             kick_inflight: false,
             kick: s.kick,
             call: s.call,
@@ -528,6 +542,14 @@ impl Worker {
             stop: None,
             broken: false,
         });
+        // Non-blocking, so that clearing it never waits (the frontend only
+        // writes it: the flag, which it shares, changes nothing for it).
+        // SAFETY: fcntl on the queue's own descriptor.
+        unsafe {
+            let fd = q.kick.as_raw_fd();
+            let fl = libc::fcntl(fd, libc::F_GETFL);
+            libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK);
+        }
         let p = Box::into_raw(q);
         self.queues.borrow_mut().push(p);
         let _ = done.send(Ok(()));
@@ -571,6 +593,7 @@ impl Worker {
 
     /// Queue `index` signals completions through `call` from now on.
     pub fn set_call(&self, index: u16, call: Option<File>) {
+        tracing::trace!("vhost: queue {index}: call fd {}", call.is_some());
         if let Some(p) = self.find(index) {
             // SAFETY: as in find().
             unsafe { (*p).call = call };

@@ -23,9 +23,6 @@ use super::queue::Worker;
 /// Reactor-local key under which each reactor keeps its [`Worker`].
 const WORKER_KEY: u64 = 0x5648_4f53_5400_0000;
 
-/// How long a frontend may take to send the rest of a message it began.
-const MSG_TIMEOUT: Duration = Duration::from_secs(10);
-
 /// What every part of an export shares: what the driver is told, and the
 /// state the driver may change.
 pub struct Shared {
@@ -173,7 +170,9 @@ impl Server {
     }
 
     /// Talks with one frontend until it goes (false) or the server is
-    /// stopped (true); then stops its queues.
+    /// stopped (true); then stops its queues. A watcher thread shuts the
+    /// connection down when the server is stopped, so a frontend that
+    /// stops in the middle of a message cannot hold the stop up.
     fn converse(
         &self,
         sock: UnixStream,
@@ -182,13 +181,27 @@ impl Server {
     ) -> bool {
         let at = self.path.display();
         let _ = sock.set_nonblocking(false);
-        let _ = sock.set_read_timeout(Some(MSG_TIMEOUT));
         let fd = sock.as_raw_fd();
+        let watch = sock.try_clone().ok().zip(UnixStream::pair().ok());
         let dev = Arc::new(Mutex::new(Device::new(
             self.shared.clone(),
             handles.to_vec(),
         )));
         let mut h = BackendReqHandler::from_stream(sock, dev.clone());
+        let (watcher, done) = match watch {
+            Some((conn, (done_rd, done))) => {
+                let t = std::thread::Builder::new()
+                    .name("udm-vhost-watch".into())
+                    .spawn(move || {
+                        if let Ready::Stop = wait2(done_rd.as_raw_fd(), stop_fd) {
+                            let _ = conn.shutdown(std::net::Shutdown::Both);
+                        }
+                    })
+                    .ok();
+                (t, Some(done))
+            }
+            None => (None, None),
+        };
         let stopped = loop {
             if let Ready::Stop = wait2(fd, stop_fd) {
                 break true;
@@ -207,9 +220,25 @@ impl Server {
                 }
             }
         };
+        // Ends the watcher (its end of the pair sees EOF).
+        drop(done);
+        if let Some(t) = watcher {
+            let _ = t.join();
+        }
         dev.lock().unwrap_or_else(|p| p.into_inner()).disconnect();
-        stopped
+        stopped || stop_readable(stop_fd)
     }
+}
+
+/// Whether the stop descriptor is readable now.
+fn stop_readable(stop: RawFd) -> bool {
+    let mut p = libc::pollfd {
+        fd: stop,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one live pollfd; no wait.
+    unsafe { libc::poll(&mut p, 1, 0) > 0 }
 }
 
 enum Ready {
