@@ -27,6 +27,13 @@ use std::time::{Duration, Instant};
 use crate::bio::{Bio, BioFlags, BioPtr, Home, Status};
 use crate::ring::{Ring, RingKind};
 
+mod handle;
+mod work;
+
+pub use handle::ReactorHandle;
+use handle::{Mailbox, Msg};
+pub use work::{Poller, WorkQueue};
+
 /// The kernel's final `ALLOC_CACHE_MAX` for per-CPU bio caches.
 pub const DEFAULT_CACHE_SIZE: usize = 256;
 
@@ -80,102 +87,6 @@ impl Default for ReactorConfig {
     }
 }
 
-/// Something the reactor polls each turn: a device channel that completes
-/// I/O outside the ring (timers, a dedicated polled ring).
-pub trait Poller {
-    /// Completes what is ready; returns how many.
-    fn poll(&self) -> usize;
-    /// Whether it has work that only polling will finish (the reactor must
-    /// not sleep while this is true).
-    fn must_spin(&self) -> bool {
-        false
-    }
-    /// The next time it needs polling (the reactor sleeps no longer than that).
-    fn deadline(&self) -> Option<Instant> {
-        None
-    }
-    /// For a poller queued on a [`WorkQueue`]: whether it still has work.
-    /// It leaves the queue after a turn on which this is false.
-    fn pending(&self) -> bool {
-        true
-    }
-}
-
-/// A reactor's queue of slow work (the kernel's `queue_work` on the local
-/// CPU). A poller added with [`Reactor::add_poller`] is called on every
-/// turn, which costs each I/O of a QD1 loop a call; one queued here is
-/// called only from the turn after it was queued until its
-/// [`Poller::pending`] turns false, so a device whose slow path (retries,
-/// draining for a suspend) is idle costs the loop nothing.
-#[derive(Clone)]
-pub struct WorkQueue(Rc<WorkInner>);
-
-struct WorkInner {
-    /// Whether `items` is non-empty: the one load an idle turn pays.
-    queued: Cell<bool>,
-    items: RefCell<Vec<Rc<dyn Poller>>>,
-    /// The other of the two vectors a turn moves the pollers between, kept
-    /// with its capacity so a turn allocates nothing.
-    spare: RefCell<Vec<Rc<dyn Poller>>>,
-}
-
-impl WorkQueue {
-    fn new() -> WorkQueue {
-        WorkQueue(Rc::new(WorkInner {
-            queued: Cell::new(false),
-            items: RefCell::new(Vec::new()),
-            spare: RefCell::new(Vec::new()),
-        }))
-    }
-
-    /// Polls `p` on the reactor's turns until it is no longer pending. The
-    /// caller queues a poller once (not again while it is queued).
-    pub fn queue(&self, p: Rc<dyn Poller>) {
-        self.0.items.borrow_mut().push(p);
-        self.0.queued.set(true);
-    }
-
-    /// Polls everything queued; keeps what is still pending.
-    #[inline]
-    fn run(&self) -> usize {
-        if !self.0.queued.get() {
-            return 0;
-        }
-        self.run_queued()
-    }
-
-    /// Pollers may queue work (themselves included) while they run.
-    #[cold]
-    fn run_queued(&self) -> usize {
-        let mut items = std::mem::take(&mut *self.0.items.borrow_mut());
-        let mut keep = std::mem::take(&mut *self.0.spare.borrow_mut());
-        let mut work = 0;
-        for p in items.drain(..) {
-            work += p.poll();
-            if p.pending() {
-                keep.push(p);
-            }
-        }
-        let mut q = self.0.items.borrow_mut();
-        // Whatever was queued while they ran goes after those kept.
-        keep.append(&mut q);
-        std::mem::swap(&mut *q, &mut keep);
-        self.0.queued.set(!q.is_empty());
-        *self.0.spare.borrow_mut() = items;
-        work
-    }
-
-    fn any(&self, f: impl Fn(&dyn Poller) -> bool) -> bool {
-        self.0.queued.get() && self.0.items.borrow().iter().any(|p| f(&**p))
-    }
-
-    fn clear(&self) {
-        self.0.items.borrow_mut().clear();
-        self.0.spare.borrow_mut().clear();
-        self.0.queued.set(false);
-    }
-}
-
 /// Counters of the descriptor cache.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CacheStats {
@@ -185,65 +96,6 @@ pub struct CacheStats {
     pub misses: u64,
     /// Descriptors freed to the heap because the cache was full (or off).
     pub frees: u64,
-}
-
-type Msg = Box<dyn FnOnce(&Reactor) + Send>;
-
-struct Mailbox {
-    queue: Mutex<Vec<Msg>>,
-    pending: AtomicBool,
-    closed: AtomicBool,
-    eventfd: OwnedFd,
-}
-
-/// A `Send` handle to a reactor: posts messages to it and wakes it.
-#[derive(Clone)]
-pub struct ReactorHandle {
-    id: usize,
-    mailbox: Arc<Mailbox>,
-}
-
-impl ReactorHandle {
-    /// The reactor's id.
-    pub fn id(&self) -> usize {
-        self.id
-    }
-
-    /// Runs `f` on the reactor's thread at its next turn. Returns false (and
-    /// drops `f`) if the reactor is gone.
-    pub fn send(&self, f: impl FnOnce(&Reactor) + Send + 'static) -> bool {
-        {
-            let mut q = match self.mailbox.queue.lock() {
-                Ok(q) => q,
-                Err(p) => p.into_inner(),
-            };
-            if self.mailbox.closed.load(Ordering::Acquire) {
-                return false;
-            }
-            q.push(Box::new(f));
-            self.mailbox.pending.store(true, Ordering::Release);
-        }
-        self.wake();
-        true
-    }
-
-    /// Wakes the reactor if it sleeps.
-    pub fn wake(&self) {
-        let one: u64 = 1;
-        // SAFETY: writing 8 bytes from a live u64 to our own eventfd.
-        unsafe {
-            libc::write(
-                self.mailbox.eventfd.as_raw_fd(),
-                (&one as *const u64).cast(),
-                8,
-            )
-        };
-    }
-
-    /// Whether the reactor has stopped.
-    pub fn is_closed(&self) -> bool {
-        self.mailbox.closed.load(Ordering::Acquire)
-    }
 }
 
 static NEXT_REACTOR_ID: AtomicU64 = AtomicU64::new(0);
@@ -742,7 +594,7 @@ impl Reactor {
         }
         let mut deadline: Option<Instant> = None;
         {
-            let queued = core.work.0.items.borrow();
+            let queued = core.work.items();
             for p in core.pollers.borrow().iter().chain(queued.iter()) {
                 if p.must_spin() {
                     return false;

@@ -1,0 +1,155 @@
+//! Queued dispatch (seed 004): requests held until the export's
+//! [`Front::unplug`], then sorted and merged into multi-segment bios (the
+//! kernel's plug list, `blk_finish_plug`).
+
+use udm_core::{BioFlags, BioPtr, Op, SECTOR_SHIFT};
+
+use super::{Front, FrontOp, Request, NO_SLOT};
+
+/// A request held for queued dispatch: one bio's worth, aligned.
+#[derive(Clone, Copy)]
+pub(super) struct Plugged {
+    idx: usize,
+    op: Op,
+    flags: BioFlags,
+    off: u64,
+    len: u32,
+    buf: *mut u8,
+}
+
+impl Plugged {
+    /// Requests merge when these are equal (and their ranges touch).
+    /// MAY_LEND does not keep them apart: a merged bio drops it.
+    #[inline]
+    fn class(&self) -> (u8, u8) {
+        (
+            self.op as u8,
+            self.flags.difference(BioFlags::MAY_LEND).bits(),
+        )
+    }
+}
+
+impl Front {
+    /// Holds an aligned read or write of at most one bio until
+    /// [`Front::unplug`] (queued dispatch).
+    pub(super) fn hold(&self, idx: usize, req: Request) {
+        let op = if req.op == FrontOp::Read {
+            Op::Read
+        } else {
+            Op::Write
+        };
+        let mut flags = self.write_flags(req);
+        if req.flags.may_lend && op == Op::Read {
+            flags.insert(BioFlags::MAY_LEND);
+        }
+        self.with_slot(idx, |s| {
+            s.active = true;
+            s.pending = 1;
+        });
+        self.plug.borrow_mut().push(Plugged {
+            idx,
+            op,
+            flags,
+            off: req.offset,
+            len: req.len,
+            buf: req.buf,
+        });
+    }
+
+    /// Submits the requests held since the last call (the kernel's
+    /// `blk_finish_plug`): sorted by offset, adjacent ones of the same op
+    /// and flags merged into one bio of several segments, up to the
+    /// device's `max_io_bytes` and `max_segments`. Exports call it at the
+    /// end of each batch of requests; with nothing held (always, in direct
+    /// mode) it returns at once.
+    pub fn unplug(&self) {
+        if self.plug.borrow().is_empty() {
+            return;
+        }
+        // Taken out (and put back, keeping its capacity) so that no borrow
+        // is held while bios go down.
+        let mut list = std::mem::take(&mut *self.plug.borrow_mut());
+        // Unstable (a stable sort may allocate); the slot index keeps
+        // equal offsets in a fixed order.
+        list.sort_unstable_by_key(|p| (p.class(), p.off, p.idx));
+        let mut i = 0;
+        while i < list.len() {
+            let first = list[i];
+            let (mut j, mut len) = (i + 1, first.len);
+            while j < list.len()
+                && j - i < self.max_segs
+                && list[j].class() == first.class()
+                && list[j].off == first.off + len as u64
+                && len + list[j].len <= self.max_bio
+            {
+                len += list[j].len;
+                j += 1;
+            }
+            if j == i + 1 {
+                self.submit_bios(
+                    first.idx,
+                    first.op,
+                    first.off,
+                    first.len,
+                    first.buf,
+                    first.flags,
+                );
+            } else {
+                self.submit_merged(&list[i..j], len);
+            }
+            i = j;
+        }
+        list.clear();
+        *self.plug.borrow_mut() = list;
+    }
+
+    /// Submits `run` (adjacent, same class, sorted) as one bio of `len`
+    /// bytes, a segment per request, chained through the slots' `next`.
+    fn submit_merged(&self, run: &[Plugged], len: u32) {
+        let first = run[0];
+        let mut bio = self.reactor().alloc_bio();
+        bio.op = first.op;
+        bio.sector = first.off >> SECTOR_SHIFT;
+        bio.flags = first.flags.difference(BioFlags::MAY_LEND);
+        {
+            let mut slots = self.slots.borrow_mut();
+            for (k, p) in run.iter().enumerate() {
+                // SAFETY: the request's buffer holds p.len bytes and stays
+                // untouched until the request finishes (submit's
+                // contract), which is after this bio completes.
+                unsafe { bio.add_seg(p.buf, p.len as usize) };
+                slots[p.idx].next = run.get(k + 1).map_or(NO_SLOT, |n| n.idx);
+            }
+        }
+        debug_assert_eq!(bio.len(), len);
+        bio.set_ctx(first.idx as u64);
+        bio.set_end_io(
+            front_merged_end_io,
+            (self as *const Front).cast_mut().cast(),
+        );
+        self.chan.submit(bio);
+    }
+}
+
+/// The end_io of a merged bio (queued dispatch): private is the front, ctx
+/// the first slot of the chain its requests form; each request takes the
+/// bio's status.
+fn front_merged_end_io(bio: BioPtr) {
+    // SAFETY: private is the front that sent the bio, kept alive by the
+    // references its requests hold until `finish`: while a request of the
+    // chain is unfinished, so is the front.
+    let front = unsafe { &*(bio.private() as *const Front) };
+    let mut idx = bio.ctx() as usize;
+    let st = bio.status();
+    drop(bio);
+    loop {
+        // Read before the request finishes (its slot is freed, and the
+        // last one's reference to the front given back).
+        let next = front.with_slot(idx, |s| std::mem::replace(&mut s.next, NO_SLOT));
+        front.bio_done(idx, st, None);
+        if next == NO_SLOT {
+            return;
+        }
+        idx = next;
+    }
+}
