@@ -2,6 +2,8 @@
 //! virtio-blk configuration space, both derived from the udm device's
 //! limits and capabilities.
 
+use std::sync::atomic::{AtomicBool, AtomicUsize};
+
 use udm_core::{BlockDevice, Caps};
 use virtio_bindings::virtio_blk::*;
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
@@ -138,4 +140,18 @@ impl BlkConfig {
         }
         Some(out)
     }
+}
+
+/// What every part of an export shares: what the driver is told, and the
+/// state the driver may change.
+pub struct Shared {
+    /// Features and configuration space.
+    pub cfg: BlkConfig,
+    /// The driver's write-cache mode (CONFIG_WCE's writeback byte): when
+    /// false on a device with a volatile cache, writes carry FUA.
+    pub writeback: AtomicBool,
+    /// Queues offered.
+    pub queues: u16,
+    /// Frontends connected (0 or 1).
+    pub(super) clients: AtomicUsize,
 }

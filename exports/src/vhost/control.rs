@@ -24,10 +24,11 @@ use virtio_bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestAddress;
 
+use super::config::Shared;
 use super::config::{F_PROTOCOL_FEATURES, MAX_QUEUE_SIZE, WRITEBACK_OFFSET};
 use super::memory::{Memory, Region};
+use super::queue::on_worker;
 use super::queue::Start;
-use super::server::{on_worker, Shared};
 
 /// Memory regions a frontend may add (CONFIGURE_MEM_SLOTS).
 const MAX_MEM_SLOTS: usize = 32;

@@ -24,9 +24,8 @@ use virtio_bindings::virtio_blk::*;
 use virtio_queue::{Queue, QueueT};
 
 use super::chain::{self, Seg};
-use super::config::{MAX_RANGES, MAX_RANGE_SECTORS};
+use super::config::{Shared, MAX_RANGES, MAX_RANGE_SECTORS};
 use super::memory::Memory;
-use super::server::Shared;
 use crate::front::{Done, Front, FrontError, FrontOp, ReqFlags, Request, Submitted};
 
 const S_OK: u8 = VIRTIO_BLK_S_OK as u8;
@@ -666,4 +665,23 @@ impl Poller for Worker {
     fn must_spin(&self) -> bool {
         !self.dirty.borrow().is_empty()
     }
+}
+
+/// Reactor-local key under which each reactor keeps its [`Worker`].
+pub(super) const WORKER_KEY: u64 = 0x5648_4f53_5400_0000;
+
+fn worker_of(r: &Reactor) -> Option<Rc<Worker>> {
+    r.local(WORKER_KEY)?.downcast::<Worker>().ok()
+}
+
+/// Runs `f` with the worker of the reactor it is sent to.
+pub(super) fn on_worker(
+    h: &udm_core::ReactorHandle,
+    f: impl FnOnce(&Worker) + Send + 'static,
+) -> bool {
+    h.send(move |r: &Reactor| {
+        if let Some(w) = worker_of(r) {
+            f(&w)
+        }
+    })
 }

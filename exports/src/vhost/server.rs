@@ -8,7 +8,6 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -16,25 +15,9 @@ use std::time::Duration;
 use udm_core::{BlockDevice, Error, PoolConfig, Reactor, ReactorConfig, ReactorPool, StopToken};
 use vhost::vhost_user::{BackendReqHandler, Error as VuError};
 
-use super::config::BlkConfig;
+use super::config::{BlkConfig, Shared};
 use super::control::{is_refusal, Device};
-use super::queue::Worker;
-
-/// Reactor-local key under which each reactor keeps its [`Worker`].
-const WORKER_KEY: u64 = 0x5648_4f53_5400_0000;
-
-/// What every part of an export shares: what the driver is told, and the
-/// state the driver may change.
-pub struct Shared {
-    /// Features and configuration space.
-    pub cfg: BlkConfig,
-    /// The driver's write-cache mode (CONFIG_WCE's writeback byte): when
-    /// false on a device with a volatile cache, writes carry FUA.
-    pub writeback: AtomicBool,
-    /// Queues offered.
-    pub queues: u16,
-    clients: AtomicUsize,
-}
+use super::queue::{Worker, WORKER_KEY};
 
 /// How to run a server.
 #[derive(Clone, Debug)]
@@ -271,22 +254,6 @@ fn wait2(fd: RawFd, stop: RawFd) -> Ready {
         }
         return Ready::Fd;
     }
-}
-
-fn worker_of(r: &Reactor) -> Option<Rc<Worker>> {
-    r.local(WORKER_KEY)?.downcast::<Worker>().ok()
-}
-
-/// Runs `f` with the worker of the reactor it is sent to.
-pub(super) fn on_worker(
-    h: &udm_core::ReactorHandle,
-    f: impl FnOnce(&Worker) + Send + 'static,
-) -> bool {
-    h.send(move |r: &Reactor| {
-        if let Some(w) = worker_of(r) {
-            f(&w)
-        }
-    })
 }
 
 fn reactor_main(
