@@ -8,6 +8,7 @@
 
 mod exports;
 mod nbd;
+mod running;
 mod ublk;
 mod vhost;
 

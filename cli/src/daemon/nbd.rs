@@ -3,29 +3,50 @@
 //! `export remove` stops it: no new connections, the requests in flight
 //! finish and are answered, then the connections close.
 
-use std::io::Write;
-use std::os::fd::AsRawFd;
-use std::os::unix::net::UnixStream;
-use std::sync::{Mutex, MutexGuard};
-use std::thread::JoinHandle;
-
 use std::sync::Arc;
+
 use udm_control::{Devices, ExportInfo, ExportList, ExportService, ExportSpec, Holder};
 use udm_core::{Error, ErrorKind, ReactorConfig};
 
 use udm_exports::nbd::limits::{Limits, Pool};
 use udm_exports::nbd::{Clients, Export, Listen, Server, ServerConfig};
 
+use super::running::{Running, Served, ServerThread};
+
 /// One export being served.
-struct Running {
+struct NbdExport {
     info: ExportInfo,
     /// The address bound (a TCP port 0 resolved).
     bound: Listen,
     holder: Holder,
     clients: Clients,
-    /// Written to stop the server.
-    stop: UnixStream,
-    thread: Option<JoinHandle<Result<(), Error>>>,
+    server: ServerThread,
+}
+
+impl Served for NbdExport {
+    fn info(&self) -> &ExportInfo {
+        &self.info
+    }
+
+    fn clients(&self) -> usize {
+        self.clients.get()
+    }
+
+    fn busy(&self, n: usize) -> String {
+        format!("{n} clients connected (--force disconnects them once their requests finish)")
+    }
+
+    // Each server first stops accepting, then all drain together.
+    fn begin_stop(&self) {
+        self.server.signal();
+    }
+
+    fn stop(self, devs: &dyn Devices) {
+        self.server.join(&self.info.name);
+        // The device may be gone already (removed by force).
+        let _ = devs.release(&self.info.device, &self.holder);
+        tracing::info!("export '{}' removed", self.info.name);
+    }
 }
 
 /// The daemon's NBD exports (an [`ExportService`]).
@@ -35,7 +56,7 @@ pub struct NbdExports {
     limits: Limits,
     /// The connection cap and buffer budget all the exports share.
     pool: Arc<Pool>,
-    running: Mutex<Vec<Running>>,
+    running: Running<NbdExport>,
 }
 
 impl NbdExports {
@@ -52,27 +73,8 @@ impl NbdExports {
             reactor,
             pool: Pool::new(&limits)?,
             limits,
-            running: Mutex::new(Vec::new()),
+            running: Running::new(),
         })
-    }
-
-    fn running(&self) -> MutexGuard<'_, Vec<Running>> {
-        self.running.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Stops `r`'s server and waits for it, then releases its device.
-    fn stop(ctl: &dyn Devices, mut r: Running) {
-        let _ = (&r.stop).write_all(&[1]);
-        if let Some(t) = r.thread.take() {
-            match t.join() {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => tracing::warn!("export '{}': {e}", r.info.name),
-                Err(_) => tracing::error!("export '{}': its server panicked", r.info.name),
-            }
-        }
-        // The device may be gone already (removed by force).
-        let _ = ctl.release(&r.info.device, &r.holder);
-        tracing::info!("export '{}' removed", r.info.name);
     }
 }
 
@@ -93,7 +95,7 @@ impl ExportService for NbdExports {
         }
         let name = spec.name.clone().unwrap_or_else(|| spec.device.clone());
         let listen = Listen::parse(&spec.address)?;
-        let mut running = self.running();
+        let mut running = self.running.lock();
         if running.iter().any(|r| r.info.name == name) {
             return Err(Error::new(
                 ErrorKind::Busy,
@@ -140,15 +142,11 @@ impl ExportService for NbdExports {
                 .into_iter()
                 .next()
                 .ok_or_else(|| Error::new(ErrorKind::Io, "the server bound no address"))?;
-            let (stop_rd, stop) = UnixStream::pair().map_err(|e| Error::os("stop socket", e))?;
             let clients = srv.clients();
-            let thread = std::thread::Builder::new()
-                .name(format!("udm-exp-{name}"))
-                .spawn(move || srv.run(stop_rd.as_raw_fd()))
-                .map_err(|e| Error::os("spawning the export's thread", e))?;
-            Ok::<_, Error>((bound, stop, clients, thread))
+            let server = ServerThread::spawn(format!("udm-exp-{name}"), move |stop| srv.run(stop))?;
+            Ok::<_, Error>((bound, clients, server))
         })();
-        let (bound, stop, clients, thread) = match started {
+        let (bound, clients, server) = match started {
             Ok(s) => s,
             Err(e) => {
                 let _ = ctl.release(&spec.device, &holder);
@@ -167,59 +165,25 @@ impl ExportService for NbdExports {
             dispatch,
         };
         tracing::info!("export '{name}' of '{}' at {}", info.device, info.uri);
-        running.push(Running {
+        running.push(NbdExport {
             info: info.clone(),
             bound,
             holder,
             clients,
-            stop,
-            thread: Some(thread),
+            server,
         });
         Ok(info)
     }
 
     fn remove(&self, ctl: &dyn Devices, name: &str, force: bool) -> Result<(), Error> {
-        let r = {
-            let mut running = self.running();
-            let Some(i) = running.iter().position(|r| r.info.name == name) else {
-                return Err(Error::new(
-                    ErrorKind::NotFound,
-                    format!("unknown export '{name}'"),
-                ));
-            };
-            let n = running[i].clients.get();
-            if n > 0 && !force {
-                return Err(Error::new(
-                    ErrorKind::Busy,
-                    format!("{n} clients connected (--force disconnects them once their requests finish)"),
-                ));
-            }
-            running.remove(i)
-        };
-        NbdExports::stop(ctl, r);
-        Ok(())
+        self.running.remove(ctl, name, force)
     }
 
     fn list(&self) -> ExportList {
-        let exports = self
-            .running()
-            .iter()
-            .map(|r| ExportInfo {
-                clients: r.clients.get(),
-                ..r.info.clone()
-            })
-            .collect();
-        ExportList { exports }
+        self.running.list()
     }
 
     fn stop_all(&self, ctl: &dyn Devices) {
-        let all: Vec<Running> = self.running().drain(..).collect();
-        // Each server first stops accepting, then all drain together.
-        for r in &all {
-            let _ = (&r.stop).write_all(&[1]);
-        }
-        for r in all {
-            NbdExports::stop(ctl, r);
-        }
+        self.running.stop_all(ctl)
     }
 }

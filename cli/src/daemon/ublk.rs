@@ -3,22 +3,50 @@
 //! stops and deletes it (refused while a process holds it open, unless
 //! forced); the daemon's stop deletes them all.
 
-use std::sync::{Mutex, MutexGuard};
-
 use udm_control::{Devices, ExportInfo, ExportList, ExportService, ExportSpec, Holder};
 use udm_core::{Error, ErrorKind, ReactorConfig};
 use udm_exports::ublk::{UblkConfig, UblkDevice};
 
-struct Running {
+use super::running::{Running, Served};
+
+/// One export being served.
+struct UblkExport {
     info: ExportInfo,
     holder: Holder,
     dev: UblkDevice,
 }
 
+impl Served for UblkExport {
+    fn info(&self) -> &ExportInfo {
+        &self.info
+    }
+
+    /// The processes holding the device open.
+    fn clients(&self) -> usize {
+        self.dev.openers()
+    }
+
+    fn busy(&self, n: usize) -> String {
+        format!(
+            "{} is open (held by {n}; --force removes it anyway, failing their I/O)",
+            self.info.uri
+        )
+    }
+
+    fn stop(self, devs: &dyn Devices) {
+        let name = &self.info.name;
+        if let Err(e) = self.dev.stop() {
+            tracing::warn!("export '{name}': {e}");
+        }
+        let _ = devs.release(&self.info.device, &self.holder);
+        tracing::info!("export '{name}' removed");
+    }
+}
+
 /// The daemon's ublk exports (an [`ExportService`]).
 pub struct UblkExports {
     reactor: ReactorConfig,
-    running: Mutex<Vec<Running>>,
+    running: Running<UblkExport>,
 }
 
 impl UblkExports {
@@ -26,21 +54,8 @@ impl UblkExports {
     pub fn new(reactor: ReactorConfig) -> UblkExports {
         UblkExports {
             reactor,
-            running: Mutex::new(Vec::new()),
+            running: Running::new(),
         }
-    }
-
-    fn running(&self) -> MutexGuard<'_, Vec<Running>> {
-        self.running.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn stop(ctl: &dyn Devices, r: Running) {
-        let name = r.info.name.clone();
-        if let Err(e) = r.dev.stop() {
-            tracing::warn!("export '{name}': {e}");
-        }
-        let _ = ctl.release(&r.info.device, &r.holder);
-        tracing::info!("export '{name}' removed");
     }
 }
 
@@ -54,7 +69,7 @@ impl ExportService for UblkExports {
         }
         let dispatch = spec.opts.direct_only("ublk")?;
         let name = spec.name.clone().unwrap_or_else(|| spec.device.clone());
-        let mut running = self.running();
+        let mut running = self.running.lock();
         if running.iter().any(|r| r.info.name == name) {
             return Err(Error::new(
                 ErrorKind::Busy,
@@ -110,7 +125,7 @@ impl ExportService for UblkExports {
             dispatch,
         };
         tracing::info!("export '{name}' of '{}' at {}", info.device, info.uri);
-        running.push(Running {
+        running.push(UblkExport {
             info: info.clone(),
             holder,
             dev,
@@ -119,46 +134,14 @@ impl ExportService for UblkExports {
     }
 
     fn remove(&self, ctl: &dyn Devices, name: &str, force: bool) -> Result<(), Error> {
-        let r = {
-            let mut running = self.running();
-            let Some(i) = running.iter().position(|r| r.info.name == name) else {
-                return Err(Error::new(
-                    ErrorKind::NotFound,
-                    format!("unknown export '{name}'"),
-                ));
-            };
-            let n = running[i].dev.openers();
-            if n > 0 && !force {
-                return Err(Error::new(
-                    ErrorKind::Busy,
-                    format!(
-                        "{} is open (held by {n}; --force removes it anyway, failing their I/O)",
-                        running[i].info.uri
-                    ),
-                ));
-            }
-            running.remove(i)
-        };
-        UblkExports::stop(ctl, r);
-        Ok(())
+        self.running.remove(ctl, name, force)
     }
 
     fn list(&self) -> ExportList {
-        let exports = self
-            .running()
-            .iter()
-            .map(|r| ExportInfo {
-                clients: r.dev.openers(),
-                ..r.info.clone()
-            })
-            .collect();
-        ExportList { exports }
+        self.running.list()
     }
 
     fn stop_all(&self, ctl: &dyn Devices) {
-        let all: Vec<Running> = self.running().drain(..).collect();
-        for r in all {
-            UblkExports::stop(ctl, r);
-        }
+        self.running.stop_all(ctl)
     }
 }

@@ -5,33 +5,52 @@
 //! remove` stops it: the queues stop once their requests in flight
 //! complete, the frontend is disconnected and the socket removed.
 
-use std::io::Write;
-use std::os::fd::AsRawFd;
-use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::sync::{Mutex, MutexGuard};
-use std::thread::JoinHandle;
 
 use udm_control::{Devices, ExportInfo, ExportList, ExportService, ExportSpec, Holder};
 use udm_core::{Error, ErrorKind, ReactorConfig};
 use udm_exports::vhost::{Clients, Server, ServerConfig};
 
+use super::running::{Running, Served, ServerThread};
+
 /// One export being served.
-struct Running {
+struct VhostExport {
     info: ExportInfo,
     path: PathBuf,
     holder: Holder,
     clients: Clients,
-    /// Written to stop the server.
-    stop: UnixStream,
-    thread: Option<JoinHandle<Result<(), Error>>>,
+    server: ServerThread,
+}
+
+impl Served for VhostExport {
+    fn info(&self) -> &ExportInfo {
+        &self.info
+    }
+
+    fn clients(&self) -> usize {
+        self.clients.get()
+    }
+
+    fn busy(&self, _: usize) -> String {
+        "a frontend is connected (--force disconnects it once its requests finish)".into()
+    }
+
+    fn begin_stop(&self) {
+        self.server.signal();
+    }
+
+    fn stop(self, devs: &dyn Devices) {
+        self.server.join(&self.info.name);
+        let _ = devs.release(&self.info.device, &self.holder);
+        tracing::info!("export '{}' removed", self.info.name);
+    }
 }
 
 /// The daemon's vhost-user-blk exports (an [`ExportService`]).
 pub struct VhostExports {
     reactors: usize,
     reactor: ReactorConfig,
-    running: Mutex<Vec<Running>>,
+    running: Running<VhostExport>,
 }
 
 impl VhostExports {
@@ -41,26 +60,8 @@ impl VhostExports {
         VhostExports {
             reactors: reactors.max(1),
             reactor,
-            running: Mutex::new(Vec::new()),
+            running: Running::new(),
         }
-    }
-
-    fn running(&self) -> MutexGuard<'_, Vec<Running>> {
-        self.running.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Stops `r`'s server and waits for it, then releases its device.
-    fn stop(ctl: &dyn Devices, mut r: Running) {
-        let _ = (&r.stop).write_all(&[1]);
-        if let Some(t) = r.thread.take() {
-            match t.join() {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => tracing::warn!("export '{}': {e}", r.info.name),
-                Err(_) => tracing::error!("export '{}': its server panicked", r.info.name),
-            }
-        }
-        let _ = ctl.release(&r.info.device, &r.holder);
-        tracing::info!("export '{}' removed", r.info.name);
     }
 }
 
@@ -94,7 +95,7 @@ impl ExportService for VhostExports {
         }
         let name = spec.name.clone().unwrap_or_else(|| spec.device.clone());
         let path = PathBuf::from(&spec.address);
-        let mut running = self.running();
+        let mut running = self.running.lock();
         if running.iter().any(|r| r.info.name == name) {
             return Err(Error::new(
                 ErrorKind::Busy,
@@ -129,15 +130,11 @@ impl ExportService for VhostExports {
                     read_only: spec.read_only,
                 },
             )?;
-            let (stop_rd, stop) = UnixStream::pair().map_err(|e| Error::os("stop socket", e))?;
             let clients = srv.clients();
-            let thread = std::thread::Builder::new()
-                .name(format!("udm-exp-{name}"))
-                .spawn(move || srv.run(stop_rd.as_raw_fd()))
-                .map_err(|e| Error::os("spawning the export's thread", e))?;
-            Ok::<_, Error>((stop, clients, thread))
+            let server = ServerThread::spawn(format!("udm-exp-{name}"), move |stop| srv.run(stop))?;
+            Ok::<_, Error>((clients, server))
         })();
-        let (stop, clients, thread) = match started {
+        let (clients, server) = match started {
             Ok(s) => s,
             Err(e) => {
                 let _ = ctl.release(&spec.device, &holder);
@@ -160,57 +157,25 @@ impl ExportService for VhostExports {
             info.device,
             info.uri
         );
-        running.push(Running {
+        running.push(VhostExport {
             info: info.clone(),
             path,
             holder,
             clients,
-            stop,
-            thread: Some(thread),
+            server,
         });
         Ok(info)
     }
 
     fn remove(&self, ctl: &dyn Devices, name: &str, force: bool) -> Result<(), Error> {
-        let r = {
-            let mut running = self.running();
-            let Some(i) = running.iter().position(|r| r.info.name == name) else {
-                return Err(Error::new(
-                    ErrorKind::NotFound,
-                    format!("unknown export '{name}'"),
-                ));
-            };
-            if running[i].clients.get() > 0 && !force {
-                return Err(Error::new(
-                    ErrorKind::Busy,
-                    "a frontend is connected (--force disconnects it once its requests finish)",
-                ));
-            }
-            running.remove(i)
-        };
-        VhostExports::stop(ctl, r);
-        Ok(())
+        self.running.remove(ctl, name, force)
     }
 
     fn list(&self) -> ExportList {
-        let exports = self
-            .running()
-            .iter()
-            .map(|r| ExportInfo {
-                clients: r.clients.get(),
-                ..r.info.clone()
-            })
-            .collect();
-        ExportList { exports }
+        self.running.list()
     }
 
     fn stop_all(&self, ctl: &dyn Devices) {
-        let all: Vec<Running> = self.running().drain(..).collect();
-        for r in &all {
-            let _ = (&r.stop).write_all(&[1]);
-        }
-        for r in all {
-            VhostExports::stop(ctl, r);
-        }
+        self.running.stop_all(ctl)
     }
 }

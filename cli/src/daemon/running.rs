@@ -1,0 +1,131 @@
+//! What the daemon's protocol services share: the exports each runs, found
+//! by name for `export remove`, listed for `export ls` and all stopped at
+//! the daemon's stop; and, for the servers that run on a thread of their
+//! own (NBD, vhost-user-blk), how that thread is stopped.
+
+use std::io::Write;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::sync::{Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+use udm_control::{Devices, ExportInfo, ExportList};
+use udm_core::{Error, ErrorKind};
+
+/// One export a service runs.
+pub(super) trait Served {
+    /// What `export ls` shows (but the clients).
+    fn info(&self) -> &ExportInfo;
+    /// Its clients now.
+    fn clients(&self) -> usize;
+    /// Why a remove without force is refused while it has `n` clients.
+    fn busy(&self, n: usize) -> String;
+    /// Starts to stop, without waiting: at the daemon's stop, every export
+    /// is asked first, then each is waited for, so that they drain together.
+    fn begin_stop(&self) {}
+    /// Stops it, waits for it, and releases its device.
+    fn stop(self, devs: &dyn Devices);
+}
+
+/// A service's running exports.
+pub(super) struct Running<R>(Mutex<Vec<R>>);
+
+impl<R: Served> Running<R> {
+    /// None yet.
+    pub(super) fn new() -> Running<R> {
+        Running(Mutex::new(Vec::new()))
+    }
+
+    /// The list, locked (`add` holds it while it starts one).
+    pub(super) fn lock(&self) -> MutexGuard<'_, Vec<R>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// `export remove NAME`: refused while it has clients, unless `force`.
+    pub(super) fn remove(&self, devs: &dyn Devices, name: &str, force: bool) -> Result<(), Error> {
+        let r = {
+            let mut list = self.lock();
+            let Some(i) = list.iter().position(|r| r.info().name == name) else {
+                return Err(Error::new(
+                    ErrorKind::NotFound,
+                    format!("unknown export '{name}'"),
+                ));
+            };
+            let n = list[i].clients();
+            if n > 0 && !force {
+                return Err(Error::new(ErrorKind::Busy, list[i].busy(n)));
+            }
+            list.remove(i)
+        };
+        r.stop(devs);
+        Ok(())
+    }
+
+    /// `export ls`.
+    pub(super) fn list(&self) -> ExportList {
+        let exports = self
+            .lock()
+            .iter()
+            .map(|r| ExportInfo {
+                clients: r.clients(),
+                ..r.info().clone()
+            })
+            .collect();
+        ExportList { exports }
+    }
+
+    /// Stops them all (the daemon's stop).
+    pub(super) fn stop_all(&self, devs: &dyn Devices) {
+        let all: Vec<R> = self.lock().drain(..).collect();
+        for r in &all {
+            r.begin_stop();
+        }
+        for r in all {
+            r.stop(devs);
+        }
+    }
+}
+
+/// A server running on a thread of its own until a byte arrives on its
+/// stop socket.
+pub(super) struct ServerThread {
+    stop: UnixStream,
+    thread: Option<JoinHandle<Result<(), Error>>>,
+}
+
+impl ServerThread {
+    /// Runs `run` on a thread named `name`, passing it the stop socket's
+    /// end to watch.
+    pub(super) fn spawn(
+        name: String,
+        run: impl FnOnce(RawFd) -> Result<(), Error> + Send + 'static,
+    ) -> Result<ServerThread, Error> {
+        let (stop_rd, stop) = UnixStream::pair().map_err(|e| Error::os("stop socket", e))?;
+        let thread = std::thread::Builder::new()
+            .name(name)
+            .spawn(move || run(stop_rd.as_raw_fd()))
+            .map_err(|e| Error::os("spawning the export's thread", e))?;
+        Ok(ServerThread {
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Tells the server to stop (it stops accepting, then drains).
+    pub(super) fn signal(&self) {
+        let _ = (&self.stop).write_all(&[1]);
+    }
+
+    /// Tells the server to stop and waits for it; `name` is the export's,
+    /// for the log.
+    pub(super) fn join(mut self, name: &str) {
+        self.signal();
+        if let Some(t) = self.thread.take() {
+            match t.join() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!("export '{name}': {e}"),
+                Err(_) => tracing::error!("export '{name}': its server panicked"),
+            }
+        }
+    }
+}
