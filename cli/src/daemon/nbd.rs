@@ -11,7 +11,7 @@ use udm_core::{Error, ErrorKind, ReactorConfig};
 use udm_exports::nbd::limits::{Limits, Pool};
 use udm_exports::nbd::{Clients, Export, Listen, Server, ServerConfig};
 
-use super::running::{Running, Served, ServerThread};
+use super::running::{hold_device, Running, Served, ServerThread};
 
 /// One export being served.
 struct NbdExport {
@@ -96,12 +96,7 @@ impl ExportService for NbdExports {
         let name = spec.name.clone().unwrap_or_else(|| spec.device.clone());
         let listen = Listen::parse(&spec.address)?;
         let mut running = self.running.lock();
-        if running.iter().any(|r| r.info.name == name) {
-            return Err(Error::new(
-                ErrorKind::Busy,
-                format!("an export named '{name}' exists"),
-            ));
-        }
+        Running::<NbdExport>::check_name(&running, &name)?;
         if let Some(r) = running.iter().find(|r| r.bound == listen) {
             return Err(Error::new(
                 ErrorKind::Busy,
@@ -112,20 +107,10 @@ impl ExportService for NbdExports {
             ));
         }
         let dispatch = spec.opts.dispatch()?;
-        let dev = ctl.device(&spec.device).ok_or_else(|| {
-            Error::new(
-                ErrorKind::NotFound,
-                format!("unknown device '{}'", spec.device),
-            )
-        })?;
+        let (dev, holder) = hold_device(ctl, &spec.device, &name, "nbd")?;
         let mut export = Export::new(&name, dev, spec.read_only);
         export.set_dispatch(dispatch);
         let dispatch = format!("{} ({})", export.dispatch, export.dispatch_why);
-        let holder = Holder::Export {
-            name: name.clone(),
-            protocol: "nbd".into(),
-        };
-        ctl.hold(&spec.device, holder.clone())?;
         let started = (|| {
             let srv = Server::bind(
                 vec![export],

@@ -6,11 +6,11 @@
 use std::io::Write;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-use udm_control::{Devices, ExportInfo, ExportList};
-use udm_core::{Error, ErrorKind};
+use udm_control::{Devices, ExportInfo, ExportList, Holder};
+use udm_core::{BlockDevice, Error, ErrorKind};
 
 /// One export a service runs.
 pub(super) trait Served {
@@ -39,6 +39,18 @@ impl<R: Served> Running<R> {
     /// The list, locked (`add` holds it while it starts one).
     pub(super) fn lock(&self) -> MutexGuard<'_, Vec<R>> {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Refuses a second export named `name` (checked under the lock `add`
+    /// holds while it starts one, so two adds cannot both pass).
+    pub(super) fn check_name(list: &[R], name: &str) -> Result<(), Error> {
+        if list.iter().any(|r| r.info().name == name) {
+            return Err(Error::new(
+                ErrorKind::Busy,
+                format!("an export named '{name}' exists"),
+            ));
+        }
+        Ok(())
     }
 
     /// `export remove NAME`: refused while it has clients, unless `force`.
@@ -84,6 +96,26 @@ impl<R: Served> Running<R> {
             r.stop(devs);
         }
     }
+}
+
+/// `device`, held by export `name` of `protocol` (so that it cannot be
+/// removed under the export) until the export releases it with the
+/// holder returned.
+pub(super) fn hold_device(
+    devs: &dyn Devices,
+    device: &str,
+    name: &str,
+    protocol: &str,
+) -> Result<(Arc<dyn BlockDevice>, Holder), Error> {
+    let dev = devs
+        .device(device)
+        .ok_or_else(|| Error::new(ErrorKind::NotFound, format!("unknown device '{device}'")))?;
+    let holder = Holder::Export {
+        name: name.into(),
+        protocol: protocol.into(),
+    };
+    devs.hold(device, holder.clone())?;
+    Ok((dev, holder))
 }
 
 /// A server running on a thread of its own until a byte arrives on its

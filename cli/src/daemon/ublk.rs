@@ -7,7 +7,7 @@ use udm_control::{Devices, ExportInfo, ExportList, ExportService, ExportSpec, Ho
 use udm_core::{Error, ErrorKind, ReactorConfig};
 use udm_exports::ublk::{UblkConfig, UblkDevice};
 
-use super::running::{Running, Served};
+use super::running::{hold_device, Running, Served};
 
 /// One export being served.
 struct UblkExport {
@@ -70,29 +70,14 @@ impl ExportService for UblkExports {
         let dispatch = spec.opts.direct_only("ublk")?;
         let name = spec.name.clone().unwrap_or_else(|| spec.device.clone());
         let mut running = self.running.lock();
-        if running.iter().any(|r| r.info.name == name) {
-            return Err(Error::new(
-                ErrorKind::Busy,
-                format!("an export named '{name}' exists"),
-            ));
-        }
+        Running::<UblkExport>::check_name(&running, &name)?;
         if let Some(r) = running.iter().find(|r| Some(r.dev.id()) == spec.opts.id) {
             return Err(Error::new(
                 ErrorKind::Busy,
                 format!("/dev/ublkb{} is export '{}'", r.dev.id(), r.info.name),
             ));
         }
-        let dev = ctl.device(&spec.device).ok_or_else(|| {
-            Error::new(
-                ErrorKind::NotFound,
-                format!("unknown device '{}'", spec.device),
-            )
-        })?;
-        let holder = Holder::Export {
-            name: name.clone(),
-            protocol: "ublk".into(),
-        };
-        ctl.hold(&spec.device, holder.clone())?;
+        let (dev, holder) = hold_device(ctl, &spec.device, &name, "ublk")?;
         let cfg = UblkConfig {
             id: spec.opts.id,
             queues: spec.opts.queues,

@@ -11,7 +11,7 @@ use udm_control::{Devices, ExportInfo, ExportList, ExportService, ExportSpec, Ho
 use udm_core::{Error, ErrorKind, ReactorConfig};
 use udm_exports::vhost::{Clients, Server, ServerConfig};
 
-use super::running::{Running, Served, ServerThread};
+use super::running::{hold_device, Running, Served, ServerThread};
 
 /// One export being served.
 struct VhostExport {
@@ -96,29 +96,14 @@ impl ExportService for VhostExports {
         let name = spec.name.clone().unwrap_or_else(|| spec.device.clone());
         let path = PathBuf::from(&spec.address);
         let mut running = self.running.lock();
-        if running.iter().any(|r| r.info.name == name) {
-            return Err(Error::new(
-                ErrorKind::Busy,
-                format!("an export named '{name}' exists"),
-            ));
-        }
+        Running::<VhostExport>::check_name(&running, &name)?;
         if let Some(r) = running.iter().find(|r| r.path == path) {
             return Err(Error::new(
                 ErrorKind::Busy,
                 format!("{} is the socket of export '{}'", spec.address, r.info.name),
             ));
         }
-        let dev = ctl.device(&spec.device).ok_or_else(|| {
-            Error::new(
-                ErrorKind::NotFound,
-                format!("unknown device '{}'", spec.device),
-            )
-        })?;
-        let holder = Holder::Export {
-            name: name.clone(),
-            protocol: "vhost-user-blk".into(),
-        };
-        ctl.hold(&spec.device, holder.clone())?;
+        let (dev, holder) = hold_device(ctl, &spec.device, &name, "vhost-user-blk")?;
         let started = (|| {
             let srv = Server::bind(
                 dev,
