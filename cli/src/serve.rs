@@ -13,7 +13,8 @@ use std::sync::Arc;
 
 use udm_control::{Control, ControlServer, Holder};
 use udm_core::{BlockDevice, CompletionMode, Error, ReactorConfig};
-use udm_exports::nbd::{limits, server, Export, Limits, Listen, Server, ServerConfig};
+use udm_exports::limits;
+use udm_exports::nbd::{server, Export, Limits, Listen, Server, ServerConfig};
 use udm_exports::vhost;
 
 const AFTER_HELP: &str = "\
@@ -77,7 +78,7 @@ pub struct ServeArgs {
     handshake_timeout: String,
     /// Connections open at once, server-wide; more are closed at once
     /// (lowered to fit RLIMIT_NOFILE, which is raised to its hard limit).
-    #[arg(long, value_name = "N", default_value_t = udm_exports::nbd::limits::MAX_CONNECTIONS)]
+    #[arg(long, value_name = "N", default_value_t = udm_exports::limits::MAX_CONNECTIONS)]
     max_connections: usize,
     /// Connections in transmission on export NAME at once; a client over
     /// it is refused at NBD_OPT_GO (NBD_REP_ERR_POLICY) (repeatable).
@@ -279,7 +280,8 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
         )));
     }
     if ublk {
-        return serve_ublk(stack, &wanted, control, reactor, stop);
+        let pool = limits::Pool::new(&limits)?;
+        return serve_ublk(stack, &wanted, control, reactor, &pool, stop);
     }
     if vhost_user_blk.is_some() && table.len() != 1 {
         return Err(Error::invalid(
@@ -321,6 +323,7 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
                     reactors: 0,
                     reactor,
                     read_only: wanted[0].1,
+                    budget: Some(limits::Pool::new(&limits)?.budget.clone()),
                 },
             )?;
             println!(
@@ -443,6 +446,7 @@ fn serve_ublk(
     wanted: &[(String, bool)],
     control: Option<PathBuf>,
     reactor: ReactorConfig,
+    pool: &limits::Pool,
     stop: (UnixStream, UnixStream),
 ) -> Result<i32, Error> {
     use udm_exports::ublk::{UblkConfig, UblkDevice};
@@ -462,7 +466,7 @@ fn serve_ublk(
             recover: false,
             reactor,
         };
-        let d = UblkDevice::start(dev.clone(), cfg)?;
+        let d = UblkDevice::start(dev.clone(), cfg, &pool.budget)?;
         println!(
             "udm: serving '{name}' ({} bytes) at {}",
             dev.limits().bytes(),

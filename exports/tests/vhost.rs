@@ -23,6 +23,7 @@ use udm_core::{
     check_bio, BioPtr, BlockDevice, Caps, Channel, Error, Limits, Reactor, ReactorConfig, Ring,
     RingFd,
 };
+use udm_exports::limits::Budget;
 use udm_exports::vhost::{Server, ServerConfig};
 
 const SIZE: u64 = 64 << 20;
@@ -46,6 +47,14 @@ impl MemfdDev {
             file,
             limits: Limits::new(bytes / 512),
         })
+    }
+
+    /// A device of `bytes` with logical blocks of `lbs`.
+    fn with_block_size(bytes: u64, lbs: u32) -> Arc<MemfdDev> {
+        let mut d = Arc::into_inner(MemfdDev::new(bytes)).unwrap();
+        d.limits.logical_block_size = lbs;
+        d.limits.physical_block_size = lbs;
+        Arc::new(d)
     }
 }
 
@@ -97,6 +106,11 @@ struct Served {
 
 impl Served {
     fn start(dev: Arc<MemfdDev>, queues: u16, read_only: bool) -> Served {
+        Served::start_with(dev, queues, read_only, Budget::new(64 << 20, 16))
+    }
+
+    /// A server whose bounce buffers are charged to `budget`.
+    fn start_with(dev: Arc<MemfdDev>, queues: u16, read_only: bool, budget: Budget) -> Served {
         let dir = TempDir::new();
         let path = dir.0.join("vhost.sock");
         let srv = Server::bind(
@@ -107,6 +121,7 @@ impl Served {
                 reactors: 0,
                 reactor: ReactorConfig::default(),
                 read_only,
+                budget: Some(Arc::new(budget)),
             },
         )
         .unwrap();
@@ -585,5 +600,40 @@ mod hostile {
         // And the next frontend is served.
         let mut c = Client::connect(&srv.path, 1);
         assert_eq!(c.read(0, 0, 0, 4096), 0);
+    }
+
+    #[test]
+    fn many_sub_block_segments_land_in_order_within_a_small_bounce_budget() {
+        // 4 KiB blocks and a 16 KiB budget: 64 segments of 512 bytes at
+        // byte 512 are 64 read-modify-writes over 9 blocks, at most a few
+        // bounce buffers at a time.
+        let dev = MemfdDev::with_block_size(SIZE, 4096);
+        let srv = Served::start_with(dev, 1, false, Budget::new(16 << 10, 1));
+        let mut g = Guest::connect(&srv.path);
+        let data = pattern(7, 64 * 512);
+        g.write(0x10000, &data);
+        g.header(0x3000, 1, 1);
+        g.write(0x3800, &[0xff]);
+        let mut t = Vec::new();
+        let mut entry = |a: u64, l: u32, f: u16, n: u16| {
+            t.extend_from_slice(&a.to_le_bytes());
+            t.extend_from_slice(&l.to_le_bytes());
+            t.extend_from_slice(&f.to_le_bytes());
+            t.extend_from_slice(&n.to_le_bytes());
+        };
+        entry(G + 0x3000, 16, F_NEXT, 1);
+        for i in 0..64u16 {
+            entry(G + 0x10000 + i as u64 * 512, 512, F_NEXT, i + 2);
+        }
+        entry(G + 0x3800, 1, F_WRITE, 0);
+        g.write(0x8000, &t);
+        g.desc(12, G + 0x8000, t.len() as u32, F_INDIRECT, 0);
+        assert_eq!(g.submit(12), (12, 1));
+        assert_eq!(g.read(0x3800, 1)[0], 0, "status");
+        // Read the blocks back: the 64 pieces, in order, after 512 zeroes.
+        assert_eq!(g.request(0, 0, 40960, F_WRITE), (0, 40961));
+        let got = g.read(0x4000, 40960);
+        assert!(got[..512].iter().all(|&b| b == 0));
+        assert!(got[512..512 + data.len()] == data[..]);
     }
 }

@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use udm_control::{Config, Control, ControlServer, LimitsDef};
 use udm_core::{BlockDevice, Error};
-use udm_exports::nbd::limits::{self, Limits};
+use udm_exports::limits::{self, Limits};
 use udm_exports::nbd::server;
 
 use crate::serve::{parse_limits, signal_pipe, CompletionArgs};
@@ -94,15 +94,25 @@ pub fn main(a: DaemonArgs) -> Result<i32, Error> {
     let listener = udm_control::bind(&path)?;
     let ctl = Arc::new(Control::default());
     ctl.set_limits(limits_def);
+    // One budget and connection cap for every export of the daemon.
+    let pool = limits::Pool::new(&limits)?;
     let exports = exports::Exports::new()
         .with(
             "nbd",
-            Box::new(nbd::NbdExports::new(a.reactors as usize, reactor, limits)?),
+            Box::new(nbd::NbdExports::new(
+                a.reactors as usize,
+                reactor,
+                limits,
+                pool.clone(),
+            )),
         )
-        .with("ublk", Box::new(ublk::UblkExports::new(reactor)))
+        .with(
+            "ublk",
+            Box::new(ublk::UblkExports::new(reactor, pool.clone())),
+        )
         .with(
             "vhost-user-blk",
-            Box::new(vhost::VhostExports::new(a.reactors as usize, reactor)),
+            Box::new(vhost::VhostExports::new(a.reactors as usize, reactor, pool)),
         );
     ctl.set_exports(Arc::new(exports));
     if let Some(c) = &config {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use udm_control::{Devices, ExportInfo, ExportList, ExportService, ExportSpec, Holder};
 use udm_core::{Error, ErrorKind, ReactorConfig};
 
-use udm_exports::nbd::limits::{Limits, Pool};
+use udm_exports::limits::{Limits, Pool};
 use udm_exports::nbd::{Clients, Export, Listen, Server, ServerConfig};
 
 use super::running::{hold_device, Running, Served, ServerThread};
@@ -67,14 +67,15 @@ impl NbdExports {
         reactors: usize,
         reactor: ReactorConfig,
         limits: Limits,
-    ) -> Result<NbdExports, Error> {
-        Ok(NbdExports {
+        pool: Arc<Pool>,
+    ) -> NbdExports {
+        NbdExports {
             reactors,
             reactor,
-            pool: Pool::new(&limits)?,
+            pool,
             limits,
             running: Running::new(),
-        })
+        }
     }
 }
 

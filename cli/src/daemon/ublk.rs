@@ -3,8 +3,11 @@
 //! stops and deletes it (refused while a process holds it open, unless
 //! forced); the daemon's stop deletes them all.
 
+use std::sync::Arc;
+
 use udm_control::{Devices, ExportInfo, ExportList, ExportService, ExportSpec, Holder};
 use udm_core::{Error, ErrorKind, ReactorConfig};
+use udm_exports::limits::Pool;
 use udm_exports::ublk::{UblkConfig, UblkDevice};
 
 use super::running::{hold_device, Running, Served};
@@ -46,14 +49,18 @@ impl Served for UblkExport {
 /// The daemon's ublk exports (an [`ExportService`]).
 pub struct UblkExports {
     reactor: ReactorConfig,
+    /// The daemon's pool: each device's buffers are reserved from it.
+    pool: Arc<Pool>,
     running: Running<UblkExport>,
 }
 
 impl UblkExports {
-    /// Exports whose queues' reactors are built as `reactor` says.
-    pub fn new(reactor: ReactorConfig) -> UblkExports {
+    /// Exports whose queues' reactors are built as `reactor` says, their
+    /// buffers reserved from `pool`.
+    pub fn new(reactor: ReactorConfig, pool: Arc<Pool>) -> UblkExports {
         UblkExports {
             reactor,
+            pool,
             running: Running::new(),
         }
     }
@@ -86,7 +93,7 @@ impl ExportService for UblkExports {
             recover: spec.opts.recover,
             reactor: self.reactor,
         };
-        let dev = match UblkDevice::start(dev, cfg) {
+        let dev = match UblkDevice::start(dev, cfg, &self.pool.budget) {
             Ok(d) => d,
             Err(e) => {
                 let _ = ctl.release(&spec.device, &holder);

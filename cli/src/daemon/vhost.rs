@@ -6,9 +6,11 @@
 //! complete, the frontend is disconnected and the socket removed.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use udm_control::{Devices, ExportInfo, ExportList, ExportService, ExportSpec, Holder};
 use udm_core::{Error, ErrorKind, ReactorConfig};
+use udm_exports::limits::Pool;
 use udm_exports::vhost::{Clients, Server, ServerConfig};
 
 use super::running::{hold_device, Running, Served, ServerThread};
@@ -50,16 +52,19 @@ impl Served for VhostExport {
 pub struct VhostExports {
     reactors: usize,
     reactor: ReactorConfig,
+    /// The daemon's pool: bounce buffers are charged to its budget.
+    pool: Arc<Pool>,
     running: Running<VhostExport>,
 }
 
 impl VhostExports {
     /// Exports of `reactors` queues unless told otherwise, each queue on
-    /// its own reactor built as `reactor` says.
-    pub fn new(reactors: usize, reactor: ReactorConfig) -> VhostExports {
+    /// its own reactor built as `reactor` says, drawing on `pool`.
+    pub fn new(reactors: usize, reactor: ReactorConfig, pool: Arc<Pool>) -> VhostExports {
         VhostExports {
             reactors: reactors.max(1),
             reactor,
+            pool,
             running: Running::new(),
         }
     }
@@ -113,6 +118,7 @@ impl ExportService for VhostExports {
                     reactors: 0,
                     reactor: self.reactor,
                     read_only: spec.read_only,
+                    budget: Some(self.pool.budget.clone()),
                 },
             )?;
             let clients = srv.clients();

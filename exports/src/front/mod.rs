@@ -38,16 +38,24 @@
 //!   queued mode calls `unplug` at the end of each batch it receives (one
 //!   receive, one virtqueue kick); in direct mode `unplug` finds nothing
 //!   held and returns.
+//! - Bounce buffers are charged to the process's in-flight budget when
+//!   the export gives one ([`Front::set_budget`]), as a connection's
+//!   buffers are: a sub-block request that cannot get its bounce waits, in
+//!   arrival order, until another's bounce is given back. The first bounce
+//!   a front holds is always granted, so it makes progress. At most
+//!   [`KEEP_BOUNCES`] buffers of up to [`KEEP_BOUNCE`] each are kept for
+//!   reuse, outside the budget.
 //! - Steady state allocates nothing: request slots, bounce buffers and the
 //!   plug list are recycled.
 
 mod order;
 mod plug;
 
-use std::cell::{Cell, RefCell};
+use std::cell::{Cell, OnceCell, RefCell};
 use std::collections::VecDeque;
 use std::fmt;
 use std::rc::Rc;
+use std::sync::Arc;
 
 use slab::Slab;
 pub use udm_core::Dispatch;
@@ -55,6 +63,7 @@ use udm_core::{
     AlignedBuf, BioFlags, BioPtr, BlockDevice, Caps, Channel, Op, Reactor, Status, SECTOR_SHIFT,
 };
 
+use crate::limits::Budget;
 use plug::Plugged;
 
 /// What a protocol request asks of the device.
@@ -180,9 +189,9 @@ pub enum Submitted {
 }
 
 /// Bounce buffers up to this size are kept for reuse.
-const KEEP_BOUNCE: usize = 4 << 20;
-/// Bounce buffers kept for reuse.
-const KEEP_BOUNCES: usize = 16;
+pub const KEEP_BOUNCE: usize = 256 << 10;
+/// Bounce buffers kept for reuse, per front (1 MiB at most).
+pub const KEEP_BOUNCES: usize = 4;
 /// The largest range a sub-block request may cover (its bounce buffer).
 pub const MAX_BOUNCE: u64 = 64 << 20;
 
@@ -216,6 +225,8 @@ struct Slot {
     pending: u32,
     status: Status,
     bounce: AlignedBuf,
+    /// A sub-block request whose bounce buffer is not granted yet.
+    needs_bounce: bool,
     /// The next request in the same merged bio ([`NO_SLOT`]: none).
     next: usize,
 }
@@ -234,6 +245,10 @@ pub struct Front {
     flush_after_fua: bool,
     slots: RefCell<Slab<Slot>>,
     bounces: RefCell<Vec<AlignedBuf>>,
+    /// Where bounce buffers are charged (unset: nowhere).
+    budget: OnceCell<Arc<Budget>>,
+    /// Bytes of bounce buffers the slots hold, charged to `budget`.
+    bounce_held: Cell<u64>,
     /// Read-modify-writes in the slots (active or waiting): while 0, an
     /// aligned write has nothing to be ordered against.
     rmws: Cell<usize>,
@@ -272,6 +287,8 @@ impl Front {
             flush_after_fua: caps.contains(Caps::FLUSH),
             slots: RefCell::new(Slab::new()),
             bounces: RefCell::new(Vec::new()),
+            budget: OnceCell::new(),
+            bounce_held: Cell::new(0),
             rmws: Cell::new(0),
             waiting: RefCell::new(VecDeque::new()),
             queued: Cell::new(false),
@@ -294,6 +311,17 @@ impl Front {
             self.unplug();
         }
         self.queued.set(queued);
+    }
+
+    /// Charges bounce buffers to `budget` from now on (once; later calls
+    /// are ignored).
+    pub fn set_budget(&self, budget: Arc<Budget>) {
+        let _ = self.budget.set(budget);
+    }
+
+    /// Bytes of bounce buffers the front's requests hold now.
+    pub fn bounce_bytes(&self) -> u64 {
+        self.bounce_held.get()
     }
 
     /// The dispatch in use: `Direct` or `Queued`.
@@ -390,20 +418,40 @@ impl Front {
             return Submitted::Now(Err(FrontError::Invalid));
         }
         let idx = self.insert(req, lo, hi, writer, writer);
-        self.with_slot(idx, |s| {
-            let mut buf = self.bounces.borrow_mut().pop().unwrap_or_default();
-            buf.resize((hi - lo) as usize);
-            s.bounce = buf;
-        });
+        self.with_slot(idx, |s| s.needs_bounce = true);
         if writer {
             self.rmws.set(self.rmws.get() + 1);
-            if self.must_wait(idx) {
-                self.wait(idx);
-                return Submitted::Later;
-            }
+        }
+        // A write waiting for another takes no bounce while it waits.
+        if writer && self.must_wait(idx) || !self.grab_bounce(idx) {
+            self.wait(idx);
+            return Submitted::Later;
         }
         self.start(idx);
         Submitted::Later
+    }
+
+    /// Gives slot `idx` its bounce buffer if the budget grants it (or it
+    /// is the only one the front would hold); false: it must wait.
+    fn grab_bounce(&self, idx: usize) -> bool {
+        let len = self.with_slot(idx, |s| s.hi - s.lo);
+        let held = self.bounce_held.get();
+        if let Some(b) = self.budget.get() {
+            if !b.take(held, len) {
+                if held > 0 {
+                    return false;
+                }
+                b.force(held, len);
+            }
+        }
+        self.bounce_held.set(held + len);
+        let mut buf = self.bounces.borrow_mut().pop().unwrap_or_default();
+        buf.resize(len as usize);
+        self.with_slot(idx, |s| {
+            s.bounce = buf;
+            s.needs_bounce = false;
+        });
+        true
     }
 
     /// Takes a slot for `req` (and a reference to the front, given back
@@ -421,6 +469,7 @@ impl Front {
             pending: 0,
             status: Status::Ok,
             bounce: AlignedBuf::default(),
+            needs_bounce: false,
             next: NO_SLOT,
         })
     }
@@ -625,13 +674,22 @@ impl Front {
         if s.rmw {
             self.rmws.set(self.rmws.get() - 1);
         }
-        if !s.bounce.is_empty() && s.bounce.len() <= KEEP_BOUNCE {
-            let mut pool = self.bounces.borrow_mut();
-            if pool.len() < KEEP_BOUNCES {
-                pool.push(s.bounce);
+        let bounced = s.hi - s.lo;
+        let had_bounce = !s.bounce.is_empty();
+        if had_bounce {
+            let held = self.bounce_held.get();
+            if let Some(b) = self.budget.get() {
+                b.give(held, bounced);
+            }
+            self.bounce_held.set(held - bounced);
+            if s.bounce.len() <= KEEP_BOUNCE {
+                let mut pool = self.bounces.borrow_mut();
+                if pool.len() < KEEP_BOUNCES {
+                    pool.push(s.bounce);
+                }
             }
         }
-        if s.writer && !self.waiting.borrow().is_empty() {
+        if (s.writer || had_bounce) && !self.waiting.borrow().is_empty() {
             self.release_waiters();
         }
         let lent = lent.filter(|l| l.as_ptr() != s.req.buf.cast_const());

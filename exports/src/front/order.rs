@@ -26,22 +26,32 @@ impl Front {
     }
 
     /// Starts, in arrival order, every waiting request that no longer
-    /// conflicts with one in flight or one that arrived before it.
+    /// conflicts with one in flight or one that arrived before it, and
+    /// that gets its bounce buffer if it needs one. Once one is refused a
+    /// bounce, no later one takes one in this pass (first come, first
+    /// served), but those that need none still go.
     pub(super) fn release_waiters(&self) {
+        let mut bounce_refused = false;
         loop {
             let next = {
                 let slots = self.slots.borrow();
                 let waiting = self.waiting.borrow();
-                waiting.iter().enumerate().position(|(k, &w)| {
+                waiting.iter().enumerate().find_map(|(k, &w)| {
                     let me = &slots[w];
-                    !slots.iter().any(|(_, s)| s.active && conflict(me, s))
-                        && !waiting.iter().take(k).any(|&e| conflict(me, &slots[e]))
+                    let held_back = bounce_refused && me.needs_bounce
+                        || slots.iter().any(|(_, s)| s.active && conflict(me, s))
+                        || waiting.iter().take(k).any(|&e| conflict(me, &slots[e]));
+                    (!held_back).then_some((k, w, me.needs_bounce))
                 })
             };
-            let Some(k) = next else { return };
-            let Some(idx) = self.waiting.borrow_mut().remove(k) else {
+            let Some((k, idx, needs_bounce)) = next else {
                 return;
             };
+            if needs_bounce && !self.grab_bounce(idx) {
+                bounce_refused = true;
+                continue;
+            }
+            self.waiting.borrow_mut().remove(k);
             self.start(idx);
         }
     }

@@ -10,6 +10,8 @@ use super::proto::{self, ExportInfo};
 
 /// Largest READ/WRITE payload advertised (the spec's interoperable maximum).
 pub const MAX_PAYLOAD: u32 = 32 << 20;
+// The smallest budget must hold two of the largest requests.
+const _: () = assert!(2 * MAX_PAYLOAD as u64 <= crate::limits::MIN_INFLIGHT);
 
 /// One export: a name, a device and what clients are told about it.
 pub struct Export {

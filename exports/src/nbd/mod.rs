@@ -25,7 +25,7 @@ pub mod limits;
 pub mod proto;
 pub mod server;
 
+pub use crate::limits::Limits;
 pub use handshake::{Handshake, Negotiated, Outcome};
-pub use limits::Limits;
 pub use proto::ExportInfo;
 pub use server::{Clients, Export, Listen, Server, ServerConfig};

@@ -26,7 +26,8 @@ use udm_core::{
 
 use super::conn::{self, Worker};
 pub use super::export::{Export, MAX_PAYLOAD};
-use super::limits::{Counts, Limits, Pool, Shared};
+use super::limits::{Counts, Shared};
+use crate::limits::{Limits, Pool};
 
 /// SO_SNDBUF asked for on accepted unix sockets (the kernel caps it at
 /// net.core.wmem_max and doubles it for overhead). The default, 208 KiB,

@@ -33,6 +33,7 @@ use std::time::{Duration, Instant};
 use udm_core::{BlockDevice, Caps, Error, ErrorKind, Reactor, ReactorConfig, ReactorHandle};
 
 use crate::front::Front;
+use crate::limits::{Budget, Reservation};
 use ctrl::Ctrl;
 pub use ctrl::NOT_AVAILABLE;
 use queue::Queue;
@@ -73,6 +74,8 @@ pub struct UblkDevice {
     handles: Vec<ReactorHandle>,
     threads: Vec<JoinHandle<()>>,
     stopped: bool,
+    /// The queues' buffers, charged to the process's in-flight budget.
+    _buffers: Reservation,
 }
 
 /// What a queue's thread needs.
@@ -85,6 +88,22 @@ struct QueueSpec {
     reactor: ReactorConfig,
     dev: Arc<dyn BlockDevice>,
     stop: Arc<AtomicBool>,
+}
+
+/// Reserves the buffers of `queues` queues of `depth` tags of `buf_bytes`.
+fn reserve(
+    budget: &Arc<Budget>,
+    dev: &Arc<dyn BlockDevice>,
+    queues: u32,
+    depth: u32,
+    buf_bytes: u32,
+) -> Result<Reservation, Error> {
+    let what = format!(
+        "ublk export of '{}' ({queues} queues × {depth} requests × {} KiB)",
+        dev.name(),
+        buf_bytes >> 10
+    );
+    budget.reserve(queues as u64 * depth as u64 * buf_bytes as u64, &what)
 }
 
 fn log2(v: u32) -> u8 {
@@ -156,7 +175,14 @@ fn ctrl_err(what: &str, id: u32, e: std::io::Error) -> Error {
 impl UblkDevice {
     /// Serves `dev` as a new `/dev/ublkbN` (or recovers device `cfg.id`),
     /// and returns once the block device exists.
-    pub fn start(dev: Arc<dyn BlockDevice>, cfg: UblkConfig) -> Result<UblkDevice, Error> {
+    ///
+    /// The queues' buffers (queues × depth × largest I/O) are reserved
+    /// from `budget` first: a device whose buffers do not fit is refused.
+    pub fn start(
+        dev: Arc<dyn BlockDevice>,
+        cfg: UblkConfig,
+        budget: &Arc<Budget>,
+    ) -> Result<UblkDevice, Error> {
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
         let queues = cfg.queues.unwrap_or(cpus);
         if queues == 0 || queues > cpus {
@@ -180,7 +206,7 @@ impl UblkDevice {
         let buf_bytes = (dev.limits().max_io_bytes.min(MAX_IO_BYTES) / page * page).max(page);
         let mut ctrl = Ctrl::open()?;
         let read_only = cfg.read_only || dev.caps().contains(Caps::READ_ONLY);
-        let (id, queues, depth, buf_bytes) = if cfg.recover {
+        let (id, queues, depth, buf_bytes, buffers) = if cfg.recover {
             let id = cfg.id.unwrap_or(0);
             let info = ctrl.info(id).map_err(|e| ctrl_err("GET_DEV_INFO", id, e))?;
             let p = ctrl.params(id).map_err(|e| ctrl_err("GET_PARAMS", id, e))?;
@@ -192,6 +218,13 @@ impl UblkDevice {
                     dev.limits().sectors
                 )));
             }
+            let buffers = reserve(
+                budget,
+                &dev,
+                info.nr_hw_queues as u32,
+                info.queue_depth as u32,
+                info.max_io_buf_bytes,
+            )?;
             // The kernel takes it once the dead server's char device is
             // released (its exit finished) and the device quiesced: EBUSY
             // until then.
@@ -218,8 +251,10 @@ impl UblkDevice {
                 info.nr_hw_queues as u32,
                 info.queue_depth as u32,
                 info.max_io_buf_bytes,
+                buffers,
             )
         } else {
+            let buffers = reserve(budget, &dev, queues, depth, buf_bytes)?;
             let mut info = sys::DevInfo {
                 nr_hw_queues: queues as u16,
                 queue_depth: depth as u16,
@@ -256,6 +291,7 @@ impl UblkDevice {
                 info.nr_hw_queues as u32,
                 info.queue_depth as u32,
                 info.max_io_buf_bytes,
+                buffers,
             )
         };
         let mut d = UblkDevice {
@@ -266,6 +302,7 @@ impl UblkDevice {
             handles: Vec::new(),
             threads: Vec::new(),
             stopped: false,
+            _buffers: buffers,
         };
         // From here on, a failure stops and deletes the device (drop).
         let path = format!("/dev/ublkc{id}");

@@ -3,8 +3,11 @@
 //! limits and capabilities.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::sync::Arc;
 
 use udm_core::{BlockDevice, Caps};
+
+use crate::limits::Budget;
 use virtio_bindings::virtio_blk::*;
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
@@ -154,4 +157,6 @@ pub struct Shared {
     pub queues: u16,
     /// Frontends connected (0 or 1).
     pub(super) clients: AtomicUsize,
+    /// Where the queues' fronts charge bounce buffers.
+    pub budget: Option<Arc<Budget>>,
 }

@@ -507,6 +507,9 @@ impl Worker {
         // SAFETY: the reactor outlives the worker, which holds the front
         // and drops it in release(), on this thread.
         let f = unsafe { Front::new(self.reactor(), &*self.dev, chan) };
+        if let Some(b) = &self.shared.budget {
+            f.set_budget(b.clone());
+        }
         *self.front.borrow_mut() = Some(f.clone());
         Ok(f)
     }

@@ -13,6 +13,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use udm_core::{BlockDevice, Error, PoolConfig, Reactor, ReactorConfig, ReactorPool, StopToken};
+
+use crate::limits::Budget;
 use vhost::vhost_user::{BackendReqHandler, Error as VuError};
 
 use super::config::{BlkConfig, Shared};
@@ -33,6 +35,9 @@ pub struct ServerConfig {
     pub reactor: ReactorConfig,
     /// Refuse writes (also when the device is read-only).
     pub read_only: bool,
+    /// Where the bounce buffers of sub-block requests are charged (the
+    /// process's in-flight budget; None: nowhere).
+    pub budget: Option<Arc<Budget>>,
 }
 
 /// The count of connected frontends (0 or 1), readable from any thread.
@@ -79,6 +84,7 @@ impl Server {
             writeback: AtomicBool::new(dev.caps().contains(udm_core::Caps::FLUSH)),
             queues: cfg.queues,
             clients: AtomicUsize::new(0),
+            budget: cfg.budget.clone(),
         });
         Ok(Server {
             listener,

@@ -39,12 +39,24 @@ check ublk_add_striped udm export add str --ublk --id 0
 check ublk_fio_striped fio_verify /dev/ublkb0 str --iodepth=32
 # An id the kernel has given to another server: refused, naming it.
 : >/tmp/udm2.log
-UDM_CONTROL=/tmp/udm2.sock udm daemon >/tmp/udm2.log 2>&1 &
+UDM_CONTROL=/tmp/udm2.sock udm daemon --max-inflight 64M >/tmp/udm2.log 2>&1 &
 UDM2=$!
 sleep 1
 UDM_CONTROL=/tmp/udm2.sock udm create other ram:16M
 check ublk_id_in_use_refused sh -c '! UDM_CONTROL=/tmp/udm2.sock udm export add other --ublk --id 0 2>/tmp/id.err && grep -q "ublk device 0 exists" /tmp/id.err'
 cat /tmp/id.err
+# Its buffers (queues x depth x 512 KiB) come from the daemon's in-flight
+# budget: with --max-inflight 64M, 32 MiB are lent to exports and
+# connections, so one queue of 64 fits, a second export does not until the
+# first is removed.
+U2="env UDM_CONTROL=/tmp/udm2.sock udm"
+$U2 create other2 ram:16M
+check ublk_budget_refuses_too_big sh -c "! $U2 export add other --ublk --queues 1 --depth 128 2>/tmp/b.err && grep -q 'its buffers (64 MiB) do not fit in the in-flight budget' /tmp/b.err"
+cat /tmp/b.err
+check ublk_budget_fits $U2 export add other --ublk --id 5 --queues 1 --depth 64
+check ublk_budget_full sh -c "! $U2 export add other2 --ublk --queues 1 --depth 1 2>/tmp/b.err && grep -q '(0 MiB free of the 32 MiB' /tmp/b.err"
+cat /tmp/b.err
+check ublk_budget_given_back sh -c "$U2 export remove other && $U2 export add other2 --ublk --id 5 --queues 1 --depth 64"
 kill $UDM2; wait $UDM2
 # Discard: the RAM device zeroes what is discarded.
 dd if=/dev/urandom of=/dev/ublkb0 bs=1M count=2 oflag=direct 2>/dev/null

@@ -250,6 +250,7 @@ impl Conn {
         // on this thread only.
         let front = unsafe { Front::new(self.worker.reactor(), &*e.dev, chan) };
         front.set_dispatch(e.dispatch);
+        front.set_budget(self.worker.shared.pool.budget.clone());
         self.export = Some(e.info.name.clone());
         self.worker.handshake_done(self.id);
         self.tx = Some(Tx {
