@@ -99,8 +99,9 @@ fn reserve(
     buf_bytes: u32,
 ) -> Result<Reservation, Error> {
     let what = format!(
-        "ublk export of '{}' ({queues} queues × {depth} requests × {} KiB)",
+        "ublk export of '{}' ({queues} queue{} × {depth} requests × {} KiB)",
         dev.name(),
+        if queues == 1 { "" } else { "s" },
         buf_bytes >> 10
     );
     budget.reserve(queues as u64 * depth as u64 * buf_bytes as u64, &what)

@@ -43,7 +43,7 @@ UDM_CONTROL=/tmp/udm2.sock udm daemon --max-inflight 64M >/tmp/udm2.log 2>&1 &
 UDM2=$!
 sleep 1
 UDM_CONTROL=/tmp/udm2.sock udm create other ram:16M
-check ublk_id_in_use_refused sh -c '! UDM_CONTROL=/tmp/udm2.sock udm export add other --ublk --id 0 2>/tmp/id.err && grep -q "ublk device 0 exists" /tmp/id.err'
+check ublk_id_in_use_refused sh -c '! UDM_CONTROL=/tmp/udm2.sock udm export add other --ublk --id 0 --queues 1 --depth 16 2>/tmp/id.err && grep -q "ublk device 0 exists" /tmp/id.err'
 cat /tmp/id.err
 # Its buffers (queues x depth x 512 KiB) come from the daemon's in-flight
 # budget: with --max-inflight 64M, 32 MiB are lent to exports and
