@@ -26,6 +26,7 @@ use vm_memory::GuestAddress;
 
 use super::config::Shared;
 use super::config::{F_PROTOCOL_FEATURES, MAX_QUEUE_SIZE, WRITEBACK_OFFSET};
+use super::inflight::{self, InflightMap};
 use super::memory::{Memory, Region};
 use super::queue::on_worker;
 use super::queue::Start;
@@ -59,6 +60,9 @@ pub struct Device {
     regions: Vec<Region>,
     mem: Option<Arc<Memory>>,
     rings: Vec<Ring>,
+    /// The inflight area (SET_INFLIGHT_FD), kept across resets: the
+    /// frontend sends a new one when it wants a fresh one.
+    inflight: Option<Arc<InflightMap>>,
 }
 
 /// Logs why a request is refused and returns the error the crate maps to
@@ -98,6 +102,7 @@ impl Device {
             regions: Vec::new(),
             mem: None,
             rings,
+            inflight: None,
         }
     }
 
@@ -167,12 +172,20 @@ impl Device {
             .and_then(|f| f.try_clone().ok())
             .ok_or(Error::BackendInternalError)?;
         let call = r.call.as_ref().and_then(|f| f.try_clone().ok());
+        let inflight = match &self.inflight {
+            None => None,
+            Some(m) => match m.queue(index as u16, r.num) {
+                Ok(q) => Some(q),
+                Err(e) => return refuse(e),
+            },
+        };
         let start = Start {
             index: index as u16,
             queue: q,
             mem,
             kick,
             call,
+            inflight,
         };
         let (tx, rx) = mpsc::channel();
         on_worker(self.handle(index), move |w| w.start(start, tx));
@@ -232,6 +245,7 @@ impl Device {
         self.mem = None;
         self.regions.clear();
         self.protocol = 0;
+        self.inflight = None;
     }
 
     /// Rebuilds the memory from the regions and hands it to the rings.
@@ -437,6 +451,7 @@ impl VhostUserBackendReqHandlerMut for Device {
             | VhostUserProtocolFeatures::CONFIG
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
             | VhostUserProtocolFeatures::REPLY_ACK
+            | VhostUserProtocolFeatures::INFLIGHT_SHMFD
             | VhostUserProtocolFeatures::RESET_DEVICE)
     }
 
@@ -508,12 +523,36 @@ impl VhostUserBackendReqHandlerMut for Device {
         Err(Error::InvalidOperation("no shared objects"))
     }
 
-    fn get_inflight_fd(&mut self, _i: &VhostUserInflight) -> Result<(VhostUserInflight, File)> {
-        Err(Error::InvalidOperation("INFLIGHT_SHMFD was not offered"))
+    fn get_inflight_fd(&mut self, i: &VhostUserInflight) -> Result<(VhostUserInflight, File)> {
+        tracing::trace!("vhost: get_inflight_fd");
+        // Its reply carries the file: an error cannot be told, so the
+        // frontend is disconnected.
+        let made = inflight::check(i, self.shared.queues, MAX_QUEUE_SIZE)
+            .and_then(|len| Ok((len, inflight::create(len)?)));
+        match made {
+            Ok((len, file)) => Ok((
+                VhostUserInflight::new(len, 0, i.num_queues, i.queue_size),
+                file,
+            )),
+            Err(e) => {
+                tracing::warn!("vhost: frontend: {e}");
+                Err(Error::InvalidParam)
+            }
+        }
     }
 
-    fn set_inflight_fd(&mut self, _i: &VhostUserInflight, _file: File) -> Result<()> {
-        Err(Error::InvalidOperation("INFLIGHT_SHMFD was not offered"))
+    fn set_inflight_fd(&mut self, i: &VhostUserInflight, file: File) -> Result<()> {
+        tracing::trace!("vhost: set_inflight_fd");
+        if self.rings.iter().any(|r| r.running) {
+            return refuse("inflight area set while queues run".into());
+        }
+        match InflightMap::map(file, i, self.shared.queues, MAX_QUEUE_SIZE) {
+            Ok(m) => {
+                self.inflight = Some(Arc::new(m));
+                Ok(())
+            }
+            Err(e) => refuse(e),
+        }
     }
 
     fn get_max_mem_slots(&mut self) -> Result<u64> {
