@@ -538,7 +538,7 @@ fn reload_swaps_tables_under_live_nbd_io_and_loses_nothing() {
         (
             "lin",
             "0 65536 linear ram0 0",
-            "resizing a live device is not supported",
+            "a live device may grow, not shrink",
         ),
         (
             "lin",

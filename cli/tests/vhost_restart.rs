@@ -10,6 +10,10 @@
 //! Then the guest reboots (a machine reset: the device is reset, QEMU
 //! drops the inflight area and asks for a new one) and, on its second
 //! boot, reads back what the first wrote and writes and verifies again.
+//! Last, the device grows (`udm reload` with a longer table): the guest
+//! is told (a config-change message), sees the new size in
+//! `/sys/block/vda/size` and writes and verifies past the old end; a
+//! reload that shrinks it is refused.
 
 #![allow(clippy::unwrap_used)]
 
@@ -20,6 +24,12 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{Serve, TempDir};
+
+/// The disk: the file, with writes to its second half delayed by 10 ms,
+/// so that requests complete out of the order the guest queued them in,
+/// as on a real disk (a ring restarted at its used index would then lose
+/// some and redo others).
+const TABLE: &str = "0 131072 linear f 0; 131072 131072 delay f 131072 0 f 131072 10";
 
 const GUEST_SCRIPT: &str = r#"
 FIO="fio --name=restart --filename=/dev/vda --direct=1 --ioengine=libaio --iodepth=16
@@ -38,6 +48,19 @@ if [ "$(dd if=/dev/vda bs=512 skip=250000 count=1 2>/dev/null | head -c 10)" = u
         | grep -E 'err=|WRITE:|READ:'
     io_errors
     echo "SECOND_BOOT_OK"
+    echo "RESIZE_READY"
+    i=0
+    while [ "$(cat /sys/block/vda/size)" = 262144 ]; do
+        i=$((i + 1))
+        [ $i -lt 60 ] || { echo "NO_RESIZE"; exit 1; }
+        sleep 1
+    done
+    echo "RESIZED vda: $(cat /sys/block/vda/size) sectors"
+    fio --name=grown --filename=/dev/vda --direct=1 --ioengine=libaio --iodepth=16 \
+        --rw=randwrite --bs=4k --offset=128m --size=32m --verify=crc32c --verify_fatal=1 \
+        | grep -E 'err=|WRITE:|READ:'
+    io_errors
+    echo "RESIZE_OK"
     exit 0
 fi
 echo "FIO_RUNNING"
@@ -64,8 +87,7 @@ fn wait_console(log: &Path, needle: &str, guest: &mut std::process::Child) -> bo
 }
 
 #[test]
-fn udm_killed_and_restarted_under_a_guest_running_fio_loses_nothing_and_a_guest_reboot_keeps_the_disk(
-) {
+fn udm_restarted_under_fio_loses_nothing_the_disk_survives_a_guest_reboot_and_a_grow_is_seen() {
     let dir = TempDir::new("vhost-restart");
     let img = dir.path("disk.img");
     let sock = dir.path("vda.vhost");
@@ -75,15 +97,14 @@ fn udm_killed_and_restarted_under_a_guest_running_fio_loses_nothing_and_a_guest_
         .set_len(128 << 20)
         .unwrap();
     let file_dev = format!("f=file:{}", img.display());
+    let lin = format!("lin={TABLE}");
     let args = [
         "--dev",
         &file_dev,
         "--dev",
-        // Writes to the second half wait 10 ms: requests complete out of
-        // the order the guest queued them in, as on a real disk (a ring
-        // restarted at its used index would then lose some and redo
-        // others).
-        "lin=0 131072 linear f 0; 131072 131072 delay f 131072 0 f 131072 10",
+        "r=ram:32M",
+        "--dev",
+        &lin,
         "--vhost-user-blk",
         sock.to_str().unwrap(),
         "--queues",
@@ -125,6 +146,19 @@ fn udm_killed_and_restarted_under_a_guest_running_fio_loses_nothing_and_a_guest_
             srv = Serve::start_as_given(&args);
         }
     }
+    // Grown by 32 MiB of RAM while the guest runs.
+    let resized = running && wait_console(&console, "RESIZE_READY", &mut guest);
+    if resized {
+        let ctl = srv.ctl();
+        let reload = |table: &str| {
+            common::udm(&["reload", "--control", ctl.to_str().unwrap(), "lin", table])
+        };
+        let (rc, out, err) = reload(&format!("{TABLE}; 262144 65536 linear r 0"));
+        assert_eq!(rc, 0, "udm reload: {out}{err}");
+        // A shrink is refused, with the reason.
+        let (rc, _, err) = reload(TABLE);
+        assert!(rc != 0 && err.contains("may grow, not shrink"), "{err}");
+    }
     let out = guest.wait_with_output().unwrap();
     let text = format!(
         "{}{}",
@@ -139,6 +173,13 @@ fn udm_killed_and_restarted_under_a_guest_running_fio_loses_nothing_and_a_guest_
     );
     assert!(text.contains("FIRST_BOOT_OK"), "{text}");
     assert!(text.contains("SECOND_BOOT_OK"), "{text}");
+    assert!(
+        resized,
+        "the guest never got to the resize:\n{text}\n{logs}"
+    );
+    assert!(text.contains("RESIZED vda: 327680 sectors"), "{text}");
+    assert!(text.contains("RESIZE_OK"), "{text}");
+    assert!(logs.contains("config-change notification sent"), "{logs}");
     assert!(!text.contains("GUEST_IO_ERRORS"), "{text}");
     // Each udm served QEMU, and the kills came while requests were in
     // flight: a later udm took them again.

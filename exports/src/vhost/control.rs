@@ -11,6 +11,8 @@
 //! where the protocol has no reply), logged in one line.
 
 use std::fs::File;
+use std::io::Write;
+use std::os::unix::net::UnixStream;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
@@ -63,6 +65,9 @@ pub struct Device {
     /// The inflight area (SET_INFLIGHT_FD), kept across resets: the
     /// frontend sends a new one when it wants a fresh one.
     inflight: Option<Arc<InflightMap>>,
+    /// The backend request channel (SET_BACKEND_REQ_FD): config-change
+    /// notifications go there.
+    backend_req: Option<UnixStream>,
 }
 
 /// Logs why a request is refused and returns the error the crate maps to
@@ -103,6 +108,7 @@ impl Device {
             mem: None,
             rings,
             inflight: None,
+            backend_req: None,
         }
     }
 
@@ -246,6 +252,7 @@ impl Device {
         self.regions.clear();
         self.protocol = 0;
         self.inflight = None;
+        self.backend_req = None;
     }
 
     /// Rebuilds the memory from the regions and hands it to the rings.
@@ -292,6 +299,42 @@ impl Device {
             self.try_start(i)?;
         }
         Ok(())
+    }
+
+    /// Whether the frontend acked protocol feature `f`.
+    pub fn acked(&self, f: VhostUserProtocolFeatures) -> bool {
+        self.protocol & f.bits() != 0
+    }
+
+    /// The frontend's backend request channel (SET_BACKEND_REQ_FD, which
+    /// the server takes before the vhost crate sees it: its `Backend` has
+    /// no sender of config-change messages).
+    pub fn set_backend_channel(&mut self, sock: UnixStream) {
+        let _ = sock.set_write_timeout(Some(Duration::from_secs(1)));
+        self.backend_req = Some(sock);
+    }
+
+    /// Tells the frontend that the configuration space changed
+    /// (VHOST_USER_BACKEND_CONFIG_CHANGE_MSG, no reply asked: the
+    /// frontend answers it by reading the configuration, which this
+    /// thread serves). Whether it was sent.
+    pub fn config_changed(&mut self) -> bool {
+        let Some(s) = &self.backend_req else {
+            return false;
+        };
+        // Header (request, flags: version 1, body size), then a u64 0.
+        let mut msg = [0u8; 20];
+        msg[..4].copy_from_slice(&(BackendReq::CONFIG_CHANGE_MSG as u32).to_le_bytes());
+        msg[4..8].copy_from_slice(&1u32.to_le_bytes());
+        msg[8..12].copy_from_slice(&8u32.to_le_bytes());
+        match (&*s).write_all(&msg) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!("vhost: config-change message: {e}");
+                self.backend_req = None;
+                false
+            }
+        }
     }
 
     fn map_region(r: &VhostUserMemoryRegion, file: File) -> Result<Region> {
@@ -452,6 +495,7 @@ impl VhostUserBackendReqHandlerMut for Device {
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::INFLIGHT_SHMFD
+            | VhostUserProtocolFeatures::BACKEND_REQ
             | VhostUserProtocolFeatures::RESET_DEVICE)
     }
 
@@ -492,7 +536,11 @@ impl VhostUserBackendReqHandlerMut for Device {
             .shared
             .writeback
             .load(std::sync::atomic::Ordering::Relaxed);
-        match self.shared.cfg.read(offset, size, wb) {
+        let capacity = self
+            .shared
+            .capacity
+            .load(std::sync::atomic::Ordering::Relaxed);
+        match self.shared.cfg.read(offset, size, wb, capacity) {
             Some(v) => Ok(v),
             None => refuse(format!("config space read of {size} bytes at {offset}")),
         }
@@ -513,6 +561,7 @@ impl VhostUserBackendReqHandlerMut for Device {
         ))
     }
 
+    // Not reached: the server takes SET_BACKEND_REQ_FD itself.
     fn set_backend_req_fd(&mut self, _backend: Backend) {}
 
     fn set_gpu_socket(&mut self, _gpu: GpuBackend) -> Result<()> {

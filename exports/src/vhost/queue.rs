@@ -664,6 +664,13 @@ impl Worker {
         }
     }
 
+    /// The device grew to `bytes`: requests up to there are taken.
+    pub fn grow(&self, bytes: u64) {
+        if let Some(f) = &*self.front.borrow() {
+            f.grow(bytes);
+        }
+    }
+
     /// Queues placed here and not yet freed.
     pub fn queues(&self) -> usize {
         self.queues.borrow().len()
