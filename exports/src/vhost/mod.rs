@@ -25,9 +25,9 @@
 //! the device has them), GET_ID; VIRTIO_RING_F_EVENT_IDX and
 //! INDIRECT_DESC; protocol features MQ, CONFIG, CONFIGURE_MEM_SLOTS,
 //! REPLY_ACK, INFLIGHT_SHMFD (udm may be killed and started again under a
-//! running guest: the next udm resubmits what was in flight) and
-//! RESET_DEVICE. Not offered: config-change notifications (a resize is
-//! not seen by the guest until it re-reads the configuration).
+//! running guest: the next udm resubmits what was in flight), BACKEND_REQ
+//! (a device that grows is announced with a config-change message: see
+//! the server) and RESET_DEVICE.
 
 pub mod chain;
 pub mod config;
