@@ -178,8 +178,9 @@ pub fn parse(
 /// virtio-queue's `DescriptorChain` walks a chain it pops (one indirect
 /// table at most, of a whole number of descriptors; at most as many
 /// descriptors as the table holds, so a loop ends; a descriptor that
-/// cannot be read ends the chain). For chains taken again by head, not
-/// from the avail ring: the inflight resubmission.
+/// cannot be read, or a total length past u32, ends the chain; the fuzz
+/// target checks that both walks agree). For chains taken again by head,
+/// not from the avail ring: the inflight resubmission.
 pub fn walk<M: GuestMemory>(mem: &M, table: u64, size: u16, head: u16) -> Walk<'_, M> {
     Walk {
         mem,
@@ -188,6 +189,7 @@ pub fn walk<M: GuestMemory>(mem: &M, table: u64, size: u16, head: u16) -> Walk<'
         next: head,
         ttl: size,
         indirect: false,
+        bytes: 0,
     }
 }
 
@@ -199,6 +201,8 @@ pub struct Walk<'a, M> {
     next: u16,
     ttl: u16,
     indirect: bool,
+    /// Bytes yielded so far: the chain ends where they would pass u32.
+    bytes: u32,
 }
 
 impl<M: GuestMemory> Iterator for Walk<'_, M> {
@@ -223,6 +227,7 @@ impl<M: GuestMemory> Iterator for Walk<'_, M> {
                 self.next = 0;
                 continue;
             }
+            self.bytes = self.bytes.checked_add(d.len())?;
             if d.has_next() {
                 self.next = d.next();
                 self.ttl -= 1;

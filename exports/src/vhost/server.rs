@@ -1,7 +1,10 @@
 //! The vhost-user-blk server of one export: the listening socket, the
 //! control thread that speaks the vhost-user protocol with one frontend
 //! at a time (and accepts the next when it goes: a frontend may
-//! reconnect), and the reactors that run the queues.
+//! reconnect), and the reactors that run the queues. Between messages
+//! (every 200 ms at most) the control thread looks at the device's size:
+//! when it grew, the reactors take the new end, the configuration space
+//! reports it and the frontend gets a config-change message.
 
 use std::io;
 use std::io::Write;
