@@ -435,19 +435,20 @@ impl Registry {
     }
 
     /// Builds `text` as the inactive table of mapped device `name`
-    /// (replacing one already loaded). Refused: a table that changes the
-    /// device's size or logical block size or lowers its max I/O size
-    /// (clients that are connected were told those), one that uses the
-    /// device itself or a device created after it, and one claiming a
-    /// device another table claims.
+    /// (replacing one already loaded). Refused: a table that shrinks the
+    /// device, changes its logical block size or lowers its max I/O size
+    /// (clients that are connected were told those; a larger size is
+    /// harmless to them, and a vhost-user-blk export tells its guest), one
+    /// that uses the device itself or a device created after it, and one
+    /// claiming a device another table claims.
     pub fn load(&mut self, name: &str, text: &str) -> Result<(), Error> {
         let dev = self.mapped(name)?;
         let pos = self.position(name)?;
         let table = self.build_table(Some(pos), name, text)?;
         let (old, new) = (dev.limits(), table.limits);
-        if new.sectors != old.sectors {
+        if new.sectors < old.sectors {
             return Err(Error::invalid(format!(
-                "the new table has {} sectors, the device {}: resizing a live device is not supported",
+                "the new table has {} sectors, the device {}: a live device may grow, not shrink",
                 new.sectors, old.sectors
             )));
         }
@@ -569,7 +570,8 @@ mod tests {
             assert!(e.contains("defined after it"), "{bad}: {e}");
         }
         let e = r.load("l", "0 1024 zero").err().unwrap().to_string();
-        assert!(e.contains("resizing a live device"), "{e}");
+        assert!(e.contains("may grow, not shrink"), "{e}");
+        r.load("l", "0 2048 linear a 0; 2048 2048 zero").unwrap();
         let e = r.load("a", "0 2048 zero").err().unwrap().to_string();
         assert!(e.contains("not a mapped device"), "{e}");
         let e = r.load("nope", "0 8 zero").err().unwrap().to_string();

@@ -372,7 +372,7 @@ impl WriteAt for File {
 mod hostile {
     use super::*;
     use std::time::{Duration, Instant};
-    use vhost::vhost_user::message::VhostUserProtocolFeatures;
+    use vhost::vhost_user::message::{VhostUserInflight, VhostUserProtocolFeatures};
     use vhost::vhost_user::{Frontend, VhostUserFrontend};
     use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
     use vmm_sys_util::eventfd::EventFd;
@@ -391,7 +391,7 @@ mod hostile {
     /// A guest: its memory (a memfd mapped here), one queue set up on the
     /// server, and the count of chains it made available.
     struct Guest {
-        _fe: Frontend,
+        fe: Option<Frontend>,
         mem: *mut u8,
         _memfd: File,
         kick: EventFd,
@@ -401,6 +401,13 @@ mod hostile {
 
     impl Guest {
         fn connect(path: &Path) -> Guest {
+            let mut g = Guest::memory();
+            g.attach(path, None, 0);
+            g
+        }
+
+        /// The guest's memory and eventfds, no frontend yet.
+        fn memory() -> Guest {
             // SAFETY: plain syscall with a NUL-terminated name; checked below.
             let fd = unsafe { libc::memfd_create(c"guest".as_ptr(), libc::MFD_CLOEXEC) };
             assert!(fd >= 0);
@@ -420,19 +427,55 @@ mod hostile {
             };
             assert_ne!(mem, libc::MAP_FAILED);
             let mem = mem.cast::<u8>();
+            Guest {
+                fe: None,
+                mem,
+                _memfd: memfd,
+                // Non-blocking, as QEMU makes its kick eventfds.
+                kick: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
+                _call: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
+                avail: 0,
+            }
+        }
+
+        /// Connects a frontend (after dropping the one before) and starts
+        /// the queue at `base`. With `inflight`, it negotiates
+        /// INFLIGHT_SHMFD: an empty slot gets a new area from the server
+        /// (GET_INFLIGHT_FD), a full one is handed back as it is, as QEMU
+        /// does after a backend restart (SET_INFLIGHT_FD).
+        fn attach(
+            &mut self,
+            path: &Path,
+            inflight: Option<&mut Option<(VhostUserInflight, File)>>,
+            base: u16,
+        ) {
+            self.fe = None;
+            let mem = self.mem;
             let mut fe = Frontend::connect(path, 1).unwrap();
             fe.set_owner().unwrap();
             let f = fe.get_features().unwrap();
             fe.set_features(f & !(1 << 29)).unwrap(); // no EVENT_IDX
             let p = fe.get_protocol_features().unwrap();
-            fe.set_protocol_features(p & VhostUserProtocolFeatures::REPLY_ACK)
-                .unwrap();
+            let want = if inflight.is_some() {
+                VhostUserProtocolFeatures::REPLY_ACK | VhostUserProtocolFeatures::INFLIGHT_SHMFD
+            } else {
+                VhostUserProtocolFeatures::REPLY_ACK
+            };
+            fe.set_protocol_features(p & want).unwrap();
+            if let Some(slot) = inflight {
+                if slot.is_none() {
+                    let ask = VhostUserInflight::new(0, 0, 1, QSIZE);
+                    *slot = Some(fe.get_inflight_fd(&ask).unwrap());
+                }
+                let (info, file) = slot.as_ref().unwrap();
+                fe.set_inflight_fd(info, file.as_raw_fd()).unwrap();
+            }
             let region = VhostUserMemoryRegionInfo {
                 guest_phys_addr: G,
                 memory_size: MEM as u64,
                 userspace_addr: mem as u64,
                 mmap_offset: 0,
-                mmap_handle: memfd.as_raw_fd(),
+                mmap_handle: self._memfd.as_raw_fd(),
             };
             fe.set_mem_table(&[region]).unwrap();
             fe.set_vring_num(0, QSIZE).unwrap();
@@ -450,21 +493,11 @@ mod hostile {
                 },
             )
             .unwrap();
-            fe.set_vring_base(0, 0).unwrap();
-            let call = EventFd::new(libc::EFD_NONBLOCK).unwrap();
-            // Non-blocking, as QEMU makes its kick eventfds.
-            let kick = EventFd::new(libc::EFD_NONBLOCK).unwrap();
-            fe.set_vring_call(0, &call).unwrap();
-            fe.set_vring_kick(0, &kick).unwrap();
+            fe.set_vring_base(0, base).unwrap();
+            fe.set_vring_call(0, &self._call).unwrap();
+            fe.set_vring_kick(0, &self.kick).unwrap();
             fe.set_vring_enable(0, true).unwrap();
-            Guest {
-                _fe: fe,
-                mem,
-                _memfd: memfd,
-                kick,
-                _call: call,
-                avail: 0,
-            }
+            self.fe = Some(fe);
         }
 
         fn write(&self, off: usize, bytes: &[u8]) {
@@ -635,5 +668,125 @@ mod hostile {
         let got = g.read(0x4000, 40960);
         assert!(got[..512].iter().all(|&b| b == 0));
         assert!(got[512..512 + data.len()] == data[..]);
+    }
+
+    /// A shared mapping of `len` bytes of `file`, for the test to look at
+    /// and write the inflight area as a crashed backend would have left it.
+    fn map_area(file: &File, len: u64) -> *mut u8 {
+        // SAFETY: a new shared mapping of a live file, checked below; the
+        // test keeps the file open while it uses the mapping.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        p.cast()
+    }
+
+    fn peek<const N: usize>(p: *mut u8, off: usize) -> [u8; N] {
+        let mut b = [0u8; N];
+        // SAFETY: off + N lies inside the area (the test's offsets are in
+        // its header and first QSIZE descriptors).
+        unsafe { std::ptr::copy_nonoverlapping(p.add(off), b.as_mut_ptr(), N) };
+        b
+    }
+
+    fn poke(p: *mut u8, off: usize, bytes: &[u8]) {
+        // SAFETY: as in peek.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), p.add(off), bytes.len()) };
+    }
+
+    /// Area offsets (QEMU's split layout): the header's used_idx and
+    /// last_batch_head, and descriptor `h`'s inflight flag and counter.
+    const A_USED_IDX: usize = 14;
+    const A_LAST_BATCH_HEAD: usize = 12;
+    fn a_desc(h: u16) -> usize {
+        16 + 16 * h as usize
+    }
+
+    #[test]
+    fn a_frontend_back_with_its_inflight_area_gets_what_was_left_in_flight_done_once_in_order() {
+        let srv = Served::start(MemfdDev::new(SIZE), 1, false);
+        let mut g = Guest::memory();
+        let mut area = None;
+        g.attach(&srv.path, Some(&mut area), 0);
+        let (info, file) = area.as_ref().unwrap();
+        assert_eq!((info.num_queues, info.queue_size), (1, QSIZE));
+        assert!(info.mmap_size >= 16 + 16 * QSIZE as u64);
+        let a = map_area(file, info.mmap_size);
+        // A write through the queue: unmarked once answered, used_idx 1;
+        // the area was stamped (version 1, desc_num) as the queue started.
+        g.write(0x4000, &[0xa1; 512]);
+        assert_eq!(g.request(1, 0, 512, 0), (0, 1));
+        assert_eq!(peek::<2>(a, 8), 1u16.to_le_bytes());
+        assert_eq!(peek::<2>(a, 10), QSIZE.to_le_bytes());
+        assert_eq!(peek::<1>(a, a_desc(0)), [0]);
+        assert_eq!(peek::<2>(a, A_USED_IDX), 1u16.to_le_bytes());
+
+        // The backend "dies" having taken three writes: heads 6, 9 and 3,
+        // in that order (counters 7, 8, 9). 9 was put on the used ring
+        // (used index 2) but its mark not yet cleared. 6 and 3 write the
+        // same sector: the one taken last must win.
+        g.fe = None;
+        for (head, hdr, data, status, fill, sector) in [
+            (6u16, 0x3100, 0x5000, 0x3900, 0xb6u8, 8u64),
+            (9, 0x3200, 0x5200, 0x3a00, 0xb9, 24),
+            (3, 0x3300, 0x5400, 0x3b00, 0xb3, 8),
+        ] {
+            g.header(hdr, 1, sector);
+            g.write(data, &[fill; 512]);
+            g.write(status, &[0xff]);
+            g.desc(head, G + hdr as u64, 16, F_NEXT, head + 1);
+            g.desc(head + 1, G + data as u64, 512, F_NEXT, head + 2);
+            g.desc(head + 2, G + status as u64, 1, F_WRITE, 0);
+        }
+        for (pos, head) in [(1usize, 6u16), (2, 9), (3, 3)] {
+            g.write(AVAIL + 4 + pos * 2, &head.to_le_bytes());
+        }
+        g.avail = 4;
+        g.write(AVAIL + 2, &4u16.to_le_bytes());
+        g.write(USED + 4 + 8, &[9, 0, 0, 0, 1, 0, 0, 0]);
+        g.write(USED + 2, &2u16.to_le_bytes());
+        for (head, counter) in [(6u16, 7u64), (9, 8), (3, 9)] {
+            poke(a, a_desc(head), &[1]);
+            poke(a, a_desc(head) + 8, &counter.to_le_bytes());
+        }
+        poke(a, A_LAST_BATCH_HEAD, &9u16.to_le_bytes());
+
+        // Back, as QEMU comes back: the same area, the ring from its used
+        // index. 6 and 3 are done (and answered), 9 is not done again.
+        g.attach(&srv.path, Some(&mut area), 2);
+        let t0 = Instant::now();
+        while g.used_idx() != 4 {
+            assert!(t0.elapsed() < Duration::from_secs(5), "never resubmitted");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let mut ids: Vec<u8> = (2..4).map(|i| g.read(USED + 4 + i * 8, 1)[0]).collect();
+        ids.sort();
+        assert_eq!(ids, [3, 6]);
+        assert_eq!(g.read(0x3900, 1)[0], 0, "head 6 answered");
+        assert_eq!(g.read(0x3b00, 1)[0], 0, "head 3 answered");
+        assert_eq!(g.read(0x3a00, 1)[0], 0xff, "head 9 not done again");
+        for h in [3, 6, 9] {
+            assert_eq!(peek::<1>(a, a_desc(h)), [0], "head {h} unmarked");
+        }
+        assert_eq!(peek::<2>(a, A_USED_IDX), 4u16.to_le_bytes());
+        // New requests go on after them: sector 8 holds the later write,
+        // sector 24 what it held (9 was never done).
+        assert_eq!(g.request(0, 8, 512, F_WRITE), (0, 513));
+        let got = g.read(0x4000, 512);
+        assert!(
+            got.iter().all(|&b| b == 0xb3),
+            "sector 8 holds {:#x}, not the write taken last (0xb3)",
+            got[0]
+        );
+        assert_eq!(g.request(0, 24, 512, F_WRITE), (0, 513));
+        assert_eq!(g.read(0x4000, 512), vec![0; 512]);
     }
 }

@@ -11,7 +11,9 @@
 # target/release/udm), GUEST_MEM (default 1G), GUEST_TIMEOUT (seconds,
 # default 300), GUEST_LOG (console log path), GUEST_QEMU_ARGS (more QEMU
 # arguments, split on spaces: e.g. a vhost-user-blk device; guest memory
-# is a shared memfd so a vhost-user backend can map it). Needs qemu-system-x86_64
+# is a shared memfd so a vhost-user backend can map it), GUEST_REBOOT (set:
+# a reboot in the guest resets the machine and boots it again, /test.sh
+# included, instead of ending QEMU). Needs qemu-system-x86_64
 # (scripts/setup.sh installs it) and builds the base image on first use.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -38,9 +40,11 @@ for d in "$@"; do
     i=$((i + 1))
 done
 LOG=${GUEST_LOG:-$T/console.log}
+NO_REBOOT=-no-reboot
+[ -z "${GUEST_REBOOT:-}" ] || NO_REBOOT=
 timeout "${GUEST_TIMEOUT:-300}" qemu-system-x86_64 -accel tcg,thread=multi -cpu max -smp 2 \
     -m "${GUEST_MEM:-1G}" -object "memory-backend-memfd,id=mem,size=${GUEST_MEM:-1G},share=on" \
-    -machine q35,memory-backend=mem -nographic -no-reboot -nic none \
+    -machine q35,memory-backend=mem -nographic $NO_REBOOT -nic none \
     -kernel "$W/vmlinuz" -initrd "$T/initrd.gz" \
     -append "console=ttyS0 quiet panic=-1" "${DRIVES[@]}" ${GUEST_QEMU_ARGS:-} </dev/null >"$LOG" 2>&1 || true
 tr -d '\r' <"$LOG" | grep -v '^\s*$' | sed 's/^/guest: /'

@@ -240,7 +240,8 @@ pub struct Front {
     chan: Rc<dyn Channel>,
     lbs: u32,
     max_bio: u32,
-    size: u64,
+    /// The device's size in bytes (grows: [`Front::grow`]).
+    size: Cell<u64>,
     fua_native: bool,
     flush_after_fua: bool,
     slots: RefCell<Slab<Slot>>,
@@ -282,7 +283,7 @@ impl Front {
             chan,
             lbs,
             max_bio: (l.max_io_bytes.min(1 << 30) / lbs * lbs).max(lbs),
-            size: l.bytes(),
+            size: Cell::new(l.bytes()),
             fua_native: caps.contains(Caps::FUA),
             flush_after_fua: caps.contains(Caps::FLUSH),
             slots: RefCell::new(Slab::new()),
@@ -333,6 +334,15 @@ impl Front {
         }
     }
 
+    /// The device grew to `bytes`: requests up to there are taken from now
+    /// on (a smaller size is ignored: a device does not shrink under its
+    /// exports).
+    pub fn grow(&self, bytes: u64) {
+        if bytes > self.size.get() {
+            self.size.set(bytes);
+        }
+    }
+
     /// The device's logical block size: requests aligned to it take the
     /// direct path.
     pub fn block_size(&self) -> u32 {
@@ -373,7 +383,7 @@ impl Front {
             return Submitted::Now(Ok(()));
         }
         let end = req.offset.checked_add(req.len as u64);
-        if end.is_none_or(|e| e > self.size) {
+        if end.is_none_or(|e| e > self.size.get()) {
             return Submitted::Now(Err(FrontError::Invalid));
         }
         let end = req.offset + req.len as u64;

@@ -2,7 +2,7 @@
 //! virtio-blk configuration space, both derived from the udm device's
 //! limits and capabilities.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 use std::sync::Arc;
 
 use udm_core::{BlockDevice, Caps};
@@ -128,15 +128,16 @@ impl BlkConfig {
     }
 
     /// `size` bytes of the configuration space from `offset` (zeroes past
-    /// what udm fills), with the current `writeback` byte; None when the
-    /// range is unreasonable.
-    pub fn read(&self, offset: u32, size: u32, writeback: bool) -> Option<Vec<u8>> {
+    /// what udm fills), with the current `writeback` byte and `capacity`
+    /// (sectors); None when the range is unreasonable.
+    pub fn read(&self, offset: u32, size: u32, writeback: bool, capacity: u64) -> Option<Vec<u8>> {
         let (off, len) = (offset as usize, size as usize);
         if off.checked_add(len)? > 256 {
             return None;
         }
         let mut s = self.space;
         s[WRITEBACK_OFFSET] = writeback as u8;
+        s[..8].copy_from_slice(&capacity.to_le_bytes());
         let mut out = vec![0u8; len];
         for (i, b) in out.iter_mut().enumerate() {
             *b = s.get(off + i).copied().unwrap_or(0);
@@ -155,6 +156,9 @@ pub struct Shared {
     pub writeback: AtomicBool,
     /// Queues offered.
     pub queues: u16,
+    /// The device's size in sectors as the driver is told it (it grows
+    /// when the device does: see the server).
+    pub capacity: AtomicU64,
     /// Frontends connected (0 or 1).
     pub(super) clients: AtomicUsize,
     /// Where the queues' fronts charge bounce buffers.

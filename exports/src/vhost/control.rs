@@ -11,6 +11,8 @@
 //! where the protocol has no reply), logged in one line.
 
 use std::fs::File;
+use std::io::Write;
+use std::os::unix::net::UnixStream;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,6 +28,7 @@ use vm_memory::GuestAddress;
 
 use super::config::Shared;
 use super::config::{F_PROTOCOL_FEATURES, MAX_QUEUE_SIZE, WRITEBACK_OFFSET};
+use super::inflight::{self, InflightMap};
 use super::memory::{Memory, Region};
 use super::queue::on_worker;
 use super::queue::Start;
@@ -59,6 +62,12 @@ pub struct Device {
     regions: Vec<Region>,
     mem: Option<Arc<Memory>>,
     rings: Vec<Ring>,
+    /// The inflight area (SET_INFLIGHT_FD), kept across resets: the
+    /// frontend sends a new one when it wants a fresh one.
+    inflight: Option<Arc<InflightMap>>,
+    /// The backend request channel (SET_BACKEND_REQ_FD): config-change
+    /// notifications go there.
+    backend_req: Option<UnixStream>,
 }
 
 /// Logs why a request is refused and returns the error the crate maps to
@@ -98,6 +107,8 @@ impl Device {
             regions: Vec::new(),
             mem: None,
             rings,
+            inflight: None,
+            backend_req: None,
         }
     }
 
@@ -167,12 +178,20 @@ impl Device {
             .and_then(|f| f.try_clone().ok())
             .ok_or(Error::BackendInternalError)?;
         let call = r.call.as_ref().and_then(|f| f.try_clone().ok());
+        let inflight = match &self.inflight {
+            None => None,
+            Some(m) => match m.queue(index as u16, r.num) {
+                Ok(q) => Some(q),
+                Err(e) => return refuse(e),
+            },
+        };
         let start = Start {
             index: index as u16,
             queue: q,
             mem,
             kick,
             call,
+            inflight,
         };
         let (tx, rx) = mpsc::channel();
         on_worker(self.handle(index), move |w| w.start(start, tx));
@@ -232,6 +251,8 @@ impl Device {
         self.mem = None;
         self.regions.clear();
         self.protocol = 0;
+        self.inflight = None;
+        self.backend_req = None;
     }
 
     /// Rebuilds the memory from the regions and hands it to the rings.
@@ -278,6 +299,42 @@ impl Device {
             self.try_start(i)?;
         }
         Ok(())
+    }
+
+    /// Whether the frontend acked protocol feature `f`.
+    pub fn acked(&self, f: VhostUserProtocolFeatures) -> bool {
+        self.protocol & f.bits() != 0
+    }
+
+    /// The frontend's backend request channel (SET_BACKEND_REQ_FD, which
+    /// the server takes before the vhost crate sees it: its `Backend` has
+    /// no sender of config-change messages).
+    pub fn set_backend_channel(&mut self, sock: UnixStream) {
+        let _ = sock.set_write_timeout(Some(Duration::from_secs(1)));
+        self.backend_req = Some(sock);
+    }
+
+    /// Tells the frontend that the configuration space changed
+    /// (VHOST_USER_BACKEND_CONFIG_CHANGE_MSG, no reply asked: the
+    /// frontend answers it by reading the configuration, which this
+    /// thread serves). Whether it was sent.
+    pub fn config_changed(&mut self) -> bool {
+        let Some(s) = &self.backend_req else {
+            return false;
+        };
+        // Header (request, flags: version 1, body size), then a u64 0.
+        let mut msg = [0u8; 20];
+        msg[..4].copy_from_slice(&(BackendReq::CONFIG_CHANGE_MSG as u32).to_le_bytes());
+        msg[4..8].copy_from_slice(&1u32.to_le_bytes());
+        msg[8..12].copy_from_slice(&8u32.to_le_bytes());
+        match (&*s).write_all(&msg) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!("vhost: config-change message: {e}");
+                self.backend_req = None;
+                false
+            }
+        }
     }
 
     fn map_region(r: &VhostUserMemoryRegion, file: File) -> Result<Region> {
@@ -437,6 +494,8 @@ impl VhostUserBackendReqHandlerMut for Device {
             | VhostUserProtocolFeatures::CONFIG
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
             | VhostUserProtocolFeatures::REPLY_ACK
+            | VhostUserProtocolFeatures::INFLIGHT_SHMFD
+            | VhostUserProtocolFeatures::BACKEND_REQ
             | VhostUserProtocolFeatures::RESET_DEVICE)
     }
 
@@ -477,7 +536,11 @@ impl VhostUserBackendReqHandlerMut for Device {
             .shared
             .writeback
             .load(std::sync::atomic::Ordering::Relaxed);
-        match self.shared.cfg.read(offset, size, wb) {
+        let capacity = self
+            .shared
+            .capacity
+            .load(std::sync::atomic::Ordering::Relaxed);
+        match self.shared.cfg.read(offset, size, wb, capacity) {
             Some(v) => Ok(v),
             None => refuse(format!("config space read of {size} bytes at {offset}")),
         }
@@ -498,6 +561,7 @@ impl VhostUserBackendReqHandlerMut for Device {
         ))
     }
 
+    // Not reached: the server takes SET_BACKEND_REQ_FD itself.
     fn set_backend_req_fd(&mut self, _backend: Backend) {}
 
     fn set_gpu_socket(&mut self, _gpu: GpuBackend) -> Result<()> {
@@ -508,12 +572,36 @@ impl VhostUserBackendReqHandlerMut for Device {
         Err(Error::InvalidOperation("no shared objects"))
     }
 
-    fn get_inflight_fd(&mut self, _i: &VhostUserInflight) -> Result<(VhostUserInflight, File)> {
-        Err(Error::InvalidOperation("INFLIGHT_SHMFD was not offered"))
+    fn get_inflight_fd(&mut self, i: &VhostUserInflight) -> Result<(VhostUserInflight, File)> {
+        tracing::trace!("vhost: get_inflight_fd");
+        // Its reply carries the file: an error cannot be told, so the
+        // frontend is disconnected.
+        let made = inflight::check(i, self.shared.queues, MAX_QUEUE_SIZE)
+            .and_then(|len| Ok((len, inflight::create(len)?)));
+        match made {
+            Ok((len, file)) => Ok((
+                VhostUserInflight::new(len, 0, i.num_queues, i.queue_size),
+                file,
+            )),
+            Err(e) => {
+                tracing::warn!("vhost: frontend: {e}");
+                Err(Error::InvalidParam)
+            }
+        }
     }
 
-    fn set_inflight_fd(&mut self, _i: &VhostUserInflight, _file: File) -> Result<()> {
-        Err(Error::InvalidOperation("INFLIGHT_SHMFD was not offered"))
+    fn set_inflight_fd(&mut self, i: &VhostUserInflight, file: File) -> Result<()> {
+        tracing::trace!("vhost: set_inflight_fd");
+        if self.rings.iter().any(|r| r.running) {
+            return refuse("inflight area set while queues run".into());
+        }
+        match InflightMap::map(file, i, self.shared.queues, MAX_QUEUE_SIZE) {
+            Ok(m) => {
+                self.inflight = Some(Arc::new(m));
+                Ok(())
+            }
+            Err(e) => refuse(e),
+        }
     }
 
     fn get_max_mem_slots(&mut self) -> Result<u64> {

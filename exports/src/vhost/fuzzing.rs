@@ -1,7 +1,9 @@
 //! The entry point shared by the fuzz target (`fuzz/fuzz_targets/vhost_chain.rs`)
 //! and the corpus regression test (`exports/tests/fuzz_corpus.rs`): guest
 //! memory laid out from the input, a queue over it, and every chain the
-//! avail ring names walked by virtio-queue and [`super::chain::parse`].
+//! avail ring names walked by virtio-queue and [`super::chain::parse`],
+//! and walked again by its head with [`super::chain::walk`] (the same
+//! descriptors).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -56,8 +58,14 @@ pub fn chains(data: &[u8]) {
         let Some(c) = q.pop_descriptor_chain(&mem) else {
             break;
         };
-        let descs = c.map(|d| (d.addr().0, d.len(), d.is_write_only()));
-        if let Ok(p) = chain::parse(descs, map, &mut segs) {
+        let head = c.head_index();
+        let descs: Vec<chain::Desc> = c
+            .map(|d| (d.addr().0, d.len(), d.is_write_only()))
+            .collect();
+        // The walk by head (inflight resubmission) sees the same chain.
+        let again: Vec<chain::Desc> = chain::walk(&mem, DESC, QSIZE, head).collect();
+        assert_eq!(descs, again, "the walk by head differs from virtio-queue's");
+        if let Ok(p) = chain::parse(descs.into_iter(), map, &mut segs) {
             parsed += 1;
             let inside = |ptr: *mut u8, len: usize| {
                 let a = ptr as usize;

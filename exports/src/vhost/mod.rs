@@ -14,6 +14,8 @@
 //!      │         reactor's io_uring, chains → requests → the export front
 //!      │         (crate::front), used ring + call eventfd at end of turn
 //!   chain.rs     a descriptor chain → a virtio-blk request (fuzzed)
+//!   inflight.rs  the frontend's inflight file: heads taken and not yet
+//!                answered, resubmitted by the next udm after a crash
 //!   memory.rs    the guest's memory regions, mapped
 //!   config.rs    feature bits and the configuration space
 //! ```
@@ -22,15 +24,16 @@
 //! CONFIG_WCE, MQ, RO (read-only exports), DISCARD and WRITE_ZEROES (when
 //! the device has them), GET_ID; VIRTIO_RING_F_EVENT_IDX and
 //! INDIRECT_DESC; protocol features MQ, CONFIG, CONFIGURE_MEM_SLOTS,
-//! REPLY_ACK and RESET_DEVICE. Not offered: INFLIGHT_SHMFD (a restart of
-//! udm under a running guest loses the requests in flight), config-change
-//! notifications (a resize is not seen by the guest until it re-reads the
-//! configuration).
+//! REPLY_ACK, INFLIGHT_SHMFD (udm may be killed and started again under a
+//! running guest: the next udm resubmits what was in flight), BACKEND_REQ
+//! (a device that grows is announced with a config-change message: see
+//! the server) and RESET_DEVICE.
 
 pub mod chain;
 pub mod config;
 mod control;
 pub mod fuzzing;
+pub mod inflight;
 pub mod memory;
 mod queue;
 pub mod server;

@@ -25,6 +25,7 @@ use virtio_queue::{Queue, QueueT};
 
 use super::chain::{self, Seg};
 use super::config::{Shared, MAX_RANGES, MAX_RANGE_SECTORS};
+use super::inflight::QueueInflight;
 use super::memory::Memory;
 use crate::front::{Done, Front, FrontError, FrontOp, ReqFlags, Request, Submitted};
 
@@ -44,6 +45,8 @@ pub struct Start {
     pub kick: File,
     /// The call eventfd (None: the driver polls).
     pub call: Option<File>,
+    /// Inflight tracking (INFLIGHT_SHMFD), when the frontend set it up.
+    pub inflight: Option<QueueInflight>,
 }
 
 /// One request in flight: its chain's head, what is left of it, and
@@ -89,6 +92,8 @@ pub struct VQueue {
     /// The ring is unusable (its memory refused an access): nothing more
     /// is taken from it.
     broken: bool,
+    /// Heads taken and not answered, in the frontend's shared file.
+    inflight: Option<QueueInflight>,
 }
 
 fn status_of(e: FrontError) -> u8 {
@@ -164,6 +169,9 @@ impl VQueue {
                     break;
                 };
                 let head = chain.head_index();
+                if let Some(f) = &mut self.inflight {
+                    f.taken(head);
+                }
                 if head >= self.queue.size() {
                     // Nothing to answer: a used element must name a head.
                     tracing::warn!(
@@ -174,18 +182,7 @@ impl VQueue {
                     continue;
                 }
                 let descs = chain.map(|d| (d.addr().0, d.len(), d.is_write_only()));
-                let mut segs = std::mem::take(&mut self.segs);
-                match chain::parse(descs, |a, l| mem.map(a, l), &mut segs) {
-                    Ok(p) => self.start_request(head, p, &segs, &mem),
-                    Err(e) => {
-                        tracing::warn!(
-                            "vhost: queue {}: chain {head}: {e}; returned unanswered",
-                            self.index
-                        );
-                        self.add_used(head, 0);
-                    }
-                }
-                self.segs = segs;
+                self.take(head, descs, &mem);
             }
             if self.reqs.len() >= self.queue.size() as usize {
                 // Resumed when a request completes.
@@ -198,6 +195,56 @@ impl VQueue {
                 Err(_) => return self.fail_ring("its used ring is outside guest memory"),
             }
         }
+        self.front.unplug();
+    }
+
+    /// Starts the request of the chain at `head`, made of `descs`.
+    fn take(&mut self, head: u16, descs: impl Iterator<Item = chain::Desc>, mem: &Arc<Memory>) {
+        let mut segs = std::mem::take(&mut self.segs);
+        match chain::parse(descs, |a, l| mem.map(a, l), &mut segs) {
+            Ok(p) => self.start_request(head, p, &segs, mem),
+            Err(e) => {
+                tracing::warn!(
+                    "vhost: queue {}: chain {head}: {e}; returned unanswered",
+                    self.index
+                );
+                self.add_used(head, 0);
+            }
+        }
+        self.segs = segs;
+    }
+
+    /// With inflight tracking, as the queue starts: resubmits the requests
+    /// a udm before this one took and did not answer (oldest first), and
+    /// resumes the ring after them.
+    fn resubmit(&mut self) {
+        let mem = self.mem.clone();
+        let Some(f) = &mut self.inflight else {
+            return;
+        };
+        let Ok(used) = self.queue.used_idx(&mem.guest, Ordering::Acquire) else {
+            return self.fail_ring("its used ring is outside guest memory");
+        };
+        let Some(heads) = f.recover(used.0) else {
+            return;
+        };
+        let (table, size) = (self.queue.desc_table(), self.queue.size());
+        self.queue.set_next_used(used.0);
+        self.queue
+            .set_next_avail(used.0.wrapping_add(heads.len() as u16));
+        if !heads.is_empty() {
+            tracing::info!(
+                "vhost: queue {}: resubmitting {} requests a previous udm left in flight",
+                self.index,
+                heads.len()
+            );
+        }
+        for head in heads {
+            self.take(head, chain::walk(&mem.guest, table, size, head), &mem);
+        }
+        // A completion whose notification the previous udm did not send.
+        self.used_added = true;
+        self.dirty();
         self.front.unplug();
     }
 
@@ -403,8 +450,14 @@ impl VQueue {
     }
 
     fn add_used(&mut self, head: u16, len: u32) {
+        if let Some(f) = &self.inflight {
+            f.putting(head);
+        }
         if self.queue.add_used(&self.mem.guest, head, len).is_err() {
             self.fail_ring("its used ring is outside guest memory");
+        }
+        if let Some(f) = &self.inflight {
+            f.put(head, self.queue.next_used());
         }
         self.used_added = true;
         self.dirty();
@@ -543,6 +596,7 @@ impl Worker {
             throttled: false,
             stop: None,
             broken: false,
+            inflight: s.inflight,
         });
         // Non-blocking, so that clearing it never waits (the frontend only
         // writes it: the flag, which it shares, changes nothing for it).
@@ -557,8 +611,10 @@ impl Worker {
         let _ = done.send(Ok(()));
         // SAFETY: just made; freed only by retire().
         let q = unsafe { &mut *p };
-        // Requests the driver queued before the ring started (or while
-        // the frontend was away) are taken now.
+        // What a previous udm left in flight first, then requests the
+        // driver queued before the ring started (or while the frontend
+        // was away).
+        q.resubmit();
         q.process();
         q.arm_kick();
     }
@@ -608,6 +664,13 @@ impl Worker {
         for &p in self.queues.borrow().iter() {
             // SAFETY: as in find().
             unsafe { (*p).mem = mem.clone() };
+        }
+    }
+
+    /// The device grew to `bytes`: requests up to there are taken.
+    pub fn grow(&self, bytes: u64) {
+        if let Some(f) = &*self.front.borrow() {
+            f.grow(bytes);
         }
     }
 

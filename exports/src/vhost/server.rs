@@ -1,25 +1,33 @@
 //! The vhost-user-blk server of one export: the listening socket, the
 //! control thread that speaks the vhost-user protocol with one frontend
 //! at a time (and accepts the next when it goes: a frontend may
-//! reconnect), and the reactors that run the queues.
+//! reconnect), and the reactors that run the queues. Between messages
+//! (every 200 ms at most) the control thread looks at the device's size:
+//! when it grew, the reactors take the new end, the configuration space
+//! reports it and the frontend gets a config-change message.
 
 use std::io;
-use std::os::fd::{AsRawFd, RawFd};
+use std::io::Write;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use udm_core::{BlockDevice, Error, PoolConfig, Reactor, ReactorConfig, ReactorPool, StopToken};
-
-use crate::limits::Budget;
+use vhost::vhost_user::message::{FrontendReq, VhostUserProtocolFeatures};
 use vhost::vhost_user::{BackendReqHandler, Error as VuError};
+use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 use super::config::{BlkConfig, Shared};
 use super::control::{is_refusal, Device};
-use super::queue::{Worker, WORKER_KEY};
+use super::queue::{on_worker, Worker, WORKER_KEY};
+use crate::limits::Budget;
+
+/// How often the server looks whether the device grew.
+const SIZE_CHECK: Duration = Duration::from_millis(200);
 
 /// How to run a server.
 #[derive(Clone, Debug)]
@@ -83,6 +91,7 @@ impl Server {
             cfg: BlkConfig::new(&*dev, cfg.queues, cfg.read_only),
             writeback: AtomicBool::new(dev.caps().contains(udm_core::Caps::FLUSH)),
             queues: cfg.queues,
+            capacity: AtomicU64::new(dev.limits().sectors),
             clients: AtomicUsize::new(0),
             budget: cfg.budget.clone(),
         });
@@ -136,6 +145,10 @@ impl Server {
         loop {
             match wait2(self.listener.as_raw_fd(), stop_fd) {
                 Ready::Stop => return Ok(()),
+                Ready::Timeout => {
+                    self.grown(&handles);
+                    continue;
+                }
                 Ready::Fd => {}
             }
             let sock = match self.listener.accept() {
@@ -171,6 +184,14 @@ impl Server {
         let at = self.path.display();
         let _ = sock.set_nonblocking(false);
         let fd = sock.as_raw_fd();
+        // To look at the next message before the vhost crate reads it.
+        let peek = match sock.try_clone() {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!("vhost: {at}: {e}; disconnecting the frontend");
+                return stop_readable(stop_fd);
+            }
+        };
         let watch = sock.try_clone().ok().zip(UnixStream::pair().ok());
         let dev = Arc::new(Mutex::new(Device::new(
             self.shared.clone(),
@@ -181,9 +202,14 @@ impl Server {
             Some((conn, (done_rd, done))) => {
                 let t = std::thread::Builder::new()
                     .name("udm-vhost-watch".into())
-                    .spawn(move || {
-                        if let Ready::Stop = wait2(done_rd.as_raw_fd(), stop_fd) {
-                            let _ = conn.shutdown(std::net::Shutdown::Both);
+                    .spawn(move || loop {
+                        match wait2(done_rd.as_raw_fd(), stop_fd) {
+                            Ready::Stop => {
+                                let _ = conn.shutdown(std::net::Shutdown::Both);
+                                break;
+                            }
+                            Ready::Fd => break,
+                            Ready::Timeout => {}
                         }
                     })
                     .ok();
@@ -192,8 +218,26 @@ impl Server {
             None => (None, None),
         };
         let stopped = loop {
-            if let Ready::Stop = wait2(fd, stop_fd) {
-                break true;
+            match wait2(fd, stop_fd) {
+                Ready::Stop => break true,
+                Ready::Timeout => {
+                    if self.grown(handles) {
+                        let mut d = dev.lock().unwrap_or_else(|p| p.into_inner());
+                        if d.config_changed() {
+                            tracing::info!("vhost: {at}: config-change notification sent");
+                        }
+                    }
+                    continue;
+                }
+                Ready::Fd => {}
+            }
+            match take_backend_channel(&peek, &dev) {
+                Ok(true) => continue,
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!("vhost: {at}: frontend: {e}; disconnecting it");
+                    break false;
+                }
             }
             match h.handle_request() {
                 Ok(()) => {}
@@ -219,6 +263,86 @@ impl Server {
     }
 }
 
+impl Server {
+    /// Whether the device grew since the driver was told its size; if so
+    /// the reactors take requests up to the new end from now on and the
+    /// configuration space says it (the caller tells the driver).
+    fn grown(&self, handles: &[udm_core::ReactorHandle]) -> bool {
+        let now = self.dev.limits().sectors;
+        if now <= self.shared.capacity.load(Ordering::Relaxed) {
+            return false;
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut waits = 0;
+        for h in handles {
+            let tx = tx.clone();
+            if on_worker(h, move |w| {
+                w.grow(now << 9);
+                let _ = tx.send(());
+            }) {
+                waits += 1;
+            }
+        }
+        for _ in 0..waits {
+            let _ = rx.recv_timeout(Duration::from_secs(5));
+        }
+        self.shared.capacity.store(now, Ordering::Relaxed);
+        tracing::info!(
+            "vhost: {}: the device grew to {now} sectors",
+            self.path.display()
+        );
+        true
+    }
+}
+
+/// If the next message is SET_BACKEND_REQ_FD, takes it (header, its
+/// socket) and hands the socket to the device, answering if asked: the
+/// vhost crate would wrap the socket in its `Backend`, which cannot send
+/// config-change messages. Ok(true) when it was taken.
+fn take_backend_channel(sock: &UnixStream, dev: &Mutex<Device>) -> Result<bool, String> {
+    let mut hdr = [0u8; 12];
+    // SAFETY: peeks at most 12 bytes into a live 12-byte buffer.
+    let n = unsafe {
+        libc::recv(
+            sock.as_raw_fd(),
+            hdr.as_mut_ptr().cast(),
+            hdr.len(),
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    let word = |i: usize| u32::from_le_bytes([hdr[i], hdr[i + 1], hdr[i + 2], hdr[i + 3]]);
+    let (req, flags, size) = (word(0), word(4), word(8));
+    if n != 12 || req != FrontendReq::SET_BACKEND_REQ_FD as u32 {
+        return Ok(false);
+    }
+    if size != 0 {
+        return Err(format!("SET_BACKEND_REQ_FD with a {size}-byte body"));
+    }
+    let mut d = dev.lock().unwrap_or_else(|p| p.into_inner());
+    if !d.acked(VhostUserProtocolFeatures::BACKEND_REQ) {
+        return Err("SET_BACKEND_REQ_FD without the BACKEND_REQ protocol feature".into());
+    }
+    let (got, file) = sock
+        .recv_with_fd(&mut hdr)
+        .map_err(|e| format!("SET_BACKEND_REQ_FD: {e}"))?;
+    let file = match (got, file) {
+        (12, Some(f)) if f.metadata().is_ok_and(|m| m.file_type().is_socket()) => f,
+        _ => return Err("SET_BACKEND_REQ_FD without a socket".into()),
+    };
+    d.set_backend_channel(UnixStream::from(OwnedFd::from(file)));
+    if flags & 0x8 != 0 && d.acked(VhostUserProtocolFeatures::REPLY_ACK) {
+        // The reply: version 1 | REPLY, a u64 status of 0.
+        let mut r = [0u8; 20];
+        r[..4].copy_from_slice(&req.to_le_bytes());
+        r[4..8].copy_from_slice(&(0x1u32 | 0x4).to_le_bytes());
+        r[8..12].copy_from_slice(&8u32.to_le_bytes());
+        (&*sock)
+            .write_all(&r)
+            .map_err(|e| format!("answering SET_BACKEND_REQ_FD: {e}"))?;
+    }
+    Ok(true)
+}
+
 /// Whether the stop descriptor is readable now.
 fn stop_readable(stop: RawFd) -> bool {
     let mut p = libc::pollfd {
@@ -233,9 +357,12 @@ fn stop_readable(stop: RawFd) -> bool {
 enum Ready {
     Fd,
     Stop,
+    /// Neither within [`SIZE_CHECK`].
+    Timeout,
 }
 
-/// Waits until `fd` or `stop` is readable (stop wins).
+/// Waits until `fd` or `stop` is readable (stop wins), at most
+/// [`SIZE_CHECK`].
 fn wait2(fd: RawFd, stop: RawFd) -> Ready {
     let mut p = [
         libc::pollfd {
@@ -251,12 +378,15 @@ fn wait2(fd: RawFd, stop: RawFd) -> Ready {
     ];
     loop {
         // SAFETY: p is a live array of two pollfd.
-        let n = unsafe { libc::poll(p.as_mut_ptr(), 2, -1) };
+        let n = unsafe { libc::poll(p.as_mut_ptr(), 2, SIZE_CHECK.as_millis() as i32) };
         if n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
             continue;
         }
         if n < 0 || p[1].revents != 0 {
             return Ready::Stop;
+        }
+        if n == 0 {
+            return Ready::Timeout;
         }
         return Ready::Fd;
     }
