@@ -78,6 +78,25 @@ IRQ2=$(nvme_irqs)
 echo "RESULT poll_nvme_irqs_during_unpolled_run=$((IRQ2 - IRQ1))"
 check poll_unpolled_run_raises_nvme_interrupts [ "$IRQ2" -gt "$IRQ1" ]
 
+# Caps::POLL says a device's completions are polled, through the stack: a
+# table has it when every device under it does.
+export UDM_CONTROL=/tmp/udm-poll.sock
+: >/tmp/udm-poll.log
+udm daemon >/tmp/udm-poll.log 2>&1 &
+POLL_DAEMON=$!
+i=0
+until grep -q "daemon ready" /tmp/udm-poll.log; do i=$((i + 1)); [ $i -lt 100 ] || break; sleep 0.1; done
+udm create nv file:/dev/nvme0n1,iopoll
+udm create nbi file:/dev/nullb0
+udm create plin --table "0 2097152 linear nv 0"
+udm create pmix --table "0 2097152 striped 2 128 nv 0 nbi 0"
+udm info plin | grep -i caps
+udm info pmix | grep -i caps
+check poll_caps_of_a_polled_stack sh -c 'udm info plin | grep -i "^caps:" | grep -qw poll'
+check poll_caps_not_of_a_mixed_stack sh -c 'udm info pmix | grep -i "^caps:" | grep -vqw poll'
+kill $POLL_DAEMON
+wait $POLL_DAEMON
+
 if [ "$LONG" = 1 ]; then
     RT=${SCN_POLL_RUNTIME:-3}
     REPS=${SCN_POLL_REPS:-3}
