@@ -618,38 +618,14 @@ impl Reactor {
                 }
             }
         }
-        // An IOPOLL ring completes only when polled. Other extra rings (SQPOLL)
-        // signal the mailbox eventfd when they post a completion, which wakes
-        // us below; overflowed ones are posted only by our next submit.
-        let mut polled: Option<Rc<Ring>> = None;
-        for r in core.extra_rings.borrow().iter() {
-            if r.inflight() == 0 {
-                continue;
-            }
-            if r.cq_overflow() || (r.kind().iopoll && polled.is_some()) {
-                return false;
-            }
-            if r.kind().iopoll {
-                polled = Some(r.clone());
+        if !core.extra_rings.borrow().is_empty() {
+            if let Some(slept) = self.wait_extra(deadline) {
+                return slept;
             }
         }
         let timeout = deadline.map(|d| d.saturating_duration_since(Instant::now()));
         if timeout == Some(Duration::ZERO) {
             return false;
-        }
-        if let Some(r) = polled {
-            // Polled I/O in flight on one ring: wait in the kernel, which
-            // polls the hardware queues of that ring's requests (each its
-            // own bio and cookie there) until one completes, as fio
-            // --hipri does. A wait in polling takes no timeout nor wake-up:
-            // with a deadline to keep, spin instead. Anything else (a
-            // message, a socket) waits at most for that completion.
-            if timeout.is_some() {
-                return false;
-            }
-            core.ring.submit();
-            r.submit_and_wait(None);
-            return true;
         }
         if !core.wake_armed.get() {
             // SAFETY: wake_buf lives in the boxed core, which outlives the
@@ -664,6 +640,45 @@ impl Reactor {
         // readable, so the read completes at once and the wait returns.
         core.ring.submit_and_wait(timeout);
         true
+    }
+
+    /// [`Reactor::sleep`]'s part for the extra rings: Some(false) to spin,
+    /// Some(true) having waited in an IOPOLL ring, None to sleep in the
+    /// reactor's ring. Apart, so a reactor without extra rings pays a length
+    /// check for them.
+    ///
+    /// An IOPOLL ring completes only when polled. Other extra rings (SQPOLL)
+    /// signal the mailbox eventfd when they post a completion, which wakes
+    /// the reactor's sleep; overflowed ones are posted only by our next
+    /// submit.
+    #[inline(never)]
+    fn wait_extra(&self, deadline: Option<Instant>) -> Option<bool> {
+        let core = self.core();
+        let mut polled: Option<Rc<Ring>> = None;
+        for r in core.extra_rings.borrow().iter() {
+            if r.inflight() == 0 {
+                continue;
+            }
+            if r.cq_overflow() || (r.kind().iopoll && polled.is_some()) {
+                return Some(false);
+            }
+            if r.kind().iopoll {
+                polled = Some(r.clone());
+            }
+        }
+        // Polled I/O in flight on one ring: wait in the kernel, which polls
+        // the hardware queues of that ring's requests (each its own bio and
+        // cookie there) until one completes, as fio --hipri does. A wait in
+        // polling takes no timeout nor wake-up: with a deadline to keep,
+        // spin instead. Anything else (a message, a socket) waits at most
+        // for that completion.
+        let r = polled?;
+        if deadline.is_some() {
+            return Some(false);
+        }
+        core.ring.submit();
+        r.submit_and_wait(None);
+        Some(true)
     }
 
     fn drain_eventfd(&self) {
