@@ -14,7 +14,8 @@
 # interrupt vs polled completion, beside the kernel's own fio --hipri on
 # the disk and on dm-linear and dm-striped over it, runs interleaved,
 # medians. Knobs: SCN_POLL_RUNTIME (seconds per run, default 3),
-# SCN_POLL_REPS (default 3).
+# SCN_POLL_REPS (default 3), SCN_POLL_QDS (default "1 32"), SCN_POLL_MODES
+# (udm's columns, default "irq interrupt poll hybrid adaptive").
 # guest.sh: nvme
 mkdir -p /sys/kernel/debug
 # The sum of the NVMe I/O queues' interrupts (nvme0q1.., not the admin q0).
@@ -117,11 +118,11 @@ if [ "$LONG" = 1 ]; then
     }
     # Configurations: udm STACK.MODE (irq: no iopoll; the others iopoll
     # with that reactor mode) and kernel DEV.hipri0|1.
-    UCFG="irq interrupt poll hybrid adaptive"
+    UCFG=${SCN_POLL_MODES:-irq interrupt poll hybrid adaptive}
     r=0
     while [ $r -lt "$REPS" ]; do
         r=$((r + 1))
-        for qd in 1 32; do
+        for qd in ${SCN_POLL_QDS:-1 32}; do
             for s in raw lin str; do
                 for c in $UCFG; do
                     if [ $c = irq ]; then v=$(udm_iops $s "" interrupt $qd); else v=$(udm_iops $s ,iopoll $c $qd); fi
