@@ -11,7 +11,9 @@
 # forms (larger fio sizes, longer benchmarks). Env: UDM (the binary;
 # default: builds target/release/udm), SCN_* (passed into the guest, for
 # a scenario's knobs: e.g. SCN_UDM_ARGS=--interrupt for dm-compare), and
-# run.sh's (GUEST_MEM, GUEST_TIMEOUT, GUEST_LOG).
+# run.sh's (GUEST_MEM, GUEST_TIMEOUT, GUEST_LOG). A scenario with the line
+# `# guest.sh: nvme` gets a 1 GiB QEMU NVMe disk, /dev/nvme0n1 (its
+# driver loaded without poll queues: the scenario reloads it as it needs).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/.." && pwd)
@@ -20,7 +22,7 @@ SCEN=()
 for a in "$@"; do
     case $a in
     --long) LONG=1 ;;
-    -h | --help) sed -n '2,12p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,15p' "$0"; exit 0 ;;
     -*) echo "guest.sh: unknown option $a" >&2; exit 2 ;;
     *)
         [ -f "$HERE/guest/scenarios/$a.sh" ] || {
@@ -38,6 +40,13 @@ if [ -z "${UDM:-}" ]; then
 fi
 T=$(mktemp -d)
 trap 'rm -rf "$T"' EXIT
+for s in "${SCEN[@]}"; do
+    if grep -q '^# guest.sh: nvme$' "$HERE/guest/scenarios/$s.sh"; then
+        truncate -s 1G "$T/nvme.img"
+        export GUEST_QEMU_ARGS="${GUEST_QEMU_ARGS:-} -drive file=$T/nvme.img,if=none,id=nvme0,format=raw,cache=unsafe -device nvme,drive=nvme0,serial=udm-nvme0"
+        break
+    fi
+done
 {
     echo 'set +e'
     echo "LONG=$LONG"

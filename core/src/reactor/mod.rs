@@ -12,6 +12,16 @@
 //! [`CompletionMode::Adaptive`] spins only as long as recent idle gaps say
 //! work is about to arrive (cpuidle-haltpoll's governor), so an idle reactor
 //! costs nothing and a request-reply loop skips the sleep and the wakeup.
+//!
+//! Polled I/O (rings with [`RingKind::iopoll`], which complete nothing
+//! unless polled) is polled precisely: a turn enters only the rings that
+//! have I/O in flight, and the kernel polls only the hardware queues of
+//! that ring's requests, each of which is one child bio with its own
+//! cookie, so a split or striped bio polls exactly what its children wait
+//! on. A reactor that would sleep with polled I/O in flight on one ring
+//! waits in that ring instead, the kernel polling until a completion (fio
+//! `--hipri`'s wait); with two such rings, or a poller's deadline to keep,
+//! it spins over them. See docs/polling.md.
 
 use std::any::Any;
 use std::cell::{Cell, RefCell, UnsafeCell};
@@ -511,10 +521,13 @@ impl Reactor {
         if core.mailbox.pending.load(Ordering::Acquire) {
             work += self.run_messages();
         }
+        // Only rings something waits on are entered (for an IOPOLL ring, the
+        // enter is what polls the device). Completions first, so that the
+        // I/O their end_ios issue goes down in this turn's enter.
         for r in core.extra_rings.borrow().iter() {
             if r.inflight() > 0 {
-                r.submit();
                 work += r.reap();
+                r.submit();
             }
         }
         work += core.run_deferred();
@@ -585,8 +598,9 @@ impl Reactor {
     }
 
     /// Submits and sleeps in the ring until a completion, a message or the
-    /// earliest poller deadline. Returns false, having done nothing, when
-    /// something is runnable or must be spun on.
+    /// earliest poller deadline; with polled I/O in flight, waits in the
+    /// kernel while it polls for that I/O instead. Returns false, having
+    /// done nothing, when something is runnable or must be spun on.
     fn sleep(&self) -> bool {
         let core = self.core();
         if !core.done_head.get().is_null() || core.mailbox.pending.load(Ordering::Acquire) {
@@ -604,16 +618,10 @@ impl Reactor {
                 }
             }
         }
-        // An IOPOLL ring completes only when polled. Other extra rings (SQPOLL)
-        // signal the mailbox eventfd when they post a completion, which wakes
-        // us below; overflowed ones are posted only by our next submit.
-        if core
-            .extra_rings
-            .borrow()
-            .iter()
-            .any(|r| r.inflight() > 0 && (r.kind().iopoll || r.cq_overflow()))
-        {
-            return false;
+        if !core.extra_rings.borrow().is_empty() {
+            if let Some(slept) = self.wait_extra(deadline) {
+                return slept;
+            }
         }
         let timeout = deadline.map(|d| d.saturating_duration_since(Instant::now()));
         if timeout == Some(Duration::ZERO) {
@@ -632,6 +640,45 @@ impl Reactor {
         // readable, so the read completes at once and the wait returns.
         core.ring.submit_and_wait(timeout);
         true
+    }
+
+    /// [`Reactor::sleep`]'s part for the extra rings: Some(false) to spin,
+    /// Some(true) having waited in an IOPOLL ring, None to sleep in the
+    /// reactor's ring. Apart, so a reactor without extra rings pays a length
+    /// check for them.
+    ///
+    /// An IOPOLL ring completes only when polled. Other extra rings (SQPOLL)
+    /// signal the mailbox eventfd when they post a completion, which wakes
+    /// the reactor's sleep; overflowed ones are posted only by our next
+    /// submit.
+    #[inline(never)]
+    fn wait_extra(&self, deadline: Option<Instant>) -> Option<bool> {
+        let core = self.core();
+        let mut polled: Option<Rc<Ring>> = None;
+        for r in core.extra_rings.borrow().iter() {
+            if r.inflight() == 0 {
+                continue;
+            }
+            if r.cq_overflow() || (r.kind().iopoll && polled.is_some()) {
+                return Some(false);
+            }
+            if r.kind().iopoll {
+                polled = Some(r.clone());
+            }
+        }
+        // Polled I/O in flight on one ring: wait in the kernel, which polls
+        // the hardware queues of that ring's requests (each its own bio and
+        // cookie there) until one completes, as fio --hipri does. A wait in
+        // polling takes no timeout nor wake-up: with a deadline to keep,
+        // spin instead. Anything else (a message, a socket) waits at most
+        // for that completion.
+        let r = polled?;
+        if deadline.is_some() {
+            return Some(false);
+        }
+        core.ring.submit();
+        r.submit_and_wait(None);
+        Some(true)
     }
 
     fn drain_eventfd(&self) {
