@@ -272,14 +272,8 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
             "--export-max-connections '{n}': no such export"
         )));
     }
-    if dispatch == "queued" && (ublk || vhost_user_blk.is_some()) {
-        return Err(Error::invalid(format!(
-            "--dispatch queued: a {} export dispatches direct only",
-            if ublk { "ublk" } else { "vhost-user-blk" }
-        )));
-    }
     if ublk {
-        return serve_ublk(stack, &wanted, control, reactor, stop);
+        return serve_ublk(stack, &table, &wanted, control, reactor, stop);
     }
     if vhost_user_blk.is_some() && table.len() != 1 {
         return Err(Error::invalid(
@@ -321,6 +315,7 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
                     reactors: 0,
                     reactor,
                     read_only: wanted[0].1,
+                    dispatch: e.dispatch,
                 },
             )?;
             println!(
@@ -440,6 +435,7 @@ impl Srv {
 /// SIGTERM, then the devices are deleted and flushed.
 fn serve_ublk(
     stack: Arc<Control>,
+    table: &[Export],
     wanted: &[(String, bool)],
     control: Option<PathBuf>,
     reactor: ReactorConfig,
@@ -450,10 +446,8 @@ fn serve_ublk(
     let ctl_listener = udm_control::bind(&ctl_path)?;
     let unlink = Unlink(ctl_path.clone());
     let mut devs = Vec::new();
-    for (name, ro) in wanted {
-        let Some(dev) = stack.get(name) else {
-            continue; // checked by the caller
-        };
+    // `table` holds the exports of `wanted`, in order.
+    for (e, (_, ro)) in table.iter().zip(wanted) {
         let cfg = UblkConfig {
             id: None,
             queues: None,
@@ -461,11 +455,15 @@ fn serve_ublk(
             read_only: *ro,
             recover: false,
             reactor,
+            dispatch: e.dispatch,
         };
-        let d = UblkDevice::start(dev.clone(), cfg)?;
+        let d = UblkDevice::start(e.dev.clone(), cfg)?;
         println!(
-            "udm: serving '{name}' ({} bytes) at {}",
-            dev.limits().bytes(),
+            "udm: serving '{}' ({} bytes, dispatch {} ({})) at {}",
+            e.info.name,
+            e.info.size,
+            e.dispatch,
+            e.dispatch_why,
             d.path().display()
         );
         devs.push(d);

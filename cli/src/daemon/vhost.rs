@@ -68,7 +68,7 @@ impl VhostExports {
 impl ExportService for VhostExports {
     fn add(&self, ctl: &dyn Devices, spec: ExportSpec) -> Result<ExportInfo, Error> {
         let o = &spec.opts;
-        let dispatch = o.direct_only("vhost-user-blk")?;
+        let dispatch = o.dispatch()?;
         let mut refused = Vec::new();
         if o.depth.is_some() {
             refused.push("--depth");
@@ -104,6 +104,7 @@ impl ExportService for VhostExports {
             ));
         }
         let (dev, holder) = hold_device(ctl, &spec.device, &name, "vhost-user-blk")?;
+        let (dispatch, why) = dispatch.choose(&*dev);
         let started = (|| {
             let srv = Server::bind(
                 dev,
@@ -113,6 +114,7 @@ impl ExportService for VhostExports {
                     reactors: 0,
                     reactor: self.reactor,
                     read_only: spec.read_only,
+                    dispatch,
                 },
             )?;
             let clients = srv.clients();
@@ -135,7 +137,7 @@ impl ExportService for VhostExports {
             read_only: spec.read_only,
             clients: 0,
             opts: spec.opts,
-            dispatch,
+            dispatch: format!("{dispatch} ({why})"),
         };
         tracing::info!(
             "export '{name}' of '{}' at {} (vhost-user-blk, {queues} queues)",

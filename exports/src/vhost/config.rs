@@ -4,7 +4,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicUsize};
 
-use udm_core::{BlockDevice, Caps};
+use udm_core::{BlockDevice, Caps, Dispatch};
 use virtio_bindings::virtio_blk::*;
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
@@ -152,6 +152,8 @@ pub struct Shared {
     pub writeback: AtomicBool,
     /// Queues offered.
     pub queues: u16,
+    /// How requests go to the device.
+    pub dispatch: Dispatch,
     /// Frontends connected (0 or 1).
     pub(super) clients: AtomicUsize,
 }

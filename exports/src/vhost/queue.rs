@@ -507,6 +507,7 @@ impl Worker {
         // SAFETY: the reactor outlives the worker, which holds the front
         // and drops it in release(), on this thread.
         let f = unsafe { Front::new(self.reactor(), &*self.dev, chan) };
+        f.set_dispatch(self.shared.dispatch);
         *self.front.borrow_mut() = Some(f.clone());
         Ok(f)
     }

@@ -12,7 +12,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use udm_core::{BlockDevice, Error, PoolConfig, Reactor, ReactorConfig, ReactorPool, StopToken};
+use udm_core::{
+    BlockDevice, Dispatch, Error, PoolConfig, Reactor, ReactorConfig, ReactorPool, StopToken,
+};
 use vhost::vhost_user::{BackendReqHandler, Error as VuError};
 
 use super::config::{BlkConfig, Shared};
@@ -33,6 +35,9 @@ pub struct ServerConfig {
     pub reactor: ReactorConfig,
     /// Refuse writes (also when the device is read-only).
     pub read_only: bool,
+    /// How requests go to the device (`Auto`: from its report); a queued
+    /// front is unplugged at the end of each kick's batch.
+    pub dispatch: Dispatch,
 }
 
 /// The count of connected frontends (0 or 1), readable from any thread.
@@ -78,6 +83,7 @@ impl Server {
             cfg: BlkConfig::new(&*dev, cfg.queues, cfg.read_only),
             writeback: AtomicBool::new(dev.caps().contains(udm_core::Caps::FLUSH)),
             queues: cfg.queues,
+            dispatch: cfg.dispatch,
             clients: AtomicUsize::new(0),
         });
         Ok(Server {
