@@ -182,8 +182,12 @@ pub(crate) struct ReactorCore {
 impl ReactorCore {
     /// Adaptive mode, on a turn: whether to sleep now. A turn with work ends
     /// the idle gap and resizes the window by it; an idle turn spins while
-    /// inside the window.
-    fn adaptive_sleep(&self, work: bool) -> bool {
+    /// inside the window. With the window closed, a turn with work sleeps
+    /// at once (the idle turn after it would): one `io_uring_enter`
+    /// submits what the turn queued and waits, instead of a submit and,
+    /// on the next turn, a wait. Then the idle gap starts at the instant
+    /// returned, once the reactor did sleep ([`ReactorCore::adaptive_slept`]).
+    fn adaptive_sleep(&self, work: bool) -> (bool, Option<Instant>) {
         if work {
             if let Some(t0) = self.idle_since.take() {
                 self.spin_window.set(next_window(
@@ -192,15 +196,27 @@ impl ReactorCore {
                     self.config.hybrid_spin,
                 ));
             }
-            return false;
+            if self.spin_window.get().is_zero() {
+                return (true, Some(Instant::now()));
+            }
+            return (false, None);
         }
         let w = self.spin_window.get();
-        match self.idle_since.get() {
+        let sleep = match self.idle_since.get() {
             None => {
                 self.idle_since.set(Some(Instant::now()));
                 w.is_zero()
             }
             Some(t0) => t0.elapsed() >= w,
+        };
+        (sleep, None)
+    }
+
+    /// Adaptive mode: the reactor slept right after a turn with work, from
+    /// `t0`, the start of the idle gap the next turn with work measures.
+    fn adaptive_slept(&self, t0: Instant) {
+        if self.idle_since.get().is_none() {
+            self.idle_since.set(Some(t0));
         }
     }
 }
@@ -544,15 +560,17 @@ impl Reactor {
             let t = self.turn();
             // Decided before `done()` so that the turn whose work ends the
             // loop still counts for the modes' timing (it ends an idle gap).
-            let sleep = match core.config.mode {
-                CompletionMode::Interrupt => true,
-                CompletionMode::Poll => false,
+            // `gap_from`: adaptive mode, sleeping right after work.
+            let (sleep, gap_from) = match core.config.mode {
+                CompletionMode::Interrupt => (true, None),
+                CompletionMode::Poll => (false, None),
                 CompletionMode::Hybrid => {
                     if t.work > 0 {
                         core.last_work.set(Instant::now());
-                        false
+                        (false, None)
                     } else {
-                        core.last_work.get().elapsed() >= core.config.hybrid_spin
+                        let idle = core.last_work.get().elapsed();
+                        (idle >= core.config.hybrid_spin, None)
                     }
                 }
                 CompletionMode::Adaptive => core.adaptive_sleep(t.work > 0),
@@ -562,7 +580,12 @@ impl Reactor {
                 return;
             }
             // A poller that did work may have more: give it another turn.
-            if !(sleep && t.poller_work == 0 && self.sleep()) {
+            let slept = sleep && t.poller_work == 0 && self.sleep();
+            if slept {
+                if let Some(t0) = gap_from {
+                    core.adaptive_slept(t0);
+                }
+            } else {
                 core.ring.submit();
                 if t.work == 0 {
                     if core.config.mode == CompletionMode::Adaptive {
