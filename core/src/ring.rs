@@ -336,11 +336,12 @@ impl Ring {
         r.is_ok()
     }
 
-    /// Queues `e`, spilling to the backlog when the SQ is full.
+    /// Queues `e`, spilling to the backlog when the SQ is full. Inlined
+    /// into every caller: it is the hot path of every bio.
     ///
     /// # Safety
     /// Every pointer in `e` must stay valid until its CQE is reaped.
-    #[inline]
+    #[inline(always)]
     unsafe fn push(&self, e: squeue::Entry) {
         // SAFETY: single-threaded, not re-entered; the borrow ends at once.
         let backlogged = unsafe { !(*self.backlog.get()).is_empty() };

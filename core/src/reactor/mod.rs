@@ -185,9 +185,10 @@ impl ReactorCore {
     /// inside the window. With the window closed, a turn with work sleeps
     /// at once (the idle turn after it would): one `io_uring_enter`
     /// submits what the turn queued and waits, instead of a submit and,
-    /// on the next turn, a wait. Then the idle gap starts at the instant
-    /// returned, once the reactor did sleep ([`ReactorCore::adaptive_slept`]).
-    fn adaptive_sleep(&self, work: bool) -> (bool, Option<Instant>) {
+    /// on the next turn, a wait. The idle gap then starts now; if the
+    /// reactor cannot sleep after all, [`ReactorCore::adaptive_busy`]
+    /// takes that back.
+    fn adaptive_sleep(&self, work: bool) -> bool {
         if work {
             if let Some(t0) = self.idle_since.take() {
                 self.spin_window.set(next_window(
@@ -197,27 +198,26 @@ impl ReactorCore {
                 ));
             }
             if self.spin_window.get().is_zero() {
-                return (true, Some(Instant::now()));
+                self.idle_since.set(Some(Instant::now()));
+                return true;
             }
-            return (false, None);
+            return false;
         }
         let w = self.spin_window.get();
-        let sleep = match self.idle_since.get() {
+        match self.idle_since.get() {
             None => {
                 self.idle_since.set(Some(Instant::now()));
                 w.is_zero()
             }
             Some(t0) => t0.elapsed() >= w,
-        };
-        (sleep, None)
+        }
     }
 
-    /// Adaptive mode: the reactor slept right after a turn with work, from
-    /// `t0`, the start of the idle gap the next turn with work measures.
-    fn adaptive_slept(&self, t0: Instant) {
-        if self.idle_since.get().is_none() {
-            self.idle_since.set(Some(t0));
-        }
+    /// Adaptive mode: a turn with work meant to sleep but could not (work
+    /// is runnable): it is not idle.
+    #[cold]
+    fn adaptive_busy(&self) {
+        self.idle_since.set(None);
     }
 }
 
@@ -560,17 +560,15 @@ impl Reactor {
             let t = self.turn();
             // Decided before `done()` so that the turn whose work ends the
             // loop still counts for the modes' timing (it ends an idle gap).
-            // `gap_from`: adaptive mode, sleeping right after work.
-            let (sleep, gap_from) = match core.config.mode {
-                CompletionMode::Interrupt => (true, None),
-                CompletionMode::Poll => (false, None),
+            let sleep = match core.config.mode {
+                CompletionMode::Interrupt => true,
+                CompletionMode::Poll => false,
                 CompletionMode::Hybrid => {
                     if t.work > 0 {
                         core.last_work.set(Instant::now());
-                        (false, None)
+                        false
                     } else {
-                        let idle = core.last_work.get().elapsed();
-                        (idle >= core.config.hybrid_spin, None)
+                        core.last_work.get().elapsed() >= core.config.hybrid_spin
                     }
                 }
                 CompletionMode::Adaptive => core.adaptive_sleep(t.work > 0),
@@ -580,12 +578,10 @@ impl Reactor {
                 return;
             }
             // A poller that did work may have more: give it another turn.
-            let slept = sleep && t.poller_work == 0 && self.sleep();
-            if slept {
-                if let Some(t0) = gap_from {
-                    core.adaptive_slept(t0);
+            if !(sleep && t.poller_work == 0 && self.sleep()) {
+                if sleep && t.work > 0 && core.config.mode == CompletionMode::Adaptive {
+                    core.adaptive_busy();
                 }
-            } else {
                 core.ring.submit();
                 if t.work == 0 {
                     if core.config.mode == CompletionMode::Adaptive {
