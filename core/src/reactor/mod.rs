@@ -759,8 +759,31 @@ impl Drop for Reactor {
 
 #[cfg(test)]
 mod tests {
-    use super::next_window;
+    use super::{next_window, CompletionMode, Reactor, ReactorConfig};
     use std::time::Duration;
+
+    #[test]
+    fn adaptive_mode_sleeps_right_after_work_while_its_window_is_closed() {
+        let r = Reactor::new(ReactorConfig {
+            mode: CompletionMode::Adaptive,
+            ..ReactorConfig::default()
+        })
+        .unwrap();
+        let core = r.core();
+        // Closed (as at start): the turn with work sleeps at once, one
+        // enter for its submission and the wait, and the idle gap starts.
+        assert!(core.adaptive_sleep(true));
+        assert!(core.idle_since.get().is_some());
+        // Work was runnable, so it did not sleep after all: not idle.
+        core.adaptive_busy();
+        assert!(core.idle_since.get().is_none());
+        // Open: a turn with work spins on, the gap starts at the idle turn.
+        core.spin_window.set(50 * US);
+        assert!(!core.adaptive_sleep(true));
+        assert!(core.idle_since.get().is_none());
+        assert!(!core.adaptive_sleep(false));
+        assert!(core.idle_since.get().is_some());
+    }
 
     const US: Duration = Duration::from_micros(1);
 
