@@ -319,10 +319,12 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
                 },
             )?;
             println!(
-                "udm: serving '{}' ({} bytes) over vhost-user-blk at {} ({q} queues)",
+                "udm: serving '{}' ({} bytes) over vhost-user-blk at {} ({q} queues, dispatch {} ({}))",
                 e.info.name,
                 e.info.size,
-                vs.path().display()
+                vs.path().display(),
+                e.dispatch,
+                e.dispatch_why
             );
             Srv::Vhost(vs)
         }
