@@ -273,15 +273,9 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
             "--export-max-connections '{n}': no such export"
         )));
     }
-    if dispatch == "queued" && (ublk || vhost_user_blk.is_some()) {
-        return Err(Error::invalid(format!(
-            "--dispatch queued: a {} export dispatches direct only",
-            if ublk { "ublk" } else { "vhost-user-blk" }
-        )));
-    }
     if ublk {
         let pool = limits::Pool::new(&limits)?;
-        return serve_ublk(stack, &wanted, control, reactor, &pool, stop);
+        return serve_ublk(stack, &table, &wanted, control, reactor, &pool, stop);
     }
     if vhost_user_blk.is_some() && table.len() != 1 {
         return Err(Error::invalid(
@@ -324,13 +318,16 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
                     reactor,
                     read_only: wanted[0].1,
                     budget: Some(limits::Pool::new(&limits)?.budget.clone()),
+                    dispatch: e.dispatch,
                 },
             )?;
             println!(
-                "udm: serving '{}' ({} bytes) over vhost-user-blk at {} ({q} queues)",
+                "udm: serving '{}' ({} bytes) over vhost-user-blk at {} ({q} queues, dispatch {} ({}))",
                 e.info.name,
                 e.info.size,
-                vs.path().display()
+                vs.path().display(),
+                e.dispatch,
+                e.dispatch_why
             );
             Srv::Vhost(vs)
         }
@@ -443,6 +440,7 @@ impl Srv {
 /// SIGTERM, then the devices are deleted and flushed.
 fn serve_ublk(
     stack: Arc<Control>,
+    table: &[Export],
     wanted: &[(String, bool)],
     control: Option<PathBuf>,
     reactor: ReactorConfig,
@@ -454,10 +452,8 @@ fn serve_ublk(
     let ctl_listener = udm_control::bind(&ctl_path)?;
     let unlink = Unlink(ctl_path.clone());
     let mut devs = Vec::new();
-    for (name, ro) in wanted {
-        let Some(dev) = stack.get(name) else {
-            continue; // checked by the caller
-        };
+    // `table` holds the exports of `wanted`, in order.
+    for (e, (_, ro)) in table.iter().zip(wanted) {
         let cfg = UblkConfig {
             id: None,
             queues: None,
@@ -465,11 +461,15 @@ fn serve_ublk(
             read_only: *ro,
             recover: false,
             reactor,
+            dispatch: e.dispatch,
         };
-        let d = UblkDevice::start(dev.clone(), cfg, &pool.budget)?;
+        let d = UblkDevice::start(e.dev.clone(), cfg, &pool.budget)?;
         println!(
-            "udm: serving '{name}' ({} bytes) at {}",
-            dev.limits().bytes(),
+            "udm: serving '{}' ({} bytes, dispatch {} ({})) at {}",
+            e.info.name,
+            e.info.size,
+            e.dispatch,
+            e.dispatch_why,
             d.path().display()
         );
         devs.push(d);

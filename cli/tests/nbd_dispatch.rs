@@ -290,38 +290,36 @@ fn a_config_file_export_takes_a_dispatch_and_a_bad_one_names_it() {
     );
 }
 
-/// vhost-user-blk and ublk exports dispatch direct only (so far): asking
-/// for queued is refused by name, and `udm info` says why they are direct.
+/// vhost-user-blk exports take a dispatch as NBD's do: queued when asked,
+/// and `auto` from the device's report; `udm info` says which and why.
+/// (ublk's, which needs a kernel with ublk, is tested in the guest:
+/// scripts/guest/scenarios/ublk.sh.)
 #[test]
-fn exports_that_dispatch_direct_only_refuse_queued_and_say_so() {
+fn vhost_exports_take_queued_dispatch_and_auto_follows_the_device() {
     let d = Daemon::start(&[]);
     d.ok(&["create", "r", "ram:4M"]);
-    let sock = d.dir.path("r.vhost");
-    let sock = sock.to_str().unwrap();
-    let err = d.fails(&[
+    d.ok(&["create", "slow", "null:4M,delay=100"]);
+    let a = d.dir.path("r.vhost");
+    let b = d.dir.path("slow.vhost");
+    let (a, b) = (a.to_str().unwrap(), b.to_str().unwrap());
+    d.ok(&[
         "export",
         "add",
         "r",
         "--vhost-user-blk",
-        sock,
+        a,
         "--dispatch",
         "queued",
     ]);
-    assert!(
-        err.contains("--dispatch queued: a vhost-user-blk export dispatches direct only"),
-        "{err}"
-    );
-    let err = d.fails(&["export", "add", "r", "--ublk", "--dispatch", "queued"]);
-    assert!(
-        err.contains("--dispatch queued: a ublk export dispatches direct only"),
-        "{err}"
-    );
-    d.ok(&["export", "add", "r", "--vhost-user-blk", sock]);
+    d.ok(&["export", "add", "slow", "--vhost-user-blk", b]);
     let info = d.ok(&["info", "r"]);
     assert!(
-        info.contains(
-            "Export dispatch:   r (vhost-user-blk): direct (a vhost-user-blk export dispatches direct only)"
-        ),
+        info.contains("Export dispatch:   r (vhost-user-blk): queued (asked for)"),
+        "{info}"
+    );
+    let info = d.ok(&["info", "slow"]);
+    assert!(
+        info.contains("Export dispatch:   slow (vhost-user-blk): queued (auto: merging helps (null with a delay"),
         "{info}"
     );
 }

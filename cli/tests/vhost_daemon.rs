@@ -206,6 +206,29 @@ fn udm_serve_serves_one_device_over_vhost_user_blk_until_sigterm() {
 }
 
 #[test]
+fn udm_serve_over_vhost_user_blk_takes_queued_dispatch_and_says_so() {
+    let dir = common::TempDir::new("vhost-serve-queued");
+    let sock = dir.path("r.vhost");
+    let srv = common::Serve::start_as_given(&[
+        "--dev",
+        "r=ram:4M",
+        "--vhost-user-blk",
+        sock.to_str().unwrap(),
+        "--queues",
+        "2",
+        "--dispatch",
+        "queued",
+    ]);
+    assert!(
+        srv.out().contains("dispatch queued (asked for)"),
+        "{}",
+        srv.out()
+    );
+    let mut c = Client::connect(&sock, 2);
+    write_and_read_back(&mut c, 8192, 7);
+}
+
+#[test]
 fn a_vhost_user_blk_export_refuses_options_it_does_not_take() {
     let d = Daemon::start(&[]);
     let sock = d.dir.path("r.vhost");

@@ -73,19 +73,6 @@ impl ExportOpts {
             .map_or(Ok(Dispatch::Auto), str::parse)
     }
 
-    /// For an export whose protocol dispatches direct only (so far): an
-    /// error if `queued` was asked for, else the line `udm info` shows.
-    pub fn direct_only(&self, protocol: &str) -> Result<String, Error> {
-        if self.dispatch()? == Dispatch::Queued {
-            return Err(Error::invalid(format!(
-                "--dispatch queued: a {protocol} export dispatches direct only"
-            )));
-        }
-        Ok(format!(
-            "direct (a {protocol} export dispatches direct only)"
-        ))
-    }
-
     /// The names of the options set that only some protocols take, as the
     /// command line spells them (for a protocol's "does not take" error;
     /// `--dispatch`, which every protocol takes, is not among them).

@@ -15,13 +15,14 @@ use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use blkio::{Blkio, Blkioq, Completion, MemoryRegion, ReqFlags};
 use udm_core::{
-    check_bio, BioPtr, BlockDevice, Caps, Channel, Error, Limits, Reactor, ReactorConfig, Ring,
-    RingFd,
+    check_bio, BioPtr, BlockDevice, Caps, Channel, Dispatch, Error, Limits, Op, Reactor,
+    ReactorConfig, Ring, RingFd,
 };
 use udm_exports::limits::Budget;
 use udm_exports::vhost::{Server, ServerConfig};
@@ -33,6 +34,8 @@ const SIZE: u64 = 64 << 20;
 struct MemfdDev {
     file: File,
     limits: Limits,
+    /// Write bios submitted.
+    writes: AtomicU64,
 }
 
 impl MemfdDev {
@@ -46,6 +49,7 @@ impl MemfdDev {
         Arc::new(MemfdDev {
             file,
             limits: Limits::new(bytes / 512),
+            writes: AtomicU64::new(0),
         })
     }
 
@@ -90,6 +94,9 @@ impl BlockDevice for MemfdDev {
 
 impl Channel for MemfdChannel {
     fn submit(&self, bio: BioPtr) {
+        if bio.op == Op::Write {
+            self.dev.writes.fetch_add(1, Ordering::Relaxed);
+        }
         if let Some(bio) = check_bio(bio, &self.dev.limits, self.dev.caps()) {
             self.ring.submit_bio(self.fd, bio, 0, false, false);
         }
@@ -106,11 +113,32 @@ struct Served {
 
 impl Served {
     fn start(dev: Arc<MemfdDev>, queues: u16, read_only: bool) -> Served {
-        Served::start_with(dev, queues, read_only, Budget::new(64 << 20, 16))
+        Served::start_with(
+            dev,
+            queues,
+            read_only,
+            Budget::new(64 << 20, 16),
+            Dispatch::Auto,
+        )
+    }
+
+    fn start_dispatch(
+        dev: Arc<MemfdDev>,
+        queues: u16,
+        read_only: bool,
+        dispatch: Dispatch,
+    ) -> Served {
+        Served::start_with(dev, queues, read_only, Budget::new(64 << 20, 16), dispatch)
     }
 
     /// A server whose bounce buffers are charged to `budget`.
-    fn start_with(dev: Arc<MemfdDev>, queues: u16, read_only: bool, budget: Budget) -> Served {
+    fn start_with(
+        dev: Arc<MemfdDev>,
+        queues: u16,
+        read_only: bool,
+        budget: Budget,
+        dispatch: Dispatch,
+    ) -> Served {
         let dir = TempDir::new();
         let path = dir.0.join("vhost.sock");
         let srv = Server::bind(
@@ -122,6 +150,7 @@ impl Served {
                 reactor: ReactorConfig::default(),
                 read_only,
                 budget: Some(Arc::new(budget)),
+                dispatch,
             },
         )
         .unwrap();
@@ -322,6 +351,42 @@ fn a_request_of_many_segments_lands_in_order() {
     );
     for i in 0..8 {
         assert!(c.buf()[at(i)..at(i) + 4096] == data[i * 4096..(i + 1) * 4096]);
+    }
+}
+
+/// Queued dispatch (seed 004): the requests of one kick reach the device
+/// sorted and merged into fewer bios; direct hands each over as it came.
+#[test]
+fn queued_dispatch_merges_the_writes_of_one_kick_and_direct_does_not() {
+    for (mode, merged) in [(Dispatch::Queued, true), (Dispatch::Direct, false)] {
+        let dev = MemfdDev::new(SIZE);
+        let srv = Served::start_dispatch(dev.clone(), 1, false, mode);
+        let mut c = Client::connect(&srv.path, 1);
+        let data = pattern(11, 32 << 12);
+        c.buf()[..32 << 12].copy_from_slice(&data);
+        // 32 adjacent 4 KiB writes, queued last first, one kick.
+        let base = c.ptr(0) as usize;
+        let q = &mut c.queues[0];
+        for i in (0..32usize).rev() {
+            let p = (base + (i << 12)) as *mut u8;
+            q.write((i as u64) << 12, p, 4096, 0, ReqFlags::empty());
+        }
+        let mut done = [const { MaybeUninit::<Completion>::uninit() }; 32];
+        assert_eq!(q.do_io(&mut done, 32, None, None).unwrap(), 32);
+        for d in &done {
+            // SAFETY: do_io filled all 32.
+            assert_eq!(unsafe { d.assume_init_read() }.ret, 0, "{mode}");
+        }
+        let writes = dev.writes.load(Ordering::Relaxed);
+        eprintln!("{mode}: 32 writes of 4 KiB reached the device as {writes} bios");
+        if merged {
+            assert!(writes < 32, "{mode}: {writes} bios");
+        } else {
+            assert_eq!(writes, 32, "{mode}");
+        }
+        c.buf().fill(0);
+        assert_eq!(c.read(0, 0, 0, 32 << 12), 0);
+        assert!(c.buf()[..32 << 12] == data[..], "{mode}: read back differs");
     }
 }
 
@@ -641,7 +706,7 @@ mod hostile {
         // byte 512 are 64 read-modify-writes over 9 blocks, at most a few
         // bounce buffers at a time.
         let dev = MemfdDev::with_block_size(SIZE, 4096);
-        let srv = Served::start_with(dev, 1, false, Budget::new(16 << 10, 1));
+        let srv = Served::start_with(dev, 1, false, Budget::new(16 << 10, 1), Dispatch::Auto);
         let mut g = Guest::connect(&srv.path);
         let data = pattern(7, 64 * 512);
         g.write(0x10000, &data);

@@ -7,7 +7,10 @@
 #   e.g. scripts/bench/instr-per-io.sh --target lin --rw read --bs 512 --iodepth 1
 #
 # Env: SMALL (default 4M), LARGE (default 12M), UDM (binary; default builds
-# target/release/udm). Prints "<instructions per I/O> <I/Os in the slope>".
+# target/release/udm), ONLY (count only the threads whose profile names
+# this function, e.g. ONLY=Ring::reap: the reactor's, leaving out the
+# main thread, whose count moves with the host's load). Prints
+# "<instructions per I/O> <I/Os in the slope>".
 #
 # Threads are counted separately and background workers (a writecache's
 # worker thread, made to spin with UDM_WC_WORKER_POLL=1 because valgrind
@@ -32,6 +35,7 @@ count() { # size -> "instructions ios"
     for f in "$tmp"/cg-*; do
         # The worker's reactor runs its poller (run() itself is inlined).
         grep -q -e 'writeback::run' -e 'WorkerPoller' "$f" && continue
+        [ -z "${ONLY:-}" ] || grep -q -F "$ONLY" "$f" || continue
         ir=$(( ir + $(grep -m1 -E '^(summary|totals):' "$f" | awk '{print $2}') ))
     done
     ios=$(grep -o '"ios": *[0-9]*' "$tmp/out" | head -1 | grep -o '[0-9]*$')

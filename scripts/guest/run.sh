@@ -13,7 +13,9 @@
 # arguments, split on spaces: e.g. a vhost-user-blk device; guest memory
 # is a shared memfd so a vhost-user backend can map it), GUEST_REBOOT (set:
 # a reboot in the guest resets the machine and boots it again, /test.sh
-# included, instead of ending QEMU). Needs qemu-system-x86_64
+# included, instead of ending QEMU), GUEST_BINS (more host binaries, split
+# on spaces, each put on the guest's PATH under its own name with its
+# libraries: e.g. strace, or a reference server). Needs qemu-system-x86_64
 # (scripts/setup.sh installs it) and builds the base image on first use.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -30,6 +32,10 @@ trap 'rm -rf "$T"' EXIT
 # The test's files go in a second cpio, appended: the kernel unpacks both.
 mkdir -p "$T/r/bin"
 "$HERE/libs.sh" "$T/r" "$UDM" /bin/udm
+for b in ${GUEST_BINS:-}; do
+    [ -x "$b" ] || { echo "guest/run: GUEST_BINS: no executable $b" >&2; exit 2; }
+    "$HERE/libs.sh" "$T/r" "$b" "/bin/$(basename "$b")"
+done
 install -m755 "$SCRIPT" "$T/r/test.sh"
 (cd "$T/r" && find . | "$W/busybox" cpio -o -H newc 2>/dev/null | gzip -1 >"$T/test.cpio.gz")
 cat "$W/base.cpio.gz" "$T/test.cpio.gz" >"$T/initrd.gz"

@@ -74,7 +74,7 @@ impl ExportService for UblkExports {
                 spec.address
             )));
         }
-        let dispatch = spec.opts.direct_only("ublk")?;
+        let dispatch = spec.opts.dispatch()?;
         let name = spec.name.clone().unwrap_or_else(|| spec.device.clone());
         let mut running = self.running.lock();
         Running::<UblkExport>::check_name(&running, &name)?;
@@ -85,6 +85,7 @@ impl ExportService for UblkExports {
             ));
         }
         let (dev, holder) = hold_device(ctl, &spec.device, &name, "ublk")?;
+        let (dispatch, why) = dispatch.choose(&*dev);
         let cfg = UblkConfig {
             id: spec.opts.id,
             queues: spec.opts.queues,
@@ -92,6 +93,7 @@ impl ExportService for UblkExports {
             read_only: spec.read_only,
             recover: spec.opts.recover,
             reactor: self.reactor,
+            dispatch,
         };
         let dev = match UblkDevice::start(dev, cfg, &self.pool.budget) {
             Ok(d) => d,
@@ -114,7 +116,7 @@ impl ExportService for UblkExports {
                 id: Some(dev.id()),
                 ..spec.opts
             },
-            dispatch,
+            dispatch: format!("{dispatch} ({why})"),
         };
         tracing::info!("export '{name}' of '{}' at {}", info.device, info.uri);
         running.push(UblkExport {

@@ -73,7 +73,7 @@ impl VhostExports {
 impl ExportService for VhostExports {
     fn add(&self, ctl: &dyn Devices, spec: ExportSpec) -> Result<ExportInfo, Error> {
         let o = &spec.opts;
-        let dispatch = o.direct_only("vhost-user-blk")?;
+        let dispatch = o.dispatch()?;
         let mut refused = Vec::new();
         if o.depth.is_some() {
             refused.push("--depth");
@@ -109,6 +109,7 @@ impl ExportService for VhostExports {
             ));
         }
         let (dev, holder) = hold_device(ctl, &spec.device, &name, "vhost-user-blk")?;
+        let (dispatch, why) = dispatch.choose(&*dev);
         let started = (|| {
             let srv = Server::bind(
                 dev,
@@ -119,6 +120,7 @@ impl ExportService for VhostExports {
                     reactor: self.reactor,
                     read_only: spec.read_only,
                     budget: Some(self.pool.budget.clone()),
+                    dispatch,
                 },
             )?;
             let clients = srv.clients();
@@ -141,7 +143,7 @@ impl ExportService for VhostExports {
             read_only: spec.read_only,
             clients: 0,
             opts: spec.opts,
-            dispatch,
+            dispatch: format!("{dispatch} ({why})"),
         };
         tracing::info!(
             "export '{name}' of '{}' at {} (vhost-user-blk, {queues} queues)",

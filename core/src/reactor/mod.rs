@@ -192,7 +192,12 @@ pub(crate) struct ReactorCore {
 impl ReactorCore {
     /// Adaptive mode, on a turn: whether to sleep now. A turn with work ends
     /// the idle gap and resizes the window by it; an idle turn spins while
-    /// inside the window.
+    /// inside the window. With the window closed, a turn with work sleeps
+    /// at once (the idle turn after it would): one `io_uring_enter`
+    /// submits what the turn queued and waits, instead of a submit and,
+    /// on the next turn, a wait. The idle gap then starts now; if the
+    /// reactor cannot sleep after all, [`ReactorCore::adaptive_busy`]
+    /// takes that back.
     fn adaptive_sleep(&self, work: bool) -> bool {
         if work {
             if let Some(t0) = self.idle_since.take() {
@@ -201,6 +206,10 @@ impl ReactorCore {
                     t0.elapsed(),
                     self.config.hybrid_spin,
                 ));
+            }
+            if self.spin_window.get().is_zero() {
+                self.idle_since.set(Some(Instant::now()));
+                return true;
             }
             return false;
         }
@@ -212,6 +221,13 @@ impl ReactorCore {
             }
             Some(t0) => t0.elapsed() >= w,
         }
+    }
+
+    /// Adaptive mode: a turn with work meant to sleep but could not (work
+    /// is runnable): it is not idle.
+    #[cold]
+    fn adaptive_busy(&self) {
+        self.idle_since.set(None);
     }
 }
 
@@ -576,6 +592,9 @@ impl Reactor {
             }
             // A poller that did work may have more: give it another turn.
             if !(sleep && t.poller_work == 0 && self.sleep()) {
+                if sleep && t.work > 0 && core.config.mode == CompletionMode::Adaptive {
+                    core.adaptive_busy();
+                }
                 core.ring.submit();
                 if t.work == 0 {
                     if core.config.mode == CompletionMode::Adaptive {
@@ -787,8 +806,31 @@ impl Drop for Reactor {
 
 #[cfg(test)]
 mod tests {
-    use super::next_window;
+    use super::{next_window, CompletionMode, Reactor, ReactorConfig};
     use std::time::Duration;
+
+    #[test]
+    fn adaptive_mode_sleeps_right_after_work_while_its_window_is_closed() {
+        let r = Reactor::new(ReactorConfig {
+            mode: CompletionMode::Adaptive,
+            ..ReactorConfig::default()
+        })
+        .unwrap();
+        let core = r.core();
+        // Closed (as at start): the turn with work sleeps at once, one
+        // enter for its submission and the wait, and the idle gap starts.
+        assert!(core.adaptive_sleep(true));
+        assert!(core.idle_since.get().is_some());
+        // Work was runnable, so it did not sleep after all: not idle.
+        core.adaptive_busy();
+        assert!(core.idle_since.get().is_none());
+        // Open: a turn with work spins on, the gap starts at the idle turn.
+        core.spin_window.set(50 * US);
+        assert!(!core.adaptive_sleep(true));
+        assert!(core.idle_since.get().is_none());
+        assert!(!core.adaptive_sleep(false));
+        assert!(core.idle_since.get().is_some());
+    }
 
     const US: Duration = Duration::from_micros(1);
 

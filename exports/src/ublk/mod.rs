@@ -30,7 +30,9 @@ use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use udm_core::{BlockDevice, Caps, Error, ErrorKind, Reactor, ReactorConfig, ReactorHandle};
+use udm_core::{
+    BlockDevice, Caps, Dispatch, Error, ErrorKind, Reactor, ReactorConfig, ReactorHandle,
+};
 
 use crate::front::Front;
 use crate::limits::{Budget, Reservation};
@@ -63,6 +65,10 @@ pub struct UblkConfig {
     pub recover: bool,
     /// How each queue's reactor is built (its ring gets 128-byte SQEs).
     pub reactor: ReactorConfig,
+    /// How requests go to the device: `Direct` or `Queued` (each batch of
+    /// requests one reap of the ring brings is sorted and merged); `Auto`
+    /// follows the device's report ([`Dispatch::choose`]).
+    pub dispatch: Dispatch,
 }
 
 /// A device served as `/dev/ublkbN`. Dropping it stops and deletes it.
@@ -86,6 +92,7 @@ struct QueueSpec {
     cdev: RawFd,
     read_only: bool,
     reactor: ReactorConfig,
+    dispatch: Dispatch,
     dev: Arc<dyn BlockDevice>,
     stop: Arc<AtomicBool>,
 }
@@ -322,6 +329,7 @@ impl UblkDevice {
                 cdev: cdev.as_raw_fd(),
                 read_only,
                 reactor: cfg.reactor,
+                dispatch: cfg.dispatch,
                 dev: dev.clone(),
                 stop: d.stop.clone(),
             };
@@ -481,12 +489,14 @@ fn serve_queue(s: QueueSpec, ready: mpsc::Sender<Result<ReactorHandle, Error>>) 
         // SAFETY: the reactor outlives the front: both live on this
         // thread, and the queue (which holds the front) is dropped first.
         let front = unsafe { Front::new(&reactor, &*s.dev, chan) };
+        front.set_dispatch(s.dispatch);
         let q = Queue::new(
             s.q_id,
             s.depth,
             s.buf_bytes,
             s.cdev,
             reactor.ring_rc(),
+            reactor.work_queue(),
             front,
             s.read_only,
         )?;

@@ -13,16 +13,44 @@
 //! The data moves by copy: the driver copies a write's data into the tag's
 //! buffer before the request arrives, and a read's data out of it when the
 //! commit arrives.
+//!
+//! With queued dispatch, the requests that one reap of the ring brings
+//! (the driver hands over what queued up while the server was busy in one
+//! task-work run) are held by the front and unplugged together at the end
+//! of the reactor's turn, sorted and merged, by a poller the first request
+//! of the batch queues on the reactor's work queue: direct dispatch pays
+//! nothing for it.
 
 use std::cell::Cell;
 use std::os::fd::RawFd;
 use std::rc::Rc;
 
 use udm_core::io_uring::{opcode, types};
-use udm_core::{Error, ErrorKind, Ring, RingOp};
+use udm_core::{Dispatch, Error, ErrorKind, Poller, Ring, RingOp, WorkQueue};
 
 use super::sys::{self, IoCmd, IoDesc};
 use crate::front::{Done, Front, FrontError, FrontOp, ReqFlags, Request, Submitted};
+
+/// Queued dispatch: unplugs the front once the turn's requests are in.
+struct Unplug {
+    front: Rc<Front>,
+    /// On the work queue now.
+    armed: Cell<bool>,
+}
+
+impl Poller for Unplug {
+    fn poll(&self) -> usize {
+        self.armed.set(false);
+        self.front.unplug();
+        // The bios went to the ring, whose submission ends the turn: no
+        // need for another turn at once.
+        0
+    }
+
+    fn pending(&self) -> bool {
+        false
+    }
+}
 
 /// A tag's ring operation: its fetch (or commit-and-fetch) in flight.
 #[repr(C)]
@@ -63,6 +91,8 @@ pub(crate) struct Queue {
     cdev: RawFd,
     ring: Rc<Ring>,
     front: Rc<Front>,
+    /// Queued dispatch: the reactor's work queue and what unplugs the front.
+    unplug: Option<(WorkQueue, Rc<Unplug>)>,
     read_only: bool,
     /// The kernel's descriptor array for this queue (read-only for us).
     descs: Mapping,
@@ -76,13 +106,16 @@ pub(crate) struct Queue {
 
 impl Queue {
     /// Queue `q_id` of depth `depth` on the device whose char device is
-    /// `cdev`, with the front's device served on `ring` (the reactor's).
+    /// `cdev`, with the front's device served on `ring` (the reactor's,
+    /// whose `work` queue unplugs a queued front).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         q_id: u16,
         depth: u16,
         buf_bytes: u32,
         cdev: RawFd,
         ring: Rc<Ring>,
+        work: WorkQueue,
         front: Rc<Front>,
         read_only: bool,
     ) -> Result<Box<Queue>, Error> {
@@ -108,11 +141,19 @@ impl Queue {
             0,
         )
         .map_err(|e| e.context(format_args!("queue {q_id}'s buffers")))?;
+        let unplug = (front.dispatch() == Dispatch::Queued).then(|| {
+            let u = Rc::new(Unplug {
+                front: front.clone(),
+                armed: Cell::new(false),
+            });
+            (work, u)
+        });
         let mut q = Box::new(Queue {
             q_id,
             cdev,
             ring,
             front,
+            unplug,
             read_only,
             descs,
             bufs,
@@ -233,8 +274,18 @@ impl Queue {
         // (checked against buf_bytes above), which nothing touches until
         // the request is finished and committed.
         match unsafe { self.front.submit(req) } {
-            Submitted::Later => {}
+            Submitted::Later => self.plugged(),
             Submitted::Now(r) => self.commit(tag, result(req.token, r)),
+        }
+    }
+
+    /// Queued dispatch: a request may be held; unplug at the turn's end.
+    #[inline]
+    fn plugged(&self) {
+        if let Some((work, u)) = &self.unplug {
+            if !u.armed.replace(true) {
+                work.queue(u.clone());
+            }
         }
     }
 

@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 use std::sync::Arc;
 
-use udm_core::{BlockDevice, Caps};
+use udm_core::{BlockDevice, Caps, Dispatch};
 
 use crate::limits::Budget;
 use virtio_bindings::virtio_blk::*;
@@ -159,6 +159,8 @@ pub struct Shared {
     /// The device's size in sectors as the driver is told it (it grows
     /// when the device does: see the server).
     pub capacity: AtomicU64,
+    /// How requests go to the device.
+    pub dispatch: Dispatch,
     /// Frontends connected (0 or 1).
     pub(super) clients: AtomicUsize,
     /// Where the queues' fronts charge bounce buffers.

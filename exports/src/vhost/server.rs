@@ -16,7 +16,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use udm_core::{BlockDevice, Error, PoolConfig, Reactor, ReactorConfig, ReactorPool, StopToken};
+use udm_core::{
+    BlockDevice, Dispatch, Error, PoolConfig, Reactor, ReactorConfig, ReactorPool, StopToken,
+};
 use vhost::vhost_user::message::{FrontendReq, VhostUserProtocolFeatures};
 use vhost::vhost_user::{BackendReqHandler, Error as VuError};
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
@@ -46,6 +48,9 @@ pub struct ServerConfig {
     /// Where the bounce buffers of sub-block requests are charged (the
     /// process's in-flight budget; None: nowhere).
     pub budget: Option<Arc<Budget>>,
+    /// How requests go to the device (`Auto`: from its report); a queued
+    /// front is unplugged at the end of each kick's batch.
+    pub dispatch: Dispatch,
 }
 
 /// The count of connected frontends (0 or 1), readable from any thread.
@@ -92,6 +97,7 @@ impl Server {
             writeback: AtomicBool::new(dev.caps().contains(udm_core::Caps::FLUSH)),
             queues: cfg.queues,
             capacity: AtomicU64::new(dev.limits().sectors),
+            dispatch: cfg.dispatch,
             clients: AtomicUsize::new(0),
             budget: cfg.budget.clone(),
         });

@@ -114,6 +114,34 @@ check ublk_serve_fio fio_verify "$SDEV" serve --size=16M
 kill $SERVE
 wait $SERVE
 check ublk_serve_stops sh -c "! test -e '$SDEV'"
+# Dispatch (seed 004). Queued: the requests one reap of the ring brings
+# are sorted and merged, so sequential 4 KiB writes (which the kernel is
+# told not to merge itself) reach the device as fewer bios; direct: one
+# bio each. Data written through a queued export reads back.
+writes_of() { udm stats "$1" | sed -n 's/^Writes: *\([0-9]*\).*/\1/p'; }
+for mode in queued direct; do
+    udm create "r$mode" ram:16M
+    udm create "d$mode" --table "0 32768 linear r$mode 0"
+    check ublk_add_$mode udm export add "d$mode" --ublk --id 4 --dispatch $mode
+    check ublk_info_$mode sh -c "udm info d$mode | grep -q 'Export dispatch: .*(ublk): $mode (asked for)'"
+    echo 2 >/sys/block/ublkb4/queue/nomerges
+    w0=$(writes_of "d$mode")
+    fio --name=seq --filename=/dev/ublkb4 --direct=1 --ioengine=io_uring --rw=write --bs=4k \
+        --iodepth=32 --iodepth_batch_submit=32 --size=8M >/tmp/fio-seq.log 2>&1
+    w1=$(writes_of "d$mode")
+    eval "BIOS_$mode=$((w1 - w0))"
+    echo "RESULT ublk_${mode}_bios_for_2048_writes=$((w1 - w0))"
+    [ $mode = queued ] && check ublk_queued_fio_verify fio_verify /dev/ublkb4 queued --size=16M
+    udm export remove "d$mode"
+done
+check ublk_queued_merges sh -c "[ 0 -lt $BIOS_queued ] && [ $BIOS_queued -lt 2048 ]"
+check ublk_direct_does_not_merge [ "$BIOS_direct" -eq 2048 ]
+# auto follows the device's report: a slow device gains from merging.
+udm create slow null:16M,delay=100
+udm export add slow --ublk --id 4 >/dev/null
+check ublk_auto_follows_the_device sh -c "udm info slow | grep -q 'Export dispatch: .*(ublk): queued (auto: merging helps'"
+udm info slow | grep "Export dispatch"
+udm export remove slow
 # A daemon stop deletes the devices it serves.
 udm export add lin --ublk --id 3 >/dev/null
 kill $UDM_PID; wait $UDM_PID
