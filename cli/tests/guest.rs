@@ -101,22 +101,8 @@ dd if=/dev/ram0 of=/dev/vdc bs=1M conv=fsync 2>/dev/null
 /// so what reads Linux's logs (xfstests' replay-log) reads udm's.
 #[test]
 fn udm_logs_the_same_bytes_as_linux_dm_log_writes_for_the_same_io() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let out = Command::new(root.join("scripts/guest.sh"))
-        .arg("logwrites")
-        .env("UDM", env!("CARGO_BIN_EXE_udm"))
-        .output()
-        .expect("scripts/guest.sh");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    common::guest::run_scenarios(
+        &["logwrites"],
+        &["lw_linux_writes", "lw_udm_writes", "lw_logs_identical"],
     );
-    assert!(out.status.success(), "the guest's scenario failed:\n{text}");
-    for check in ["lw_linux_writes", "lw_udm_writes", "lw_logs_identical"] {
-        assert!(
-            text.contains(&format!("RESULT {check}=ok")),
-            "{check}:\n{text}"
-        );
-    }
 }

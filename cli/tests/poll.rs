@@ -5,8 +5,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::path::Path;
-use std::process::Command;
+mod common;
 
 /// In one boot: `iopoll` refused on the NVMe disk without poll queues (one
 /// line, exit 2); with them, a written pattern reads back intact through
@@ -17,21 +16,6 @@ use std::process::Command;
 /// runs, and do during the same I/O unpolled.
 #[test]
 fn in_the_guest_iopoll_devices_poll_through_linear_and_striped_in_every_completion_mode() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let out = Command::new(root.join("scripts/guest.sh"))
-        .arg("poll")
-        .env("UDM", env!("CARGO_BIN_EXE_udm"))
-        .output()
-        .expect("scripts/guest.sh");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.status.success(),
-        "the guest's poll scenario failed:\n{text}"
-    );
     let mut checks = vec![
         "poll_refused_without_poll_queues".to_string(),
         "poll_mixed_striped".to_string(),
@@ -43,11 +27,6 @@ fn in_the_guest_iopoll_devices_poll_through_linear_and_striped_in_every_completi
             checks.push(format!("poll_{mode}_{stack}"));
         }
     }
-    for check in &checks {
-        assert!(
-            text.contains(&format!("RESULT {check}=ok")),
-            "{check}:\n{text}"
-        );
-    }
+    let text = common::guest::run_scenarios(&["poll"], &checks);
     assert!(!text.contains("=FAIL"), "{text}");
 }

@@ -8,7 +8,6 @@
 mod common;
 
 use std::path::Path;
-use std::process::Command;
 
 use common::daemon::Daemon;
 
@@ -84,30 +83,13 @@ fn bad_ublk_options_are_refused_naming_the_option() {
 /// script exits 0 only when all passed.
 #[test]
 fn in_the_guest_ublk_serves_fio_ext4_and_discard_and_recovers_from_sigkill() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let out = Command::new(root.join("scripts/guest.sh"))
-        .args(["ublk", "recovery"])
-        .env("UDM", env!("CARGO_BIN_EXE_udm"))
-        .output()
-        .expect("scripts/guest.sh");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    let text = common::guest::run_scenarios(
+        &["ublk", "recovery"],
+        &[
+            "ublk_fio_linear",
+            "ublk_fsck",
+            "recover_fio_verified_after_kill",
+        ],
     );
-    assert!(
-        out.status.success(),
-        "the guest's ublk scenario failed:\n{text}"
-    );
-    for check in [
-        "ublk_fio_linear",
-        "ublk_fsck",
-        "recover_fio_verified_after_kill",
-    ] {
-        assert!(
-            text.contains(&format!("RESULT {check}=ok")),
-            "{check}:\n{text}"
-        );
-    }
     assert!(!text.contains("=FAIL"), "{text}");
 }

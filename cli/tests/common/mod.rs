@@ -6,6 +6,7 @@
 #![allow(clippy::unwrap_used)]
 
 pub mod daemon;
+pub mod guest;
 pub mod raw;
 
 /// A writecache device `wc`: a 16 MiB RAM origin `o` under a 4 MiB RAM
