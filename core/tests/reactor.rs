@@ -997,6 +997,24 @@ fn ring_io_round(
 
 /// Timer-completed I/O: each completes no earlier than its delay. Returns
 /// how many loop turns the wait took.
+/// Turns `r` takes until a message that another thread sends `gap` from
+/// now has run (`what` names the wait for the watchdog).
+fn turns_until_message(r: &Reactor, dog: &Watchdog, gap: Duration, what: &str) -> usize {
+    let flag = Arc::new(AtomicBool::new(false));
+    let (h, f2) = (r.handle(), flag.clone());
+    let t = std::thread::spawn(move || {
+        std::thread::sleep(gap);
+        assert!(h.send(move |_| f2.store(true, Ordering::SeqCst)));
+    });
+    let mut turns = 0;
+    dog.run_until(r, what, || {
+        turns += 1;
+        flag.load(Ordering::SeqCst)
+    });
+    t.join().unwrap();
+    turns
+}
+
 fn timer_round(r: &Reactor, dog: &Watchdog, delay: Duration, n: usize) -> usize {
     let ch = TimerChannel::new(r, delay);
     let dones: Vec<Done> = (0..n).map(|_| Done::default()).collect();
@@ -1060,16 +1078,12 @@ fn all_of_a_mode(mode: CompletionMode) {
     }
 
     // A message from another thread once the reactor has gone idle.
-    let flag = Arc::new(AtomicBool::new(false));
-    let (h, f2) = (r.handle(), flag.clone());
-    let t = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(50));
-        assert!(h.send(move |_| f2.store(true, Ordering::SeqCst)));
-    });
-    dog.run_until(&r, "a message to an idle reactor", || {
-        flag.load(Ordering::SeqCst)
-    });
-    t.join().unwrap();
+    turns_until_message(
+        &r,
+        &dog,
+        Duration::from_millis(50),
+        "a message to an idle reactor",
+    );
 
     // Deferred completions.
     let d = Done::default();
@@ -1127,21 +1141,7 @@ fn adaptive_mode_spins_across_short_gaps_and_sleeps_through_long_ones() {
     .unwrap();
     let dog = Watchdog::new(r.handle());
     // Turns the reactor takes waiting for a message sent `gap` from now.
-    let wait = |gap: Duration| -> usize {
-        let flag = Arc::new(AtomicBool::new(false));
-        let (h, f2) = (r.handle(), flag.clone());
-        let t = std::thread::spawn(move || {
-            std::thread::sleep(gap);
-            assert!(h.send(move |_| f2.store(true, Ordering::SeqCst)));
-        });
-        let mut turns = 0;
-        dog.run_until(&r, "a message", || {
-            turns += 1;
-            flag.load(Ordering::SeqCst)
-        });
-        t.join().unwrap();
-        turns
-    };
+    let wait = |gap: Duration| turns_until_message(&r, &dog, gap, "a message");
     // Gaps of 2 ms: the window opens (5 ms, a quarter of the cap) and then
     // covers them, so the reactor spins through each.
     for _ in 0..3 {
@@ -1183,18 +1183,7 @@ fn an_iopoll_ring_with_nothing_in_flight_is_not_polled() {
             .unwrap();
         assert_eq!(ring.inflight(), 0);
         let dog = Watchdog::new(r.handle());
-        let flag = Arc::new(AtomicBool::new(false));
-        let (h, f2) = (r.handle(), flag.clone());
-        let t = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(200));
-            assert!(h.send(move |_| f2.store(true, Ordering::SeqCst)));
-        });
-        let mut turns = 0;
-        dog.run_until(&r, "a message", || {
-            turns += 1;
-            flag.load(Ordering::SeqCst)
-        });
-        t.join().unwrap();
+        let turns = turns_until_message(&r, &dog, Duration::from_millis(200), "a message");
         // A spinning reactor takes a turn every few microseconds; hybrid
         // spins its 50 us first.
         assert!(
