@@ -49,9 +49,10 @@ pub struct ServeArgs {
     reactors: u32,
     /// How requests go to each device: queued sorts and merges the
     /// requests of each receive (for a disk or a network backend), direct
-    /// hands each on at once (for RAM); auto picks per device from its
+    /// hands each on at once, stream hands each on at once unless it
+    /// continues the one before (for RAM); auto picks per device from its
     /// report ('udm info').
-    #[arg(long, value_name = "MODE", default_value = "auto", value_parser = ["auto", "direct", "queued"])]
+    #[arg(long, value_name = "MODE", default_value = "auto", value_parser = ["auto", "direct", "queued", "stream"])]
     dispatch: String,
     /// Serve the export over vhost-user-blk (virtual machines) at this
     /// socket path instead of NBD (one export).

@@ -362,16 +362,21 @@ fn jobs_pinned_with_cpus_run() {
 /// merged into multi-segment bios that the targets then split at chunk
 /// and target boundaries, verify on every target over every backend.
 #[test]
-fn queued_dispatch_verifies_on_every_target_over_every_backend() {
+fn queued_and_stream_dispatch_verify_on_every_target_over_every_backend() {
     for (backend, devs, _files) in backends("queued") {
         for (name, table) in TABLES {
-            for rw in ["write", "randwrite"] {
+            for (rw, mode) in [
+                ("write", "queued"),
+                ("randwrite", "queued"),
+                ("write", "stream"),
+                ("randwrite", "stream"),
+            ] {
                 verify(
                     &backend,
                     &devs,
                     name,
                     table,
-                    &["--rw", rw, "--bs", "4k", "--dispatch", "queued"],
+                    &["--rw", rw, "--bs", "4k", "--dispatch", mode],
                 );
             }
         }
@@ -385,10 +390,10 @@ fn json_field<'a>(out: &'a str, key: &str) -> &'a str {
         .unwrap_or_else(|| panic!("no {key} in {out}"))
 }
 
-/// Auto takes the device's report: RAM direct, a per-request delay queued;
-/// and queued dispatch allocates nothing per I/O once warm.
+/// Auto takes the device's report: RAM stream, a per-request delay queued;
+/// and queued and stream dispatch allocate nothing per I/O once warm.
 #[test]
-fn bench_dispatch_auto_follows_the_device_and_queued_allocates_nothing_per_io() {
+fn bench_dispatch_auto_follows_the_device_and_queued_and_stream_allocate_nothing_per_io() {
     let run = |dev: &str, extra: &[&str]| {
         let mut a = vec![
             "bench",
@@ -407,13 +412,15 @@ fn bench_dispatch_auto_follows_the_device_and_queued_allocates_nothing_per_io() 
         out
     };
     let out = run("d=ram:64M", &[]);
-    assert_eq!(json_field(&out, "dispatch"), "\"direct\"", "{out}");
+    assert_eq!(json_field(&out, "dispatch"), "\"stream\"", "{out}");
     let out = run("d=null:64M,delay=20", &["--rw", "write"]);
     assert_eq!(json_field(&out, "dispatch"), "\"queued\"", "{out}");
-    let out = run("d=null:1G", &["--rw", "write", "--dispatch", "queued"]);
-    assert_eq!(json_field(&out, "dispatch"), "\"queued\"", "{out}");
-    let allocs: f64 = json_field(&out, "allocs_per_io").parse().unwrap();
-    assert!(allocs < 0.001, "allocs per I/O: {allocs}");
+    for mode in ["queued", "stream"] {
+        let out = run("d=null:1G", &["--rw", "write", "--dispatch", mode]);
+        assert_eq!(json_field(&out, "dispatch"), format!("\"{mode}\""), "{out}");
+        let allocs: f64 = json_field(&out, "allocs_per_io").parse().unwrap();
+        assert!(allocs < 0.001, "{mode}: allocs per I/O: {allocs}");
+    }
     let (code, _, err) = udm(&["bench", "--dispatch", "sorted"]);
     assert_eq!(code, 2);
     assert!(err.contains("'sorted'"), "{err}");

@@ -1,7 +1,7 @@
-//! Direct and queued dispatch (seed 004) through real NBD clients: data
-//! written through a queued front reads back (fio's crc32c verify, nbdcopy
-//! round trip), a sequential stream reaches the device as fewer, merged
-//! bios, `auto` picks per device from its report, and `udm info` and the
+//! Direct, queued and stream dispatch (seed 004) through real NBD clients:
+//! data written through a queued or streaming front reads back (fio's
+//! crc32c verify, nbdcopy round trip), a sequential stream reaches the
+//! device as fewer, merged bios, `auto` picks per device from its report, and `udm info` and the
 //! config file say which mode each export uses and why.
 
 #![allow(clippy::unwrap_used)] // helpers too: allow-unwrap-in-tests only covers #[test] fns
@@ -45,8 +45,14 @@ fn writes(s: &Serve, dev: &str) -> u64 {
 }
 
 #[test]
-fn fio_verifies_data_written_and_read_through_queued_dispatch() {
-    let dir = TempDir::new("queued");
+fn fio_verifies_data_written_and_read_through_queued_and_stream_dispatch() {
+    for mode in ["queued", "stream"] {
+        verify_through(mode);
+    }
+}
+
+fn verify_through(mode: &str) {
+    let dir = TempDir::new(mode);
     let f = dir.path("img");
     let file = format!("d=file:{},size=32M", f.display());
     let s = Serve::start(&[
@@ -61,7 +67,7 @@ fn fio_verifies_data_written_and_read_through_queued_dispatch() {
         "--export",
         "d",
         "--dispatch",
-        "queued",
+        mode,
     ]);
     for export in ["t", "d"] {
         let uri = s.uri(export);
@@ -96,8 +102,8 @@ fn nbdcopy_round_trips_an_image_through_queued_dispatch() {
 }
 
 #[test]
-fn queued_dispatch_merges_a_sequential_stream_into_fewer_bios_and_direct_does_not() {
-    for (mode, merged) in [("queued", true), ("direct", false)] {
+fn queued_and_stream_dispatch_merge_a_sequential_stream_into_fewer_bios_and_direct_does_not() {
+    for (mode, merged) in [("queued", true), ("stream", true), ("direct", false)] {
         let s = Serve::start(&[
             "--dev",
             "r=ram:16M",
@@ -160,7 +166,7 @@ fn auto_picks_each_exports_mode_from_its_devices_report() {
     };
     assert!(
         line("r").contains(
-            "dispatch direct (auto: merging does not help (RAM: a request costs only its copy))"
+            "dispatch stream (auto: merging does not help (RAM: a request costs only its copy); only back-to-back requests merge)"
         ),
         "{out}"
     );
@@ -222,7 +228,7 @@ fn export_add_takes_a_dispatch_and_info_and_dump_config_show_it() {
     );
     let info = d.ok(&["info", "r"]);
     assert!(
-        info.contains("Export dispatch:   r (nbd): direct (auto: merging does not help (RAM: a request costs only its copy))"),
+        info.contains("Export dispatch:   r (nbd): stream (auto: merging does not help (RAM: a request costs only its copy); only back-to-back requests merge)"),
         "{info}"
     );
     // The data goes through either way.
@@ -285,7 +291,7 @@ fn a_config_file_export_takes_a_dispatch_and_a_bad_one_names_it() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(
-        err.contains("dispatch 'sorted': expected auto, direct or queued"),
+        err.contains("dispatch 'sorted': expected auto, direct, queued or stream"),
         "{err}"
     );
 }

@@ -14,7 +14,14 @@
 //!   batch's end (the kernel's plug and `blk_finish_plug`); a device whose
 //!   requests each cost a seek or a round trip serves fewer, larger ones
 //!   faster.
-//! - *auto*: queued where the device reports [`Caps::MERGE`], else direct.
+//! - *stream*: direct, except that a request which continues the one
+//!   before it (same op and flags, the next byte) is held with it, and the
+//!   run goes as one bio when a request does not continue it or the batch
+//!   ends (the kernel's plug merge, which also looks at the last request
+//!   only). Scattered requests pay no sort; a sequential stream is merged
+//!   as in queued mode.
+//! - *auto*: queued where the device reports [`Caps::MERGE`] (a device
+//!   that gains from sorting scattered requests too), else stream.
 
 use std::fmt;
 use std::str::FromStr;
@@ -32,6 +39,9 @@ pub enum Dispatch {
     Direct,
     /// A batch of requests sorted, merged and submitted at its end.
     Queued,
+    /// Each request as it arrives, unless it continues the one before: a
+    /// run of back-to-back requests goes as one bio.
+    Stream,
 }
 
 impl Dispatch {
@@ -41,11 +51,12 @@ impl Dispatch {
             Dispatch::Auto => "auto",
             Dispatch::Direct => "direct",
             Dispatch::Queued => "queued",
+            Dispatch::Stream => "stream",
         }
     }
 
     /// The mode to use on `dev` (never `Auto`), and why: `auto` follows the
-    /// device's report, the other two were asked for.
+    /// device's report, the others were asked for.
     pub fn choose(self, dev: &dyn BlockDevice) -> (Dispatch, String) {
         match self {
             Dispatch::Auto => {
@@ -54,8 +65,10 @@ impl Dispatch {
                     (Dispatch::Queued, format!("auto: merging helps ({why})"))
                 } else {
                     (
-                        Dispatch::Direct,
-                        format!("auto: merging does not help ({why})"),
+                        Dispatch::Stream,
+                        format!(
+                            "auto: merging does not help ({why}); only back-to-back requests merge"
+                        ),
                     )
                 }
             }
@@ -83,8 +96,9 @@ impl FromStr for Dispatch {
             "auto" => Ok(Dispatch::Auto),
             "direct" => Ok(Dispatch::Direct),
             "queued" => Ok(Dispatch::Queued),
+            "stream" => Ok(Dispatch::Stream),
             _ => Err(Error::invalid(format!(
-                "dispatch '{s}': expected auto, direct or queued"
+                "dispatch '{s}': expected auto, direct, queued or stream"
             ))),
         }
     }
@@ -96,12 +110,17 @@ mod tests {
 
     #[test]
     fn names_parse_back_and_anything_else_is_refused_by_name() {
-        for d in [Dispatch::Auto, Dispatch::Direct, Dispatch::Queued] {
+        for d in [
+            Dispatch::Auto,
+            Dispatch::Direct,
+            Dispatch::Queued,
+            Dispatch::Stream,
+        ] {
             assert_eq!(d.name().parse::<Dispatch>().unwrap(), d);
         }
         let e = "fast".parse::<Dispatch>().unwrap_err().to_string();
         assert!(
-            e.contains("'fast'") && e.contains("auto, direct or queued"),
+            e.contains("'fast'") && e.contains("auto, direct, queued or stream"),
             "{e}"
         );
     }

@@ -50,7 +50,7 @@ fn disk_dir() -> String {
 }
 
 #[test]
-fn ram_and_null_do_not_gain_and_auto_dispatches_them_direct() {
+fn ram_and_null_do_not_gain_and_auto_streams_them() {
     let mut devs = Devices::new();
     let ram = devs.ram("ram0", 2048);
     assert_eq!(
@@ -64,8 +64,9 @@ fn ram_and_null_do_not_gain_and_auto_dispatches_them_direct() {
     );
     for d in [&*ram as &dyn BlockDevice, &null] {
         let (mode, why) = Dispatch::Auto.choose(d);
-        assert_eq!(mode, Dispatch::Direct, "{}", d.name());
+        assert_eq!(mode, Dispatch::Stream, "{}", d.name());
         assert!(why.starts_with("auto: merging does not help ("), "{why}");
+        assert!(why.ends_with("only back-to-back requests merge"), "{why}");
     }
 }
 
@@ -97,7 +98,7 @@ fn an_o_direct_file_on_a_disk_gains_but_buffered_or_in_memory_does_not() {
         report(&*buffered),
         (false, "buffered: the page cache merges".into())
     );
-    assert_eq!(Dispatch::Auto.choose(&*buffered).0, Dispatch::Direct);
+    assert_eq!(Dispatch::Auto.choose(&*buffered).0, Dispatch::Stream);
 
     let shm = Scratch::new("/dev/shm", "shm");
     // tmpfs takes O_DIRECT on kernels since 6.6; skip where it does not.
@@ -144,7 +145,7 @@ fn a_mapped_device_gains_if_any_device_it_maps_to_does_and_names_it() {
             "maps to ram0: RAM: a request costs only its copy".into()
         )
     );
-    assert_eq!(Dispatch::Auto.choose(&*over_ram).0, Dispatch::Direct);
+    assert_eq!(Dispatch::Auto.choose(&*over_ram).0, Dispatch::Stream);
 
     let mixed = as_dev(&devs.mapped("m1", "0 2048 linear ram0 0\n2048 2048 linear disk0 0"));
     assert_eq!(

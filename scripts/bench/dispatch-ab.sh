@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Seed 004's table: `udm bench` with direct, queued and auto dispatch, 4 KiB
+# Seed 004's table: `udm bench` with direct, queued, stream and auto dispatch, 4 KiB
 # at QD32, interleaved rounds (ab-rounds.sh), medians (ab-report.py; "raw"
 # is direct, each ratio is to direct).
 #
@@ -32,7 +32,7 @@ for row in $ROWS; do
         DEV=(--dev d=ram:256M)
         EXTRA=(--prefill)
         for RW in read write randread randwrite; do
-            ab_rounds "$ROUNDS" IOPS "RAM, $RW 4k QD32 (raw = direct)" queued auto
+            ab_rounds "$ROUNDS" IOPS "RAM, $RW 4k QD32 (raw = direct)" queued stream auto
         done
         ;;
     file)
@@ -42,7 +42,7 @@ for row in $ROWS; do
         DEV=(--dev "d=file:$FILE")
         EXTRA=()
         RW=write
-        ab_rounds "$ROUNDS" IOPS "O_DIRECT file on $(df --output=source "$FILE" | tail -1), write 4k QD32 (raw = direct)" queued auto
+        ab_rounds "$ROUNDS" IOPS "O_DIRECT file on $(df --output=source "$FILE" | tail -1), write 4k QD32 (raw = direct)" queued stream auto
         ;;
     esac
 done

@@ -5,12 +5,13 @@
 //! descriptor cache is exercised as the kernel's bio cache is), submits it,
 //! and the completion records the latency and issues the slot's next I/O.
 //!
-//! With queued dispatch ([`JobCfg::queued`], seed 004) the I/Os issued in
+//! With queued dispatch ([`JobCfg::dispatch`], seed 004) the I/Os issued in
 //! one batch (the start of a phase, or one reactor turn's completions) are
 //! held, then sorted by op and sector at the batch's end, and adjacent ones
 //! go as one bio with a segment per I/O, up to the device's `max_io_bytes`
 //! and `max_segments`; its completion completes each I/O in it (as the
-//! export front's queued dispatch does).
+//! export front's queued dispatch does). Stream dispatch holds an I/O only
+//! while the next one issued continues it, and sorts nothing.
 
 use std::cell::{Cell, UnsafeCell};
 use std::rc::Rc;
@@ -21,7 +22,8 @@ use std::time::Duration;
 use hdrhistogram::Histogram;
 use udm_backends::AlignedBuf;
 use udm_core::{
-    Bio, BioPtr, BlockDevice, CacheStats, Channel, Error, Op, Reactor, Status, SECTOR_SHIFT,
+    Bio, BioPtr, BlockDevice, CacheStats, Channel, Dispatch, Error, Op, Reactor, Status,
+    SECTOR_SHIFT,
 };
 
 use super::pattern;
@@ -99,8 +101,8 @@ pub struct JobCfg {
     pub verify: bool,
     /// PRNG seed.
     pub seed: u64,
-    /// Queued dispatch (else direct: each I/O submitted as issued).
-    pub queued: bool,
+    /// Direct (each I/O submitted as issued), queued or stream.
+    pub dispatch: Dispatch,
 }
 
 /// What one job measured.
@@ -180,6 +182,8 @@ struct Job {
     /// Queued dispatch: the slots whose I/O is held until [`Job::unplug`]
     /// (capacity iodepth, so it never grows).
     plug: UnsafeCell<Vec<*mut Slot>>,
+    /// Stream dispatch: where the I/O issued last ended.
+    next_sector: Cell<u64>,
     /// The largest merged bio: the device's limits.
     max_bytes: u32,
     max_segs: usize,
@@ -295,8 +299,7 @@ impl Job {
             let b = unsafe { std::slice::from_raw_parts_mut(s.buf, self.cfg.bs as usize) };
             pattern::fill(b, sector, self.generation);
         }
-        if self.cfg.queued {
-            self.hold(slot, op, sector);
+        if self.cfg.dispatch != Dispatch::Direct && self.hold(slot, op, sector) {
             return true;
         }
         let mut bio = reactor.alloc_bio();
@@ -313,10 +316,23 @@ impl Job {
         true
     }
 
-    /// Queued dispatch: holds the slot's I/O until [`Job::unplug`]. Kept
-    /// out of line so that the direct path's `issue` stays as it was.
+    /// Queued or stream dispatch: holds the slot's I/O until
+    /// [`Job::unplug`] and returns true. In stream mode only an I/O that
+    /// starts where the one issued before it ended is held (what is held
+    /// goes first when it cannot take this one); any other sends what is
+    /// held and returns false, to go direct. Kept out of line so that the
+    /// direct path's `issue` stays as it was.
     #[inline(never)]
-    fn hold(&self, slot: *mut Slot, op: Op, sector: u64) {
+    fn hold(&self, slot: *mut Slot, op: Op, sector: u64) -> bool {
+        if self.cfg.dispatch == Dispatch::Stream {
+            let follows = self.next_sector.replace(sector + self.bs_sectors) == sector;
+            if !(follows && self.continues_plug(op, sector)) {
+                self.unplug();
+            }
+            if !follows {
+                return false;
+            }
+        }
         // SAFETY: slots live in the job's vector, which is not resized
         // after setup; no I/O of this slot is in flight.
         let s = unsafe { &mut *slot };
@@ -327,6 +343,7 @@ impl Job {
         // SAFETY: the job runs on one thread and nothing else borrows the
         // plug list while this pushes (unplug does not issue).
         unsafe { (*self.plug.get()).push(slot) };
+        true
     }
 
     fn start_phase(&self, p: Phase) {
@@ -355,7 +372,26 @@ impl Job {
         }
     }
 
-    /// Submits the I/Os held for queued dispatch: sorted by op and sector,
+    /// Stream dispatch: whether an I/O of `op` at `sector` can join the run
+    /// held (or nothing is held) within the device's limits.
+    fn continues_plug(&self, op: Op, sector: u64) -> bool {
+        // SAFETY: the job runs on one thread; nothing else borrows the
+        // plug list during this call.
+        let plug = unsafe { &*self.plug.get() };
+        let Some(&last) = plug.last() else {
+            return true;
+        };
+        // SAFETY: the plug's entries are slots of the job's vector, not
+        // resized after setup.
+        let (lop, lsector) = unsafe { ((*last).op, (*last).sector) };
+        lop == op
+            && lsector + self.bs_sectors == sector
+            && plug.len() < self.max_segs
+            && (plug.len() as u32 + 1) * self.cfg.bs <= self.max_bytes
+    }
+
+    /// Submits the I/Os held for queued or stream dispatch (queued sorts
+    /// them by op and sector first; stream's are one run already),
     /// adjacent ones merged into one bio of a segment each. Nothing held
     /// (always, in direct mode): returns at once.
     fn unplug(&self) {
@@ -367,10 +403,12 @@ impl Job {
         }
         // The plug's entries are slots of the job's vector, not resized
         // after setup, each with its I/O held ("see above" below).
-        plug.sort_unstable_by_key(|&s| {
-            // SAFETY: see above.
-            unsafe { ((*s).op as u8, (*s).sector) }
-        });
+        if self.cfg.dispatch == Dispatch::Queued {
+            plug.sort_unstable_by_key(|&s| {
+                // SAFETY: see above.
+                unsafe { ((*s).op as u8, (*s).sector) }
+            });
+        }
         // SAFETY: as in issue.
         let reactor = unsafe { &*self.reactor };
         let bs = self.cfg.bs;
@@ -600,6 +638,7 @@ fn run_on(
         progress,
         slots: UnsafeCell::new(Vec::new()),
         plug: UnsafeCell::new(Vec::with_capacity(cfg.iodepth as usize)),
+        next_sector: Cell::new(u64::MAX),
         max_bytes: dev.limits().max_io_bytes.max(cfg.bs),
         max_segs: dev.limits().max_segments.max(1) as usize,
         cfg,
@@ -624,7 +663,7 @@ fn run_on(
     if job.cfg.prefill && !job.cfg.verify {
         job.start_phase(Phase::Prefill);
         let prefilled = || job.phase.get() != Phase::Prefill;
-        if job.cfg.queued {
+        if job.cfg.dispatch != Dispatch::Direct {
             reactor.run_until(|| {
                 job.unplug();
                 prefilled()
@@ -646,10 +685,11 @@ fn run_on(
         Phase::Run
     });
     // Each call of the closure after a turn ends that turn's batch: the
-    // I/Os its completions issued go down together (queued dispatch).
+    // I/Os its completions issued go down together (queued and stream
+    // dispatch).
     // (Two loops, so that direct dispatch's pays nothing for the check.)
     let done = || job.phase.get() == Phase::Done && job.inflight.get() == 0;
-    if job.cfg.queued {
+    if job.cfg.dispatch != Dispatch::Direct {
         reactor.run_until(|| {
             job.unplug();
             done()

@@ -98,9 +98,10 @@ pub struct BenchArgs {
     json: bool,
     /// How I/Os go to the device: direct submits each as issued; queued
     /// holds each batch (what one reactor turn's completions issue), sorts
-    /// it and merges adjacent I/Os into multi-segment bios; auto picks from
-    /// the device's report ('udm info': merging helps).
-    #[arg(long, value_name = "MODE", default_value = "auto", value_parser = ["auto", "direct", "queued"])]
+    /// it and merges adjacent I/Os into multi-segment bios; stream holds an
+    /// I/O only while the next continues it; auto picks from the device's
+    /// report ('udm info': merging helps).
+    #[arg(long, value_name = "MODE", default_value = "auto", value_parser = ["auto", "direct", "queued", "stream"])]
     dispatch: String,
 }
 
@@ -370,7 +371,7 @@ fn run(dev: &Arc<dyn BlockDevice>, cfg: BenchCfg) -> Result<Report, Error> {
             prefill: cfg.prefill,
             verify: cfg.verify,
             seed: seed.wrapping_add(j as u64 * 0x9e37_79b9),
-            queued: dispatch == Dispatch::Queued,
+            dispatch,
         })
         .collect();
     let pool_cfg = PoolConfig {

@@ -53,9 +53,10 @@ pub struct AddArgs {
     #[arg(long)]
     recover: bool,
     /// How requests go to the device: queued sorts and merges each batch
-    /// (for a disk or a network backend), direct hands each on at once
+    /// (for a disk or a network backend), direct hands each on at once,
+    /// stream hands each on at once unless it continues the one before
     /// (for RAM); auto picks from the device's report ('udm info').
-    #[arg(long, value_name = "MODE", value_parser = ["auto", "direct", "queued"])]
+    #[arg(long, value_name = "MODE", value_parser = ["auto", "direct", "queued", "stream"])]
     dispatch: Option<String>,
     /// The device.
     device: String,

@@ -32,12 +32,14 @@
 //!   `blk_finish_plug`), sorts them by offset and merges adjacent ones of
 //!   the same op and flags into one bio of several segments, up to the
 //!   device's `max_io_bytes` and `max_segments`; the merged bio's
-//!   completion, error included, goes to each request in it. Requests
-//!   that need more (sub-block, larger than one bio, dataless, or held
-//!   back by a read-modify-write) go as in direct mode. An export in
-//!   queued mode calls `unplug` at the end of each batch it receives (one
-//!   receive, one virtqueue kick); in direct mode `unplug` finds nothing
-//!   held and returns.
+//!   completion, error included, goes to each request in it. *Stream*
+//!   holds a request only while the next one continues it (the kernel's
+//!   plug merge, which looks at the last request only): a request that
+//!   does not sends the run held before it, unsorted. Requests that need
+//!   more (sub-block, larger than one bio, dataless, or held back by a
+//!   read-modify-write) go as in direct mode. An export calls `unplug` at
+//!   the end of each batch it receives (one receive, one virtqueue kick);
+//!   in direct mode it finds nothing held and returns.
 //! - Bounce buffers are charged to the process's in-flight budget when
 //!   the export gives one ([`Front::set_budget`]), as a connection's
 //!   buffers are: a sub-block request that cannot get its bounce waits, in
@@ -255,9 +257,11 @@ pub struct Front {
     rmws: Cell<usize>,
     /// Slots waiting for an overlapping write, in arrival order.
     waiting: RefCell<VecDeque<usize>>,
-    /// Queued dispatch: aligned reads and writes are held in `plug` until
-    /// [`Front::unplug`].
-    queued: Cell<bool>,
+    /// Direct, queued or stream: in the last two, aligned reads and writes
+    /// are held in `plug` until [`Front::unplug`].
+    mode: Cell<Dispatch>,
+    /// Stream dispatch: where the last aligned request ended.
+    next_off: Cell<u64>,
     /// The device reports that merging helps it ([`Caps::MERGE`]).
     merge_helps: bool,
     /// Most segments in one bio (the device's `max_segments`).
@@ -292,7 +296,8 @@ impl Front {
             bounce_held: Cell::new(0),
             rmws: Cell::new(0),
             waiting: RefCell::new(VecDeque::new()),
-            queued: Cell::new(false),
+            mode: Cell::new(Dispatch::Direct),
+            next_off: Cell::new(u64::MAX),
             merge_helps: caps.contains(Caps::MERGE),
             max_segs: l.max_segments.max(1) as usize,
             plug: RefCell::new(Vec::new()),
@@ -300,18 +305,16 @@ impl Front {
     }
 
     /// Sets how requests go to the device (direct until set): `Auto`
-    /// queues where the device reports that merging helps it. Requests
-    /// held for queued dispatch go at once when switching to direct.
+    /// queues where the device reports that merging helps it, and streams
+    /// elsewhere. Requests held go at once when the mode changes.
     pub fn set_dispatch(&self, mode: Dispatch) {
-        let queued = match mode {
-            Dispatch::Auto => self.merge_helps,
-            Dispatch::Direct => false,
-            Dispatch::Queued => true,
+        let mode = match mode {
+            Dispatch::Auto if self.merge_helps => Dispatch::Queued,
+            Dispatch::Auto => Dispatch::Stream,
+            m => m,
         };
-        if !queued {
-            self.unplug();
-        }
-        self.queued.set(queued);
+        self.unplug();
+        self.mode.set(mode);
     }
 
     /// Charges bounce buffers to `budget` from now on (once; later calls
@@ -325,13 +328,9 @@ impl Front {
         self.bounce_held.get()
     }
 
-    /// The dispatch in use: `Direct` or `Queued`.
+    /// The dispatch in use: `Direct`, `Queued` or `Stream`.
     pub fn dispatch(&self) -> Dispatch {
-        if self.queued.get() {
-            Dispatch::Queued
-        } else {
-            Dispatch::Direct
-        }
+        self.mode.get()
     }
 
     /// The device grew to `bytes`: requests up to there are taken from now
@@ -394,12 +393,7 @@ impl Front {
             let idx = self.insert(req, req.offset, end, writer, false);
             if writer && self.rmws.get() > 0 && self.must_wait(idx) {
                 self.wait(idx);
-            } else if self.queued.get()
-                && matches!(req.op, FrontOp::Read | FrontOp::Write)
-                && req.len <= self.max_bio
-            {
-                self.hold(idx, req);
-            } else {
+            } else if self.mode.get() == Dispatch::Direct || !self.hold(idx, req) {
                 self.start(idx);
             }
             return Submitted::Later;

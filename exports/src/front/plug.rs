@@ -1,8 +1,9 @@
-//! Queued dispatch (seed 004): requests held until the export's
-//! [`Front::unplug`], then sorted and merged into multi-segment bios (the
-//! kernel's plug list, `blk_finish_plug`).
+//! Queued and stream dispatch (seed 004): requests held until the
+//! export's [`Front::unplug`], then sorted and merged into multi-segment
+//! bios (the kernel's plug list, `blk_finish_plug`); in stream mode, held
+//! only while each continues the one before (the kernel's plug merge).
 
-use udm_core::{BioFlags, BioPtr, Op, SECTOR_SHIFT};
+use udm_core::{BioFlags, BioPtr, Dispatch, Op, SECTOR_SHIFT};
 
 use super::{Front, FrontOp, Request, NO_SLOT};
 
@@ -31,8 +32,23 @@ impl Plugged {
 
 impl Front {
     /// Holds an aligned read or write of at most one bio until
-    /// [`Front::unplug`] (queued dispatch).
-    pub(super) fn hold(&self, idx: usize, req: Request) {
+    /// [`Front::unplug`] and returns true (queued and stream dispatch);
+    /// false when the request is to go now. In stream mode only a request
+    /// that starts where the one before it ended is held (what is held goes
+    /// first when it cannot take this one); any other sends what is held
+    /// and goes now.
+    pub(super) fn hold(&self, idx: usize, req: Request) -> bool {
+        let holdable = matches!(req.op, FrontOp::Read | FrontOp::Write) && req.len <= self.max_bio;
+        let stream = self.mode.get() == Dispatch::Stream;
+        if stream {
+            let follows = self.next_off.replace(req.offset + req.len as u64) == req.offset;
+            if !(holdable && follows) {
+                self.unplug();
+                return false;
+            }
+        } else if !holdable {
+            return false;
+        }
         let op = if req.op == FrontOp::Read {
             Op::Read
         } else {
@@ -46,22 +62,41 @@ impl Front {
             s.active = true;
             s.pending = 1;
         });
-        self.plug.borrow_mut().push(Plugged {
+        let p = Plugged {
             idx,
             op,
             flags,
             off: req.offset,
             len: req.len,
             buf: req.buf,
-        });
+        };
+        if stream && !self.continues_plug(&p) {
+            self.unplug();
+        }
+        self.plug.borrow_mut().push(p);
+        true
+    }
+
+    /// Stream dispatch: whether `p` can join the run held (or nothing is
+    /// held) within the device's limits.
+    fn continues_plug(&self, p: &Plugged) -> bool {
+        let plug = self.plug.borrow();
+        let (Some(first), Some(last)) = (plug.first(), plug.last()) else {
+            return true;
+        };
+        last.class() == p.class()
+            && last.off + last.len as u64 == p.off
+            && plug.len() < self.max_segs
+            && p.off + p.len as u64 - first.off <= self.max_bio as u64
     }
 
     /// Submits the requests held since the last call (the kernel's
-    /// `blk_finish_plug`): sorted by offset, adjacent ones of the same op
-    /// and flags merged into one bio of several segments, up to the
-    /// device's `max_io_bytes` and `max_segments`. Exports call it at the
-    /// end of each batch of requests; with nothing held (always, in direct
-    /// mode) it returns at once.
+    /// `blk_finish_plug`): sorted by offset (queued mode; stream mode's are
+    /// one run already), adjacent ones of the same op and flags merged into
+    /// one bio of several segments, up to the device's `max_io_bytes` and
+    /// `max_segments`. Exports call it at the end of each batch of
+    /// requests; with nothing held (always, in direct mode) it returns at
+    /// once.
     pub fn unplug(&self) {
         if self.plug.borrow().is_empty() {
             return;
@@ -69,9 +104,11 @@ impl Front {
         // Taken out (and put back, keeping its capacity) so that no borrow
         // is held while bios go down.
         let mut list = std::mem::take(&mut *self.plug.borrow_mut());
-        // Unstable (a stable sort may allocate); the slot index keeps
-        // equal offsets in a fixed order.
-        list.sort_unstable_by_key(|p| (p.class(), p.off, p.idx));
+        if self.mode.get() == Dispatch::Queued {
+            // Unstable (a stable sort may allocate); the slot index keeps
+            // equal offsets in a fixed order.
+            list.sort_unstable_by_key(|p| (p.class(), p.off, p.idx));
+        }
         let mut i = 0;
         while i < list.len() {
             let first = list[i];

@@ -670,7 +670,7 @@ fn queued_sends_at_once_what_one_bio_cannot_carry() {
 fn auto_queues_only_where_the_device_reports_that_merging_helps() {
     let rig = Rig::new(MemDev::new());
     rig.front().set_dispatch(Dispatch::Auto);
-    assert_eq!(rig.front().dispatch(), Dispatch::Direct);
+    assert_eq!(rig.front().dispatch(), Dispatch::Stream);
     let dev = Arc::new(MemDev {
         merge: true,
         ..Arc::into_inner(MemDev::new()).unwrap()
@@ -686,6 +686,85 @@ fn auto_queues_only_where_the_device_reports_that_merging_helps() {
     assert_eq!(shapes(&rig.dev), vec![(Op::Write, 0, BS, 1)]);
     rig.run();
     assert_eq!(rig.results(), vec![(1, Ok(()))]);
+}
+
+#[test]
+fn stream_holds_only_what_continues_the_request_before_and_sends_the_rest_as_it_comes() {
+    let rig = Rig::new(MemDev::new());
+    rig.front().set_dispatch(Dispatch::Stream);
+    let none = ReqFlags::default();
+    let b = BS as u64;
+    let mut w: Vec<Vec<u8>> = (0..6).map(|i| pattern(i, BS as usize)).collect();
+    // 5 goes at once (nothing before it); 6 and 7 continue it and are
+    // held as one run; 8 continues too, but the run is a full bio (MAX_IO
+    // is two blocks), so 6+7 go and 8 is held; 3 does not continue 8: 8
+    // goes, then 3 at once; 2 (before 3) is not merged backwards: stream
+    // mode does not sort.
+    let order = [5u64, 6, 7, 8, 3, 2];
+    let mut sent = vec![];
+    for (k, &blk) in order.iter().enumerate() {
+        rig.submit(k as u64, FrontOp::Write, blk * b, &mut w[k], none);
+        sent.push(shapes(&rig.dev).len());
+    }
+    assert_eq!(sent, vec![1, 1, 1, 2, 4, 5], "bios sent after each request");
+    rig.front().unplug();
+    assert_eq!(
+        shapes(&rig.dev),
+        vec![
+            (Op::Write, 5 * b, BS, 1),
+            (Op::Write, 6 * b, MAX_IO, 2),
+            (Op::Write, 8 * b, BS, 1),
+            (Op::Write, 3 * b, BS, 1),
+            (Op::Write, 2 * b, BS, 1),
+        ]
+    );
+    rig.run();
+    let mut got = rig.results();
+    got.sort_by_key(|d| d.0);
+    assert_eq!(got, (0..6).map(|k| (k, Ok(()))).collect::<Vec<_>>());
+    {
+        let data = rig.dev.data.lock().unwrap();
+        for (k, &blk) in order.iter().enumerate() {
+            let o = (blk * b) as usize;
+            assert_eq!(&data[o..o + BS as usize], &w[k][..], "block {blk}");
+        }
+    }
+
+    // A read right after a write that it continues is another class: the
+    // held write goes, the read is held until the batch's end.
+    let mut w3 = pattern(9, BS as usize);
+    let mut r = vec![0u8; BS as usize];
+    rig.submit(20, FrontOp::Write, 3 * b, &mut w3, none);
+    assert_eq!(shapes(&rig.dev).len(), 5, "the write continues 2: held");
+    rig.submit(21, FrontOp::Read, 4 * b, &mut r, none);
+    assert_eq!(shapes(&rig.dev).len(), 6, "the read sends the write");
+    rig.front().unplug();
+    let tail: Vec<_> = shapes(&rig.dev).into_iter().skip(5).collect();
+    assert_eq!(
+        tail,
+        vec![(Op::Write, 3 * b, BS, 1), (Op::Read, 4 * b, BS, 1)]
+    );
+    rig.run();
+    assert_eq!(rig.results().len(), 2);
+}
+
+#[test]
+fn switching_mode_sends_what_is_held() {
+    let rig = Rig::new(MemDev::new());
+    rig.front().set_dispatch(Dispatch::Stream);
+    let mut w: Vec<Vec<u8>> = (0..2).map(|i| pattern(i, BS as usize)).collect();
+    for (k, buf) in w.iter_mut().enumerate() {
+        let off = k as u64 * BS as u64;
+        rig.submit(k as u64, FrontOp::Write, off, buf, ReqFlags::default());
+    }
+    assert_eq!(shapes(&rig.dev).len(), 1, "the second may still grow a run");
+    rig.front().set_dispatch(Dispatch::Queued);
+    assert_eq!(
+        shapes(&rig.dev),
+        vec![(Op::Write, 0, BS, 1), (Op::Write, BS as u64, BS, 1)]
+    );
+    rig.run();
+    assert_eq!(rig.results().len(), 2);
 }
 
 #[test]

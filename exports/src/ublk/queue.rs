@@ -14,10 +14,10 @@
 //! buffer before the request arrives, and a read's data out of it when the
 //! commit arrives.
 //!
-//! With queued dispatch, the requests that one reap of the ring brings
-//! (the driver hands over what queued up while the server was busy in one
-//! task-work run) are held by the front and unplugged together at the end
-//! of the reactor's turn, sorted and merged, by a poller the first request
+//! With queued (or stream) dispatch, the requests that one reap of the
+//! ring brings (the driver hands over what queued up while the server was
+//! busy in one task-work run) are held by the front and unplugged together
+//! at the end of the reactor's turn, sorted and merged, by a poller the first request
 //! of the batch queues on the reactor's work queue: direct dispatch pays
 //! nothing for it.
 
@@ -31,7 +31,8 @@ use udm_core::{Dispatch, Error, ErrorKind, Poller, Ring, RingOp, WorkQueue};
 use super::sys::{self, IoCmd, IoDesc};
 use crate::front::{Done, Front, FrontError, FrontOp, ReqFlags, Request, Submitted};
 
-/// Queued dispatch: unplugs the front once the turn's requests are in.
+/// Queued or stream dispatch: unplugs the front once the turn's requests
+/// are in.
 struct Unplug {
     front: Rc<Front>,
     /// On the work queue now.
@@ -91,7 +92,8 @@ pub(crate) struct Queue {
     cdev: RawFd,
     ring: Rc<Ring>,
     front: Rc<Front>,
-    /// Queued dispatch: the reactor's work queue and what unplugs the front.
+    /// Queued or stream dispatch: the reactor's work queue and what unplugs
+    /// the front.
     unplug: Option<(WorkQueue, Rc<Unplug>)>,
     read_only: bool,
     /// The kernel's descriptor array for this queue (read-only for us).
@@ -141,7 +143,7 @@ impl Queue {
             0,
         )
         .map_err(|e| e.context(format_args!("queue {q_id}'s buffers")))?;
-        let unplug = (front.dispatch() == Dispatch::Queued).then(|| {
+        let unplug = (front.dispatch() != Dispatch::Direct).then(|| {
             let u = Rc::new(Unplug {
                 front: front.clone(),
                 armed: Cell::new(false),
@@ -279,7 +281,8 @@ impl Queue {
         }
     }
 
-    /// Queued dispatch: a request may be held; unplug at the turn's end.
+    /// Queued or stream dispatch: a request may be held; unplug at the
+    /// turn's end.
     #[inline]
     fn plugged(&self) {
         if let Some((work, u)) = &self.unplug {
