@@ -116,10 +116,11 @@ wait $SERVE
 check ublk_serve_stops sh -c "! test -e '$SDEV'"
 # Dispatch (seed 004). Queued: the requests one reap of the ring brings
 # are sorted and merged, so sequential 4 KiB writes (which the kernel is
-# told not to merge itself) reach the device as fewer bios; direct: one
-# bio each. Data written through a queued export reads back.
+# told not to merge itself) reach the device as fewer bios; stream: the
+# back-to-back ones among them are merged, so the same; direct: one bio
+# each. Data written through a queued or stream export reads back.
 writes_of() { udm stats "$1" | sed -n 's/^Writes: *\([0-9]*\).*/\1/p'; }
-for mode in queued direct; do
+for mode in queued stream direct; do
     udm create "r$mode" ram:16M
     udm create "d$mode" --table "0 32768 linear r$mode 0"
     check ublk_add_$mode udm export add "d$mode" --ublk --id 4 --dispatch $mode
@@ -131,10 +132,13 @@ for mode in queued direct; do
     w1=$(writes_of "d$mode")
     eval "BIOS_$mode=$((w1 - w0))"
     echo "RESULT ublk_${mode}_bios_for_2048_writes=$((w1 - w0))"
+    # Stream merges only back-to-back requests: verify a sequential job.
     [ $mode = queued ] && check ublk_queued_fio_verify fio_verify /dev/ublkb4 queued --size=16M
+    [ $mode = stream ] && check ublk_stream_fio_verify fio_verify /dev/ublkb4 stream --size=16M --rw=write
     udm export remove "d$mode"
 done
 check ublk_queued_merges sh -c "[ 0 -lt $BIOS_queued ] && [ $BIOS_queued -lt 2048 ]"
+check ublk_stream_merges sh -c "[ 0 -lt $BIOS_stream ] && [ $BIOS_stream -lt 2048 ]"
 check ublk_direct_does_not_merge [ "$BIOS_direct" -eq 2048 ]
 # auto follows the device's report: a slow device gains from merging.
 udm create slow null:16M,delay=100
