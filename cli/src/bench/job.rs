@@ -394,13 +394,23 @@ impl Job {
     /// them by op and sector first; stream's are one run already),
     /// adjacent ones merged into one bio of a segment each. Nothing held
     /// (always, in direct mode): returns at once.
+    #[inline]
     fn unplug(&self) {
+        // SAFETY: the job runs on one thread; nothing else borrows the
+        // plug list during this call.
+        if unsafe { (*self.plug.get()).is_empty() } {
+            return;
+        }
+        self.send_plug();
+    }
+
+    /// [`Job::unplug`]'s work, out of line: the hot callers only test
+    /// whether anything is held.
+    #[inline(never)]
+    fn send_plug(&self) {
         // SAFETY: the job runs on one thread; nothing issues while this
         // runs (bios complete only from a later reactor turn).
         let plug = unsafe { &mut *self.plug.get() };
-        if plug.is_empty() {
-            return;
-        }
         // The plug's entries are slots of the job's vector, not resized
         // after setup, each with its I/O held ("see above" below).
         if self.cfg.dispatch == Dispatch::Queued {

@@ -97,10 +97,18 @@ impl Front {
     /// `max_segments`. Exports call it at the end of each batch of
     /// requests; with nothing held (always, in direct mode) it returns at
     /// once.
+    #[inline]
     pub fn unplug(&self) {
         if self.plug.borrow().is_empty() {
             return;
         }
+        self.send_plug();
+    }
+
+    /// [`Front::unplug`]'s work, out of line: the hot callers only test
+    /// whether anything is held.
+    #[inline(never)]
+    fn send_plug(&self) {
         // Taken out (and put back, keeping its capacity) so that no borrow
         // is held while bios go down.
         let mut list = std::mem::take(&mut *self.plug.borrow_mut());
