@@ -88,6 +88,9 @@ fn in_the_guest_ublk_serves_fio_ext4_and_discard_and_recovers_from_sigkill() {
         &[
             "ublk_fio_linear",
             "ublk_fsck",
+            "ublk_queued_merges",
+            "ublk_stream_merges",
+            "ublk_stream_fio_verify",
             "recover_fio_verified_after_kill",
         ],
     );
