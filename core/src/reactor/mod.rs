@@ -1197,6 +1197,109 @@ mod tests {
         }
 
         #[test]
+        fn a_clone_names_its_parents_buffer_only_with_its_parents_segments() {
+            let r = Reactor::new(ReactorConfig::default()).unwrap();
+            let (m, own) = (Mem::new(8192), Mem::new(4096));
+            let mut p = r.alloc_bio();
+            // SAFETY: none of these bios is submitted; `m` outlives them.
+            unsafe { p.add_seg(m.at(0), 8192) };
+            p.buf_index = 5;
+            // A descriptor alone claims nothing (flakey gives its copy
+            // memory of its own)...
+            assert_eq!(p.alloc_clone().buf_index, Bio::NO_BUF);
+            // ...the parent's segments bring the parent's buffer...
+            let mut c = p.alloc_clone();
+            c.add_segs_from(&p, 4096, 4096);
+            assert_eq!(c.buf_index, 5);
+            // ...and a bio with segments from elsewhere names none.
+            let mut mixed = p.alloc_clone();
+            // SAFETY: as above, for `own`.
+            unsafe { mixed.add_seg(own.at(0), 4096) };
+            mixed.add_segs_from(&p, 0, 4096);
+            assert_eq!(mixed.buf_index, Bio::NO_BUF);
+        }
+
+        /// Drops CAP_IPC_LOCK from the calling thread's effective set
+        /// (capabilities are per thread), so RLIMIT_MEMLOCK applies to it
+        /// as to an unprivileged udm.
+        pub(crate) fn drop_ipc_lock() {
+            #[repr(C)]
+            struct Header {
+                version: u32,
+                pid: i32,
+            }
+            #[repr(C)]
+            #[derive(Clone, Copy, Default)]
+            struct Data {
+                effective: u32,
+                permitted: u32,
+                inheritable: u32,
+            }
+            const V3: u32 = 0x2008_0522;
+            const CAP_IPC_LOCK: u32 = 14;
+            let mut h = Header {
+                version: V3,
+                pid: 0,
+            };
+            let mut d = [Data::default(); 2];
+            // SAFETY: capget fills the two-element array for this thread.
+            let rc = unsafe { libc::syscall(libc::SYS_capget, &mut h, d.as_mut_ptr()) };
+            assert_eq!(rc, 0, "capget: {}", std::io::Error::last_os_error());
+            d[0].effective &= !(1 << CAP_IPC_LOCK);
+            // SAFETY: capset reads the header and the two-element array.
+            let rc = unsafe { libc::syscall(libc::SYS_capset, &mut h, d.as_ptr()) };
+            assert_eq!(rc, 0, "capset: {}", std::io::Error::last_os_error());
+        }
+
+        /// RLIMIT_MEMLOCK's soft limit, if it is small enough for a test to
+        /// pass it (up to 64 MiB).
+        fn memlock_limit() -> Option<usize> {
+            let mut l = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            // SAFETY: getrlimit fills a live rlimit.
+            assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut l) }, 0);
+            (l.rlim_cur != libc::RLIM_INFINITY && l.rlim_cur <= 64 << 20)
+                .then_some(l.rlim_cur as usize)
+        }
+
+        #[test]
+        fn past_the_memlock_limit_the_kernel_refuses_and_io_goes_plain() {
+            let Some(limit) = memlock_limit() else {
+                eprintln!("skipped: RLIMIT_MEMLOCK is above 64 MiB or unlimited");
+                return;
+            };
+            std::thread::spawn(move || {
+                drop_ipc_lock();
+                let r = Reactor::new(ReactorConfig::default()).unwrap();
+                let f = temp_file();
+                let m = Mem::new((2 * limit).max(1 << 20));
+                // SAFETY: refused, or unregistered below before `m` goes.
+                let (mut reg, err) = unsafe { r.register_region(m.p, m.len) };
+                let e = err.expect("registration past RLIMIT_MEMLOCK refused");
+                assert_eq!(e.raw_os_error(), Some(libc::ENOMEM), "{e}");
+                assert_eq!(reg.registered(), 0);
+                let i = reg.index_of(m.at(0), 4096);
+                assert_eq!(i, Bio::NO_BUF);
+                m.fill(0, 4096, 7);
+                assert_eq!(io(&r, &f, Op::Write, 0, m.at(0), 4096, i), Status::Ok);
+                assert_eq!(io(&r, &f, Op::Read, 0, m.at(4096), 4096, i), Status::Ok);
+                assert_eq!(m.bytes(4096, 4096), vec![7; 4096]);
+                assert_eq!(r.fixed_ops(), 0);
+                // Below the limit, the same thread registers.
+                // SAFETY: unregistered below, before `m` goes.
+                let (mut small, err) = unsafe { r.register_region(m.p, 64 << 10) };
+                assert!(err.is_none(), "{err:?}");
+                assert_eq!(small.registered(), 1);
+                r.unregister_region(&mut small);
+                r.unregister_region(&mut reg);
+            })
+            .join()
+            .unwrap();
+        }
+
+        #[test]
         fn io_uring_takes_at_most_1_gib_per_buffer_and_a_larger_region_is_split_there() {
             let r = Reactor::new(ReactorConfig::default()).unwrap();
             // Address space only: the refused registration pins nothing.
