@@ -36,6 +36,8 @@ struct MemfdDev {
     limits: Limits,
     /// Write bios submitted.
     writes: AtomicU64,
+    /// Fixed reads and writes (READ_FIXED/WRITE_FIXED) its bios made.
+    fixed: AtomicU64,
 }
 
 impl MemfdDev {
@@ -50,6 +52,7 @@ impl MemfdDev {
             file,
             limits: Limits::new(bytes / 512),
             writes: AtomicU64::new(0),
+            fixed: AtomicU64::new(0),
         })
     }
 
@@ -98,7 +101,10 @@ impl Channel for MemfdChannel {
             self.dev.writes.fetch_add(1, Ordering::Relaxed);
         }
         if let Some(bio) = check_bio(bio, &self.dev.limits, self.dev.caps()) {
+            let before = self.ring.fixed_ops();
             self.ring.submit_bio(self.fd, bio, 0, false, false);
+            let fixed = self.ring.fixed_ops() - before;
+            self.dev.fixed.fetch_add(fixed, Ordering::Relaxed);
         }
     }
 }
@@ -437,7 +443,9 @@ impl WriteAt for File {
 mod hostile {
     use super::*;
     use std::time::{Duration, Instant};
-    use vhost::vhost_user::message::{VhostUserInflight, VhostUserProtocolFeatures};
+    use vhost::vhost_user::message::{
+        VhostUserHeaderFlag, VhostUserInflight, VhostUserProtocolFeatures,
+    };
     use vhost::vhost_user::{Frontend, VhostUserFrontend};
     use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
     use vmm_sys_util::eventfd::EventFd;
@@ -565,6 +573,39 @@ mod hostile {
             self.fe = Some(fe);
         }
 
+        /// Moves the guest's memory to a new memfd holding a copy of it
+        /// (rings included) and sends the new table (SET_MEM_TABLE, same
+        /// guest address) while the queue runs. The old memory stays
+        /// mapped here: the returned pointer, to unmap with [`unmap`].
+        fn move_memory(&mut self) -> *mut u8 {
+            // SAFETY: plain syscall with a NUL-terminated name; checked below.
+            let fd = unsafe { libc::memfd_create(c"guest2".as_ptr(), libc::MFD_CLOEXEC) };
+            assert!(fd >= 0);
+            // SAFETY: a fresh descriptor we own.
+            let memfd = unsafe { File::from_raw_fd(fd) };
+            memfd.set_len(MEM as u64).unwrap();
+            let mem = map_area(&memfd, MEM as u64);
+            // SAFETY: two distinct live mappings of MEM bytes; nothing is
+            // in flight (requests are waited for).
+            unsafe { std::ptr::copy_nonoverlapping(self.mem, mem, MEM) };
+            let old = std::mem::replace(&mut self.mem, mem);
+            self._memfd = memfd;
+            let region = VhostUserMemoryRegionInfo {
+                guest_phys_addr: G,
+                memory_size: MEM as u64,
+                userspace_addr: mem as u64,
+                mmap_offset: 0,
+                mmap_handle: self._memfd.as_raw_fd(),
+            };
+            // Answered (REPLY_ACK) once udm's reactors took it, as QEMU
+            // asks: requests made after use the new memory.
+            let fe = self.fe.as_mut().unwrap();
+            fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
+            fe.set_mem_table(&[region]).unwrap();
+            fe.set_hdr_flags(VhostUserHeaderFlag::empty());
+            old
+        }
+
         fn write(&self, off: usize, bytes: &[u8]) {
             assert!(off + bytes.len() <= MEM);
             // SAFETY: inside the mapping (checked above).
@@ -639,6 +680,54 @@ mod hostile {
             assert_eq!(id, 0);
             (self.read(0x3800, 1)[0], used)
         }
+    }
+
+    /// Each new memory table (another memfd at the same guest address,
+    /// sent while the queue runs) is the one the fixed I/O reads and
+    /// writes: not the pages registered for the table before, even where
+    /// udm's new mapping lands on addresses an old one had.
+    #[test]
+    fn fixed_io_follows_each_new_memory_table() {
+        let dev = MemfdDev::new(SIZE);
+        let srv = Served::start(dev.clone(), 1, false);
+        let mut g = Guest::connect(&srv.path);
+        let block = |seed: u8| pattern(seed, 4096);
+        g.write(0x4000, &block(1));
+        assert_eq!(g.request(1, 0, 4096, 0), (0, 1));
+        for round in 0..6u8 {
+            let old = g.move_memory();
+            // What the old memory holds from now on must not reach the
+            // device, and the device's data must not land in it.
+            poke(old, 0x4000, &block(0xee));
+            let seed = 2 + round;
+            g.write(0x4000, &block(seed));
+            let sector = 8 * (round as u64 + 1);
+            assert_eq!(g.request(1, sector, 4096, 0), (0, 1), "round {round}");
+            g.write(0x4000, &[0; 4096]);
+            assert_eq!(g.request(0, 0, 4096, F_WRITE), (0, 4097), "round {round}");
+            assert!(
+                g.read(0x4000, 4096) == block(1),
+                "round {round}: read into the new memory"
+            );
+            assert_eq!(g.request(0, sector, 4096, F_WRITE).0, 0);
+            assert!(
+                g.read(0x4000, 4096) == block(seed),
+                "round {round}: the write took the new memory's data"
+            );
+            assert!(
+                peek::<4096>(old, 0x4000)[..] == block(0xee)[..],
+                "round {round}: old memory untouched"
+            );
+            // SAFETY: the old memory's mapping, made by map_area; udm has
+            // its own.
+            unsafe { libc::munmap(old.cast(), MEM) };
+        }
+        let (writes, fixed) = (
+            dev.writes.load(Ordering::Relaxed),
+            dev.fixed.load(Ordering::Relaxed),
+        );
+        assert_eq!(writes, 7);
+        assert_eq!(fixed, 7 + 12, "every read and write went fixed");
     }
 
     #[test]

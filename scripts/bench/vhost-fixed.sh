@@ -28,7 +28,7 @@ UDM=$ROOT/target/release/udm
 CLIENT=$ROOT/target/release/examples/vhost_bench
 W=$(mktemp -d "$DIR/udm-vhost-fixed.XXXX")
 S=$(mktemp -d /dev/shm/udm-vhost-fixed-sock.XXXX)
-trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$W" "$S"' EXIT
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$W" "$S"' EXIT
 IMG=$W/disk.img
 dd if=/dev/urandom of="$IMG" bs=1M count=256 status=none
 SOCK=$S/vhost.sock
