@@ -517,12 +517,22 @@ impl Bio {
         }
         self.segs.inline[0].base = data.cast_mut();
         self.flags.insert(BioFlags::LENT);
+        // The segment left the submitter's registered buffer.
+        self.buf_index = Bio::NO_BUF;
         true
     }
 
     /// Appends the part `[offset, offset+len)` of `src`'s data (the clone path:
     /// a child bio points into its parent's buffers; nothing is copied).
+    /// The bio's `buf_index` becomes `src`'s when these are its first
+    /// segments (they lie in the same registered buffer), and
+    /// [`Bio::NO_BUF`] when it already had segments from elsewhere.
     pub fn add_segs_from(&mut self, src: &Bio, mut offset: usize, mut len: usize) {
+        self.buf_index = if self.segs.n == 0 || self.buf_index == src.buf_index {
+            src.buf_index
+        } else {
+            Bio::NO_BUF
+        };
         for s in src.segs() {
             if len == 0 {
                 break;

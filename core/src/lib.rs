@@ -35,10 +35,10 @@ pub use dispatch::{merge_report, Dispatch};
 pub use error::{Error, ErrorKind, Result};
 pub use pool::{PoolConfig, ReactorPool, StopToken};
 pub use reactor::{
-    CacheStats, CompletionMode, Poller, Reactor, ReactorConfig, ReactorHandle, WorkQueue,
-    DEFAULT_CACHE_SIZE,
+    CacheStats, CompletionMode, Poller, Reactor, ReactorConfig, ReactorHandle, RegisteredRegion,
+    WorkQueue, DEFAULT_CACHE_SIZE,
 };
-pub use ring::{cqe_more, Ring, RingFd, RingKind, RingOp};
+pub use ring::{cqe_more, Ring, RingFd, RingKind, RingOp, MAX_REGISTERED_BUFFER};
 
 /// The io_uring crate the core's [`Ring`] is built on, for callers that build
 /// their own entries for [`Ring::push_op`].

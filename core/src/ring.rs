@@ -107,8 +107,18 @@ const WAIT_BATCH_MAX: u32 = 8;
 /// as a backend here), and a message or a socket's request must still run.
 const WAIT_BATCH_CAP: Duration = Duration::from_millis(10);
 
-/// Size of the registered file and buffer tables (sparse, filled on demand).
+/// Size of the registered file table (sparse, filled on demand).
 const REGISTERED_SLOTS: u32 = 64;
+
+/// Size of the registered buffer table (sparse, filled on demand): room
+/// for a guest's memory in 1 GiB chunks on every reactor, twice over while
+/// a new memory table replaces the old one. An empty slot costs the kernel
+/// one pointer.
+pub const BUFFER_SLOTS: u32 = 256;
+
+/// The largest buffer io_uring registers as one (its limit: larger ones
+/// are refused with EFAULT).
+pub const MAX_REGISTERED_BUFFER: usize = 1 << 30;
 
 /// A file as an SQE names it: a registered index when it has one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -246,6 +256,8 @@ pub struct Ring {
     backlog: UnsafeCell<VecDeque<(Sqe, bool)>>,
     next_file: Cell<u32>,
     fixed_buffers: Cell<bool>,
+    /// READ_FIXED and WRITE_FIXED entries made (see [`Ring::fixed_ops`]).
+    fixed_ops: Cell<u64>,
     pub(crate) woken: Cell<bool>,
 }
 
@@ -262,7 +274,7 @@ impl Ring {
         // means plain fds and buffers.
         let sub = ring.submitter();
         let _ = sub.register_files_sparse(REGISTERED_SLOTS);
-        let fixed_buffers = sub.register_buffers_sparse(REGISTERED_SLOTS).is_ok();
+        let fixed_buffers = sub.register_buffers_sparse(BUFFER_SLOTS).is_ok();
         Ok(Ring {
             ring: UnsafeCell::new(ring),
             kind,
@@ -276,6 +288,7 @@ impl Ring {
             backlog: UnsafeCell::new(VecDeque::new()),
             next_file: Cell::new(0),
             fixed_buffers: Cell::new(fixed_buffers),
+            fixed_ops: Cell::new(0),
             woken: Cell::new(false),
         })
     }
@@ -317,23 +330,64 @@ impl Ring {
         self.ring().submitter().register_eventfd(fd)
     }
 
-    /// Registers `buf` at `index` of the buffer table, so bios whose single
-    /// segment lies inside it use READ_FIXED/WRITE_FIXED. Returns false when
-    /// the kernel refuses (the ring then uses plain reads and writes).
+    /// Registers `buf` at `index` of the buffer table (replacing what was
+    /// there), so bios whose single segment lies inside it and that carry
+    /// `index` use READ_FIXED/WRITE_FIXED. The kernel pins the pages and,
+    /// for a process without CAP_IPC_LOCK, charges them to its
+    /// RLIMIT_MEMLOCK; when it refuses (ENOMEM past the limit, EFAULT past
+    /// [`MAX_REGISTERED_BUFFER`] or for memory it cannot pin), the error
+    /// says why and the ring goes on with plain reads and writes.
     ///
     /// # Safety
-    /// The memory must stay mapped until the ring is dropped.
-    pub unsafe fn register_buffer(&self, index: u16, buf: libc::iovec) -> bool {
-        if !self.fixed_buffers.get() || index as u32 >= REGISTERED_SLOTS {
-            return false;
+    /// Until the slot is emptied ([`Ring::unregister_buffer`]) or replaced,
+    /// or the ring is dropped, the memory must stay mapped at these
+    /// addresses: a fixed I/O reaches the pages pinned now, not whatever a
+    /// later mapping at the same addresses holds.
+    pub unsafe fn register_buffer(&self, index: u16, buf: libc::iovec) -> io::Result<()> {
+        if !self.fixed_buffers.get() {
+            return Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "this kernel has no sparse registered-buffer table",
+            ));
         }
-        // SAFETY: the caller keeps the memory mapped for the ring's lifetime.
-        let r = unsafe {
+        if index as u32 >= BUFFER_SLOTS {
+            return Err(io::Error::new(
+                io::ErrorKind::OutOfMemory,
+                format!("the {BUFFER_SLOTS} registered-buffer slots are taken"),
+            ));
+        }
+        // SAFETY: the caller keeps the memory mapped while it is registered.
+        unsafe {
             self.ring()
                 .submitter()
                 .register_buffers_update(index as u32, &[buf], None)
+        }
+    }
+
+    /// Empties slot `index` of the buffer table. Fixed I/O already in flight
+    /// keeps the kernel's reference to the old pages until it completes; a
+    /// later bio that still names `index` fails (EFAULT), it reaches no
+    /// memory.
+    pub fn unregister_buffer(&self, index: u16) {
+        if !self.fixed_buffers.get() || index as u32 >= BUFFER_SLOTS {
+            return;
+        }
+        let empty = libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
         };
-        r.is_ok()
+        // SAFETY: an empty iovec names no memory: the slot is cleared.
+        let _ = unsafe {
+            self.ring()
+                .submitter()
+                .register_buffers_update(index as u32, &[empty], None)
+        };
+    }
+
+    /// READ_FIXED and WRITE_FIXED entries this ring made (bios that named
+    /// a registered buffer).
+    pub fn fixed_ops(&self) -> u64 {
+        self.fixed_ops.get()
     }
 
     /// Queues `e`, spilling to the backlog when the SQ is full. Inlined
@@ -457,6 +511,9 @@ impl Ring {
                 let write = bio.op == Op::Write;
                 let rw_flags = if write && fua { libc::RWF_DSYNC } else { 0 };
                 let fixed = bio.buf_index != Bio::NO_BUF && segs.len() == 1 && !self.kind.iopoll;
+                if fixed {
+                    self.fixed_ops.set(self.fixed_ops.get() + 1);
+                }
                 match (write, segs.len(), fixed) {
                     (false, 1, true) => with_fd!(fd, f, {
                         opcode::ReadFixed::new(f, segs[0].base, len, bio.buf_index)

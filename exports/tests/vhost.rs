@@ -36,6 +36,8 @@ struct MemfdDev {
     limits: Limits,
     /// Write bios submitted.
     writes: AtomicU64,
+    /// Fixed reads and writes (READ_FIXED/WRITE_FIXED) its bios made.
+    fixed: AtomicU64,
 }
 
 impl MemfdDev {
@@ -50,6 +52,7 @@ impl MemfdDev {
             file,
             limits: Limits::new(bytes / 512),
             writes: AtomicU64::new(0),
+            fixed: AtomicU64::new(0),
         })
     }
 
@@ -98,7 +101,10 @@ impl Channel for MemfdChannel {
             self.dev.writes.fetch_add(1, Ordering::Relaxed);
         }
         if let Some(bio) = check_bio(bio, &self.dev.limits, self.dev.caps()) {
+            let before = self.ring.fixed_ops();
             self.ring.submit_bio(self.fd, bio, 0, false, false);
+            let fixed = self.ring.fixed_ops() - before;
+            self.dev.fixed.fetch_add(fixed, Ordering::Relaxed);
         }
     }
 }
@@ -133,7 +139,7 @@ impl Served {
 
     /// A server whose bounce buffers are charged to `budget`.
     fn start_with(
-        dev: Arc<MemfdDev>,
+        dev: Arc<dyn BlockDevice>,
         queues: u16,
         read_only: bool,
         budget: Budget,
@@ -437,7 +443,9 @@ impl WriteAt for File {
 mod hostile {
     use super::*;
     use std::time::{Duration, Instant};
-    use vhost::vhost_user::message::{VhostUserInflight, VhostUserProtocolFeatures};
+    use vhost::vhost_user::message::{
+        VhostUserHeaderFlag, VhostUserInflight, VhostUserProtocolFeatures,
+    };
     use vhost::vhost_user::{Frontend, VhostUserFrontend};
     use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
     use vmm_sys_util::eventfd::EventFd;
@@ -565,6 +573,39 @@ mod hostile {
             self.fe = Some(fe);
         }
 
+        /// Moves the guest's memory to a new memfd holding a copy of it
+        /// (rings included) and sends the new table (SET_MEM_TABLE, same
+        /// guest address) while the queue runs. The old memory stays
+        /// mapped here: the returned pointer, to unmap with [`unmap`].
+        fn move_memory(&mut self) -> *mut u8 {
+            // SAFETY: plain syscall with a NUL-terminated name; checked below.
+            let fd = unsafe { libc::memfd_create(c"guest2".as_ptr(), libc::MFD_CLOEXEC) };
+            assert!(fd >= 0);
+            // SAFETY: a fresh descriptor we own.
+            let memfd = unsafe { File::from_raw_fd(fd) };
+            memfd.set_len(MEM as u64).unwrap();
+            let mem = map_area(&memfd, MEM as u64);
+            // SAFETY: two distinct live mappings of MEM bytes; nothing is
+            // in flight (requests are waited for).
+            unsafe { std::ptr::copy_nonoverlapping(self.mem, mem, MEM) };
+            let old = std::mem::replace(&mut self.mem, mem);
+            self._memfd = memfd;
+            let region = VhostUserMemoryRegionInfo {
+                guest_phys_addr: G,
+                memory_size: MEM as u64,
+                userspace_addr: mem as u64,
+                mmap_offset: 0,
+                mmap_handle: self._memfd.as_raw_fd(),
+            };
+            // Answered (REPLY_ACK) once udm's reactors took it, as QEMU
+            // asks: requests made after use the new memory.
+            let fe = self.fe.as_mut().unwrap();
+            fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
+            fe.set_mem_table(&[region]).unwrap();
+            fe.set_hdr_flags(VhostUserHeaderFlag::empty());
+            old
+        }
+
         fn write(&self, off: usize, bytes: &[u8]) {
             assert!(off + bytes.len() <= MEM);
             // SAFETY: inside the mapping (checked above).
@@ -639,6 +680,54 @@ mod hostile {
             assert_eq!(id, 0);
             (self.read(0x3800, 1)[0], used)
         }
+    }
+
+    /// Each new memory table (another memfd at the same guest address,
+    /// sent while the queue runs) is the one the fixed I/O reads and
+    /// writes: not the pages registered for the table before, even where
+    /// udm's new mapping lands on addresses an old one had.
+    #[test]
+    fn fixed_io_follows_each_new_memory_table() {
+        let dev = MemfdDev::new(SIZE);
+        let srv = Served::start(dev.clone(), 1, false);
+        let mut g = Guest::connect(&srv.path);
+        let block = |seed: u8| pattern(seed, 4096);
+        g.write(0x4000, &block(1));
+        assert_eq!(g.request(1, 0, 4096, 0), (0, 1));
+        for round in 0..6u8 {
+            let old = g.move_memory();
+            // What the old memory holds from now on must not reach the
+            // device, and the device's data must not land in it.
+            poke(old, 0x4000, &block(0xee));
+            let seed = 2 + round;
+            g.write(0x4000, &block(seed));
+            let sector = 8 * (round as u64 + 1);
+            assert_eq!(g.request(1, sector, 4096, 0), (0, 1), "round {round}");
+            g.write(0x4000, &[0; 4096]);
+            assert_eq!(g.request(0, 0, 4096, F_WRITE), (0, 4097), "round {round}");
+            assert!(
+                g.read(0x4000, 4096) == block(1),
+                "round {round}: read into the new memory"
+            );
+            assert_eq!(g.request(0, sector, 4096, F_WRITE).0, 0);
+            assert!(
+                g.read(0x4000, 4096) == block(seed),
+                "round {round}: the write took the new memory's data"
+            );
+            assert!(
+                peek::<4096>(old, 0x4000)[..] == block(0xee)[..],
+                "round {round}: old memory untouched"
+            );
+            // SAFETY: the old memory's mapping, made by map_area; udm has
+            // its own.
+            unsafe { libc::munmap(old.cast(), MEM) };
+        }
+        let (writes, fixed) = (
+            dev.writes.load(Ordering::Relaxed),
+            dev.fixed.load(Ordering::Relaxed),
+        );
+        assert_eq!(writes, 7);
+        assert_eq!(fixed, 7 + 12, "every read and write went fixed");
     }
 
     #[test]
@@ -853,5 +942,345 @@ mod hostile {
         );
         assert_eq!(g.request(0, 24, 512, F_WRITE), (0, 513));
         assert_eq!(g.read(0x4000, 512), vec![0; 512]);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Guest memory registered with the reactors' io_uring: a file backend reads
+// and writes guest buffers with READ_FIXED / WRITE_FIXED.
+
+mod fixed {
+    use super::*;
+    use udm_backends::file::{FileDevice, FileOpts};
+
+    /// The file backend, counting its data bios and the fixed ops they
+    /// made on the reactor's ring (the count the ring keeps, read on the
+    /// reactor's thread around each submission).
+    struct Counted {
+        file: Arc<FileDevice>,
+        data_bios: AtomicU64,
+        fixed: AtomicU64,
+    }
+
+    struct CountedChannel {
+        dev: Arc<Counted>,
+        inner: Rc<dyn Channel>,
+        ring: Rc<Ring>,
+    }
+
+    impl BlockDevice for Counted {
+        fn name(&self) -> &str {
+            "counted"
+        }
+        fn limits(&self) -> Limits {
+            self.file.limits()
+        }
+        fn caps(&self) -> Caps {
+            self.file.caps()
+        }
+        fn open(self: Arc<Self>, reactor: &Reactor) -> Result<Rc<dyn Channel>, Error> {
+            let inner = self.file.clone().open(reactor)?;
+            Ok(Rc::new(CountedChannel {
+                dev: self,
+                inner,
+                ring: reactor.ring_rc(),
+            }))
+        }
+        fn as_any(&self) -> &dyn Any {
+            self
+        }
+    }
+
+    impl Channel for CountedChannel {
+        fn submit(&self, bio: BioPtr) {
+            let data = bio.op.has_data();
+            let before = self.ring.fixed_ops();
+            self.inner.submit(bio);
+            let fixed = self.ring.fixed_ops() - before;
+            if data {
+                self.dev.data_bios.fetch_add(1, Ordering::Relaxed);
+            }
+            self.dev.fixed.fetch_add(fixed, Ordering::Relaxed);
+        }
+    }
+
+    impl Counted {
+        /// A file of SIZE in a fresh directory, O_DIRECT unless `buffered`.
+        fn new(dir: &TempDir, buffered: bool) -> Arc<Counted> {
+            let path = dir.0.join("disk.img");
+            let opts = FileOpts {
+                buffered,
+                size: Some(SIZE),
+                ..FileOpts::default()
+            };
+            let file = FileDevice::open("f0", path.to_str().unwrap(), opts).unwrap();
+            Arc::new(Counted {
+                file: Arc::new(file),
+                data_bios: AtomicU64::new(0),
+                fixed: AtomicU64::new(0),
+            })
+        }
+
+        /// (data bios, fixed ops) so far.
+        fn counts(&self) -> (u64, u64) {
+            (
+                self.data_bios.load(Ordering::Relaxed),
+                self.fixed.load(Ordering::Relaxed),
+            )
+        }
+    }
+
+    fn serve(dev: Arc<Counted>, queues: u16) -> Served {
+        Served::start_with(
+            dev,
+            queues,
+            false,
+            Budget::new(64 << 20, 16),
+            Dispatch::Direct,
+        )
+    }
+
+    /// A second buffer of the client's: a region of its own, added to the
+    /// guest's memory (ADD_MEM_REG) while the queues run.
+    struct Extra {
+        region: MemoryRegion,
+    }
+
+    impl Extra {
+        fn map(c: &mut Client, len: usize) -> Extra {
+            let region = c._b.alloc_mem_region(len).unwrap();
+            c._b.map_mem_region(&region).unwrap();
+            Extra { region }
+        }
+
+        fn ptr(&self, at: usize) -> *mut u8 {
+            assert!(at < self.region.len);
+            (self.region.addr + at) as *mut u8
+        }
+
+        fn buf(&mut self) -> &mut [u8] {
+            // SAFETY: the region is mapped while `self` lives; the server
+            // touches it only during a request, which `io` waits for.
+            unsafe { std::slice::from_raw_parts_mut(self.region.addr as *mut u8, self.region.len) }
+        }
+
+        /// Removes it from the guest's memory (REM_MEM_REG) and frees it.
+        fn unmap(self, c: &mut Client) {
+            c._b.unmap_mem_region(&self.region);
+            c._b.free_mem_region(&self.region);
+        }
+    }
+
+    /// A read or write of `len` bytes at `off` from `p` on queue `q`.
+    fn io(c: &mut Client, q: usize, write: bool, off: u64, p: *mut u8, len: usize) -> i32 {
+        c.run(q, |q| {
+            if write {
+                q.write(off, p, len, 0, ReqFlags::empty())
+            } else {
+                q.read(off, p, len, 0, ReqFlags::empty())
+            }
+        })
+    }
+
+    fn guest_buffers_go_fixed_across_memory_table_changes(buffered: bool) {
+        let mode = if buffered { "buffered" } else { "O_DIRECT" };
+        let dir = TempDir::new();
+        let dev = Counted::new(&dir, buffered);
+        let srv = serve(dev.clone(), 2);
+        let mut c = Client::connect(&srv.path, 2);
+
+        // The client's first buffer, on both queues (two reactors).
+        let data = pattern(1, 64 << 10);
+        c.buf()[..64 << 10].copy_from_slice(&data);
+        assert_eq!(c.write(0, 0, 0, 64 << 10), 0);
+        c.buf()[..64 << 10].fill(0);
+        assert_eq!(c.read(1, 0, 0, 64 << 10), 0);
+        assert!(c.buf()[..64 << 10] == data[..], "{mode}: read back");
+        let (bios, fixed) = dev.counts();
+        assert!(bios >= 2);
+        assert_eq!(
+            fixed, bios,
+            "{mode}: every data bio from guest memory went fixed"
+        );
+
+        // A region added while the queues run: its buffers go fixed too.
+        let mut b = Extra::map(&mut c, 1 << 20);
+        let data_b = pattern(2, 128 << 10);
+        b.buf()[4096..4096 + (128 << 10)].copy_from_slice(&data_b);
+        assert_eq!(io(&mut c, 1, true, 1 << 20, b.ptr(4096), 128 << 10), 0);
+        assert_eq!(io(&mut c, 0, false, 0, b.ptr(512 << 10), 64 << 10), 0);
+        assert!(
+            b.buf()[512 << 10..576 << 10] == data[..],
+            "{mode}: region B reads what A wrote"
+        );
+        // The first region goes: B goes on, and the data written from A
+        // and from B reads back into B.
+        let (bios, fixed) = dev.counts();
+        assert_eq!(fixed, bios, "{mode}: after ADD_MEM_REG");
+        let a = std::mem::replace(&mut c.region, b.region);
+        c._b.unmap_mem_region(&a);
+        c._b.free_mem_region(&a);
+        c.buf().fill(0);
+        assert_eq!(c.read(0, 1 << 20, 0, 128 << 10), 0);
+        assert!(
+            c.buf()[..128 << 10] == data_b[..],
+            "{mode}: after REM_MEM_REG"
+        );
+        assert_eq!(c.read(1, 0, 256 << 10, 64 << 10), 0);
+        assert!(
+            c.buf()[256 << 10..320 << 10] == data[..],
+            "{mode}: after REM_MEM_REG"
+        );
+        let (bios, fixed) = dev.counts();
+        assert_eq!(fixed, bios, "{mode}: after REM_MEM_REG");
+
+        // Many regions come and go, more than the rings' buffer table
+        // holds: each goes fixed, so the registrations of those that went
+        // were given back.
+        let rounds = udm_core::ring::BUFFER_SLOTS as usize + 16;
+        for i in 0..rounds {
+            let mut e = Extra::map(&mut c, 64 << 10);
+            let d = pattern(i as u8, 4096);
+            e.buf()[..4096].copy_from_slice(&d);
+            let q = i % 2;
+            let off = (2 << 20) + (i as u64) * 4096;
+            let before = dev.counts();
+            assert_eq!(io(&mut c, q, true, off, e.ptr(0), 4096), 0);
+            e.buf()[..4096].fill(0);
+            assert_eq!(io(&mut c, 1 - q, false, off, e.ptr(0), 4096), 0);
+            assert!(e.buf()[..4096] == d[..], "{mode}: region {i}");
+            let after = dev.counts();
+            assert_eq!(
+                after.1 - before.1,
+                after.0 - before.0,
+                "{mode}: region {i} (of {rounds}) did not go fixed"
+            );
+            e.unmap(&mut c);
+        }
+        // And what they wrote stays where it went.
+        for i in (0..rounds).step_by(37) {
+            let off = (2 << 20) + (i as u64) * 4096;
+            assert_eq!(c.read(0, off, 0, 4096), 0);
+            assert!(
+                c.buf()[..4096] == pattern(i as u8, 4096)[..],
+                "{mode}: block {i}"
+            );
+        }
+
+        // A new frontend (a new memory table): fixed again, same data.
+        drop(c);
+        let before = dev.counts();
+        let mut c = Client::connect(&srv.path, 2);
+        assert_eq!(c.read(1, 1 << 20, 0, 128 << 10), 0);
+        assert!(
+            c.buf()[..128 << 10] == data_b[..],
+            "{mode}: after reconnecting"
+        );
+        let after = dev.counts();
+        assert_eq!(
+            after.1 - before.1,
+            after.0 - before.0,
+            "{mode}: after reconnecting"
+        );
+    }
+
+    /// Drops CAP_IPC_LOCK from the calling thread's effective set
+    /// (capabilities are per thread, and the threads it starts inherit
+    /// them), so RLIMIT_MEMLOCK applies as to an unprivileged udm.
+    fn drop_ipc_lock() {
+        #[repr(C)]
+        struct Header {
+            version: u32,
+            pid: i32,
+        }
+        #[repr(C)]
+        #[derive(Clone, Copy, Default)]
+        struct Data {
+            effective: u32,
+            permitted: u32,
+            inheritable: u32,
+        }
+        const V3: u32 = 0x2008_0522;
+        const CAP_IPC_LOCK: u32 = 14;
+        let mut h = Header {
+            version: V3,
+            pid: 0,
+        };
+        let mut d = [Data::default(); 2];
+        // SAFETY: capget fills the two-element array for this thread.
+        let rc = unsafe { libc::syscall(libc::SYS_capget, &mut h, d.as_mut_ptr()) };
+        assert_eq!(rc, 0, "capget: {}", std::io::Error::last_os_error());
+        d[0].effective &= !(1 << CAP_IPC_LOCK);
+        // SAFETY: capset reads the header and the two-element array.
+        let rc = unsafe { libc::syscall(libc::SYS_capset, &mut h, d.as_ptr()) };
+        assert_eq!(rc, 0, "capset: {}", std::io::Error::last_os_error());
+    }
+
+    /// RLIMIT_MEMLOCK's soft limit, if small enough for a test to pass it
+    /// (up to 64 MiB).
+    fn memlock_limit() -> Option<usize> {
+        let mut l = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit fills a live rlimit.
+        assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut l) }, 0);
+        (l.rlim_cur != libc::RLIM_INFINITY && l.rlim_cur <= 64 << 20).then_some(l.rlim_cur as usize)
+    }
+
+    #[test]
+    fn guest_memory_past_the_memlock_limit_goes_plain_and_its_data_is_right() {
+        let Some(limit) = memlock_limit() else {
+            eprintln!("skipped: RLIMIT_MEMLOCK is above 64 MiB or unlimited");
+            return;
+        };
+        std::thread::spawn(move || {
+            drop_ipc_lock();
+            let dir = TempDir::new();
+            let dev = Counted::new(&dir, false);
+            let srv = serve(dev.clone(), 1);
+            let mut c = Client::connect(&srv.path, 1);
+            // The client's first 1 MiB fits under the limit: fixed.
+            let data = pattern(3, 64 << 10);
+            c.buf()[..64 << 10].copy_from_slice(&data);
+            assert_eq!(c.write(0, 0, 0, 64 << 10), 0);
+            let (bios, fixed) = dev.counts();
+            assert_eq!(fixed, bios, "memory under the limit goes fixed");
+            // A region of twice the limit: the kernel refuses it, the
+            // export goes on with plain I/O for it, data intact.
+            let len = (2 * limit).next_multiple_of(1 << 20);
+            let mut big = Extra::map(&mut c, len);
+            let before = dev.counts();
+            let at = len - (64 << 10);
+            assert_eq!(io(&mut c, 0, false, 0, big.ptr(at), 64 << 10), 0);
+            assert!(big.buf()[at..] == data[..], "read into the big region");
+            let d2 = pattern(4, 64 << 10);
+            big.buf()[..64 << 10].copy_from_slice(&d2);
+            assert_eq!(io(&mut c, 0, true, 1 << 20, big.ptr(0), 64 << 10), 0);
+            let after = dev.counts();
+            assert!(after.0 - before.0 >= 2);
+            assert_eq!(
+                after.1, before.1,
+                "nothing of the refused region went fixed"
+            );
+            // The first region keeps its registration.
+            assert_eq!(c.read(0, 1 << 20, 0, 64 << 10), 0);
+            assert!(c.buf()[..64 << 10] == d2[..]);
+            let last = dev.counts();
+            assert_eq!(last.1 - after.1, last.0 - after.0);
+            big.unmap(&mut c);
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn guest_buffers_go_fixed_to_an_o_direct_file_across_memory_table_changes() {
+        guest_buffers_go_fixed_across_memory_table_changes(false);
+    }
+
+    #[test]
+    fn guest_buffers_go_fixed_to_a_buffered_file_across_memory_table_changes() {
+        guest_buffers_go_fixed_across_memory_table_changes(true);
     }
 }

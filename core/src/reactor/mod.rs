@@ -35,7 +35,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::bio::{Bio, BioFlags, BioPtr, Home, Status};
-use crate::ring::{Ring, RingKind};
+use crate::ring::{Ring, RingKind, MAX_REGISTERED_BUFFER};
 
 mod handle;
 mod work;
@@ -108,6 +108,46 @@ pub struct CacheStats {
     pub frees: u64,
 }
 
+/// A memory region registered with a reactor's rings in chunks
+/// ([`Reactor::register_region`]): finds the buffer index of a range of
+/// it in a few instructions.
+#[derive(Debug)]
+pub struct RegisteredRegion {
+    base: usize,
+    len: usize,
+    shift: u32,
+    /// Each chunk's index ([`Bio::NO_BUF`]: not registered).
+    chunks: Vec<u16>,
+}
+
+impl RegisteredRegion {
+    /// The index of the registered chunk that holds all of `[ptr,
+    /// ptr+len)`, or [`Bio::NO_BUF`] (outside the region, across two
+    /// chunks, or in a chunk the kernel refused).
+    #[inline]
+    pub fn index_of(&self, ptr: *const u8, len: usize) -> u16 {
+        let off = (ptr as usize).wrapping_sub(self.base);
+        if off >= self.len || len == 0 || len > self.len - off {
+            return Bio::NO_BUF;
+        }
+        let c = off >> self.shift;
+        if (off + len - 1) >> self.shift != c {
+            return Bio::NO_BUF;
+        }
+        self.chunks[c]
+    }
+
+    /// Chunks registered (the others go plain).
+    pub fn registered(&self) -> usize {
+        self.chunks.iter().filter(|&&c| c != Bio::NO_BUF).count()
+    }
+
+    /// Chunks in all.
+    pub fn chunks(&self) -> usize {
+        self.chunks.len()
+    }
+}
+
 static NEXT_REACTOR_ID: AtomicU64 = AtomicU64::new(0);
 
 /// The reactor core `bio` came from.
@@ -131,11 +171,12 @@ impl Bio {
         let mut c = home_of(self).alloc_bio();
         c.op = self.op;
         // A clone's data lands in its parent's buffers: nothing is lent to
-        // it, and it was lent nothing.
+        // it, and it was lent nothing. Its registered buffer comes with
+        // the parent's segments (Bio::add_segs_from), not with the
+        // descriptor: a clone given memory of its own must not claim it.
         c.flags = self.flags;
         c.flags.remove(BioFlags::MAY_LEND);
         c.flags.remove(BioFlags::LENT);
-        c.buf_index = self.buf_index;
         c
     }
 }
@@ -178,7 +219,8 @@ pub(crate) struct ReactorCore {
     has_pollers: Cell<bool>,
     work: WorkQueue,
     locals: RefCell<HashMap<u64, Rc<dyn Any>>>,
-    buffers: RefCell<Vec<libc::iovec>>,
+    /// The registered-buffer table, by index (None: a free slot).
+    buffers: RefCell<Vec<Option<libc::iovec>>>,
     mailbox: Arc<Mailbox>,
     wake_buf: UnsafeCell<u64>,
     wake_armed: Cell<bool>,
@@ -446,9 +488,12 @@ impl Reactor {
         }
         let ring = Rc::new(Ring::new(core.config.ring_entries, kind)?);
         for (i, b) in core.buffers.borrow().iter().enumerate() {
-            // SAFETY: buffers registered with the reactor stay mapped for its
-            // lifetime (register_buffer's contract), which outlives its rings.
-            unsafe { ring.register_buffer(i as u16, *b) };
+            if let Some(b) = b {
+                // SAFETY: a buffer registered with the reactor stays mapped
+                // until it is unregistered (register_buffer's contract),
+                // which empties the slot on every ring.
+                let _ = unsafe { ring.register_buffer(i as u16, *b) };
+            }
         }
         if !kind.iopoll {
             // Completions on this ring signal the mailbox eventfd, so a
@@ -461,27 +506,156 @@ impl Reactor {
 
     /// Registers a memory region with the reactor's rings; a bio whose single
     /// segment lies inside it may set `buf_index` to the returned index.
-    /// Returns None when the rings refuse it (I/O then simply isn't fixed).
+    /// Returns None when the rings refuse it (I/O then simply isn't fixed);
+    /// [`Reactor::try_register_buffer`] says why.
     ///
     /// # Safety
-    /// The memory must stay mapped until the reactor is dropped.
+    /// As for [`Reactor::try_register_buffer`].
     pub unsafe fn register_buffer(&self, base: *mut u8, len: usize) -> Option<u16> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.try_register_buffer(base, len) }.ok()
+    }
+
+    /// Registers `len` bytes at `base` (at most [`MAX_REGISTERED_BUFFER`])
+    /// with the reactor's rings, present and future, in the first free slot
+    /// of its buffer table; the error says why the kernel refused (see
+    /// [`Ring::register_buffer`]: the memlock limit, memory it cannot pin).
+    ///
+    /// # Safety
+    /// The memory must stay mapped at these addresses (the same pages, not
+    /// another mapping put in its place) until
+    /// [`Reactor::unregister_buffer`] or the reactor is dropped: a fixed
+    /// I/O reaches the pages pinned now.
+    pub unsafe fn try_register_buffer(&self, base: *mut u8, len: usize) -> io::Result<u16> {
+        if len == 0 || len > MAX_REGISTERED_BUFFER {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("a registered buffer holds 1 to {MAX_REGISTERED_BUFFER} bytes, not {len}"),
+            ));
+        }
         let core = self.core();
         let iov = libc::iovec {
             iov_base: base.cast(),
             iov_len: len,
         };
-        let index = core.buffers.borrow().len() as u16;
+        let mut bufs = core.buffers.borrow_mut();
+        let index = bufs.iter().position(Option::is_none).unwrap_or(bufs.len());
+        if index >= Bio::NO_BUF as usize {
+            return Err(io::Error::new(
+                io::ErrorKind::OutOfMemory,
+                "the registered-buffer table is full",
+            ));
+        }
+        let index = index as u16;
         // SAFETY: forwarded from the caller.
-        if !unsafe { core.ring.register_buffer(index, iov) } {
-            return None;
-        }
+        unsafe { core.ring.register_buffer(index, iov) }?;
         for r in core.extra_rings.borrow().iter() {
-            // SAFETY: forwarded from the caller.
-            unsafe { r.register_buffer(index, iov) };
+            // SAFETY: forwarded from the caller. An extra ring that refuses
+            // fails the bios that name the index (EFAULT): take it back.
+            if let Err(e) = unsafe { r.register_buffer(index, iov) } {
+                core.ring.unregister_buffer(index);
+                for r in core.extra_rings.borrow().iter() {
+                    r.unregister_buffer(index);
+                }
+                return Err(e);
+            }
         }
-        core.buffers.borrow_mut().push(iov);
-        Some(index)
+        if index as usize == bufs.len() {
+            bufs.push(Some(iov));
+        } else {
+            bufs[index as usize] = Some(iov);
+        }
+        Ok(index)
+    }
+
+    /// Empties slot `index` of the buffer table on every ring, for reuse.
+    /// I/O in flight from the buffer completes normally (the kernel holds
+    /// its pages until then); the caller must no longer hand out the index,
+    /// and may unmap the memory once this returns.
+    pub fn unregister_buffer(&self, index: u16) {
+        let core = self.core();
+        let mut bufs = core.buffers.borrow_mut();
+        let Some(slot) = bufs.get_mut(index as usize) else {
+            return;
+        };
+        if slot.take().is_none() {
+            return;
+        }
+        core.ring.unregister_buffer(index);
+        for r in core.extra_rings.borrow().iter() {
+            r.unregister_buffer(index);
+        }
+    }
+
+    /// Registers the region of `len` bytes at `base` in chunks of
+    /// [`MAX_REGISTERED_BUFFER`] (io_uring's limit), from `base`: an I/O
+    /// inside one chunk goes fixed, one that straddles two goes plain.
+    /// Registration stops at the first chunk the kernel refuses (the
+    /// reason repeats: the memlock limit); that chunk and the rest stay
+    /// plain, and the error comes back with the region for the caller to
+    /// report. Undo with [`Reactor::unregister_region`].
+    ///
+    /// # Safety
+    /// As for [`Reactor::try_register_buffer`], for the whole region.
+    pub unsafe fn register_region(
+        &self,
+        base: *mut u8,
+        len: usize,
+    ) -> (RegisteredRegion, Option<io::Error>) {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.register_region_in(base, len, MAX_REGISTERED_BUFFER.trailing_zeros()) }
+    }
+
+    /// [`Reactor::register_region`] with chunks of `1 << shift` bytes.
+    ///
+    /// # Safety
+    /// As for [`Reactor::register_region`].
+    pub(crate) unsafe fn register_region_in(
+        &self,
+        base: *mut u8,
+        len: usize,
+        shift: u32,
+    ) -> (RegisteredRegion, Option<io::Error>) {
+        let n = len.div_ceil(1 << shift);
+        let mut r = RegisteredRegion {
+            base: base as usize,
+            len,
+            shift,
+            chunks: vec![Bio::NO_BUF; n],
+        };
+        for c in 0..n {
+            let off = c << shift;
+            let clen = (len - off).min(1 << shift);
+            // SAFETY: a part of the caller's region, under its contract.
+            match unsafe { self.try_register_buffer(base.wrapping_add(off), clen) } {
+                Ok(i) => r.chunks[c] = i,
+                Err(e) => return (r, Some(e)),
+            }
+        }
+        (r, None)
+    }
+
+    /// Empties the slots of `region`'s chunks (see
+    /// [`Reactor::unregister_buffer`]); its lookups find nothing after.
+    pub fn unregister_region(&self, region: &mut RegisteredRegion) {
+        for c in region.chunks.iter_mut() {
+            if *c != Bio::NO_BUF {
+                self.unregister_buffer(*c);
+                *c = Bio::NO_BUF;
+            }
+        }
+    }
+
+    /// READ_FIXED and WRITE_FIXED entries the reactor's rings made.
+    pub fn fixed_ops(&self) -> u64 {
+        let core = self.core();
+        core.ring.fixed_ops()
+            + core
+                .extra_rings
+                .borrow()
+                .iter()
+                .map(|r| r.fixed_ops())
+                .sum::<u64>()
     }
 
     /// Adds a poller, polled every turn until the reactor is dropped.
@@ -808,6 +982,377 @@ impl Drop for Reactor {
 mod tests {
     use super::{next_window, CompletionMode, Reactor, ReactorConfig};
     use std::time::Duration;
+
+    mod fixed {
+        use crate::bio::{Bio, BioPtr, Op, Status};
+        use crate::reactor::{Reactor, ReactorConfig};
+        use crate::ring::{RingFd, MAX_REGISTERED_BUFFER};
+        use std::cell::Cell;
+        use std::fs::File;
+        use std::os::fd::AsRawFd;
+
+        /// Anonymous memory of `len` bytes, unmapped when dropped.
+        struct Mem {
+            p: *mut u8,
+            len: usize,
+        }
+
+        impl Mem {
+            fn new(len: usize) -> Mem {
+                // SAFETY: a new private anonymous mapping, checked below.
+                let p = unsafe {
+                    libc::mmap(
+                        std::ptr::null_mut(),
+                        len,
+                        libc::PROT_READ | libc::PROT_WRITE,
+                        libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                        -1,
+                        0,
+                    )
+                };
+                assert_ne!(p, libc::MAP_FAILED);
+                Mem { p: p.cast(), len }
+            }
+
+            fn at(&self, off: usize) -> *mut u8 {
+                assert!(off < self.len);
+                self.p.wrapping_add(off)
+            }
+
+            fn fill(&self, off: usize, len: usize, v: u8) {
+                assert!(off + len <= self.len);
+                // SAFETY: inside the mapping (checked), no I/O in flight.
+                unsafe { std::ptr::write_bytes(self.p.add(off), v, len) };
+            }
+
+            fn bytes(&self, off: usize, len: usize) -> Vec<u8> {
+                assert!(off + len <= self.len);
+                // SAFETY: as in fill.
+                unsafe { std::slice::from_raw_parts(self.p.add(off), len) }.to_vec()
+            }
+        }
+
+        impl Drop for Mem {
+            fn drop(&mut self) {
+                // SAFETY: our own mapping; nothing in flight points at it.
+                unsafe { libc::munmap(self.p.cast(), self.len) };
+            }
+        }
+
+        fn temp_file() -> File {
+            let p = std::env::temp_dir().join(format!(
+                "udm-fixed-{}-{:?}",
+                std::process::id(),
+                std::thread::current().id()
+            ));
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(&p)
+                .unwrap();
+            std::fs::remove_file(&p).unwrap();
+            f.set_len(1 << 20).unwrap();
+            f
+        }
+
+        fn done(bio: BioPtr) {
+            // SAFETY: private is the test's live Cell, kept until this runs.
+            let c = unsafe { &*(bio.private() as *const Cell<Option<Status>>) };
+            c.set(Some(bio.status()));
+        }
+
+        /// One bio of `len` bytes at `ptr`, naming buffer `index`, to byte
+        /// `off` of `file`; its status.
+        fn io(
+            r: &Reactor,
+            file: &File,
+            op: Op,
+            off: u64,
+            ptr: *mut u8,
+            len: usize,
+            index: u16,
+        ) -> Status {
+            let st = Cell::new(None);
+            let mut bio = r.alloc_bio();
+            bio.op = op;
+            bio.sector = off >> 9;
+            // SAFETY: the caller's memory outlives the bio: we wait below.
+            unsafe { bio.add_seg(ptr, len) };
+            bio.buf_index = index;
+            bio.set_end_io(done, (&st as *const Cell<Option<Status>>).cast_mut().cast());
+            r.ring()
+                .submit_bio(RingFd::Raw(file.as_raw_fd()), bio, 0, false, false);
+            r.run_until(|| st.get().is_some());
+            st.get().unwrap()
+        }
+
+        #[test]
+        fn a_buffer_unregistered_is_refused_and_its_slot_serves_the_next() {
+            let r = Reactor::new(ReactorConfig::default()).unwrap();
+            let f = temp_file();
+            let (a, b) = (Mem::new(1 << 16), Mem::new(1 << 16));
+            // SAFETY: `a` and `b` outlive the reactor's use: unregistered
+            // (or the reactor dropped) before they are unmapped.
+            let ia = unsafe { r.try_register_buffer(a.p, a.len) }.unwrap();
+            a.fill(0, 4096, 0xa1);
+            assert_eq!(io(&r, &f, Op::Write, 0, a.at(0), 4096, ia), Status::Ok);
+            assert_eq!(r.fixed_ops(), 1, "the write went fixed");
+            // A segment outside the buffer that names it: the kernel refuses,
+            // proof that the index is what the I/O used.
+            assert_ne!(io(&r, &f, Op::Read, 0, b.at(0), 4096, ia), Status::Ok);
+            r.unregister_buffer(ia);
+            assert_ne!(
+                io(&r, &f, Op::Read, 0, a.at(0), 4096, ia),
+                Status::Ok,
+                "a bio naming an emptied slot reaches no memory"
+            );
+            // Plain I/O of the same memory still works.
+            assert_eq!(
+                io(&r, &f, Op::Read, 0, a.at(4096), 4096, Bio::NO_BUF),
+                Status::Ok
+            );
+            assert_eq!(a.bytes(4096, 4096), vec![0xa1; 4096]);
+            // The freed slot is the next one handed out, now for `b`.
+            // SAFETY: as above.
+            let ib = unsafe { r.try_register_buffer(b.p, b.len) }.unwrap();
+            assert_eq!(ib, ia, "the emptied slot is reused");
+            let before = r.fixed_ops();
+            assert_eq!(io(&r, &f, Op::Read, 0, b.at(8192), 4096, ib), Status::Ok);
+            assert_eq!(b.bytes(8192, 4096), vec![0xa1; 4096]);
+            assert_eq!(r.fixed_ops(), before + 1);
+            assert_ne!(io(&r, &f, Op::Read, 0, a.at(0), 4096, ib), Status::Ok);
+            // A ring made later gets the table as it is.
+            let extra = r
+                .ring_of(crate::RingKind {
+                    sqpoll: true,
+                    ..crate::RingKind::default()
+                })
+                .unwrap();
+            let st = Cell::new(None);
+            let mut bio = r.alloc_bio();
+            bio.op = Op::Read;
+            // SAFETY: `b` outlives the bio: we wait below.
+            unsafe { bio.add_seg(b.at(0), 4096) };
+            bio.buf_index = ib;
+            bio.set_end_io(done, (&st as *const Cell<Option<Status>>).cast_mut().cast());
+            extra.submit_bio(RingFd::Raw(f.as_raw_fd()), bio, 0, false, false);
+            r.run_until(|| st.get().is_some());
+            assert_eq!(st.get(), Some(Status::Ok));
+            assert_eq!(extra.fixed_ops(), 1);
+            assert_eq!(b.bytes(0, 4096), vec![0xa1; 4096]);
+            r.unregister_buffer(ib);
+        }
+
+        #[test]
+        fn a_region_is_registered_in_chunks_and_io_across_two_goes_plain() {
+            let r = Reactor::new(ReactorConfig::default()).unwrap();
+            let f = temp_file();
+            // 64 KiB chunks over 200 KiB: three whole and a 8 KiB tail.
+            let m = Mem::new(200 << 10);
+            // SAFETY: unregistered below, before `m` is unmapped.
+            let (mut reg, err) = unsafe { r.register_region_in(m.p, m.len, 16) };
+            assert!(err.is_none(), "{err:?}");
+            assert_eq!((reg.chunks(), reg.registered()), (4, 4));
+            let idx: Vec<u16> = (0..4).map(|c| reg.index_of(m.at(c << 16), 4096)).collect();
+            let mut distinct = idx.clone();
+            distinct.sort();
+            distinct.dedup();
+            assert_eq!(distinct.len(), 4, "a slot per chunk: {idx:?}");
+            // Lookups: inside one chunk, its index; across two, outside the
+            // region, or empty, none.
+            assert_eq!(reg.index_of(m.at((1 << 16) - 4096), 4096), idx[0]);
+            assert_eq!(reg.index_of(m.at((1 << 16) - 4096), 8192), Bio::NO_BUF);
+            assert_eq!(reg.index_of(m.at(192 << 10), 8 << 10), idx[3]);
+            assert_eq!(reg.index_of(m.at(192 << 10), 12 << 10), Bio::NO_BUF);
+            assert_eq!(reg.index_of(m.p.wrapping_sub(4096), 4096), Bio::NO_BUF);
+            assert_eq!(reg.index_of(m.at(0), 0), Bio::NO_BUF);
+            // Each chunk is registered at its own place: a write from each
+            // through its index lands, a read into each gets it back.
+            for (c, &i) in idx.iter().enumerate() {
+                let at = (c << 16) + 4096;
+                m.fill(at, 4096, c as u8 + 1);
+                let st = io(&r, &f, Op::Write, (c as u64) << 12, m.at(at), 4096, i);
+                assert_eq!(st, Status::Ok, "chunk {c}");
+            }
+            assert_eq!(r.fixed_ops(), 4);
+            for (c, &i) in idx.iter().enumerate() {
+                let at = c << 16;
+                let st = io(&r, &f, Op::Read, (c as u64) << 12, m.at(at), 4096, i);
+                assert_eq!(st, Status::Ok, "chunk {c}");
+                assert_eq!(m.bytes(at, 4096), vec![c as u8 + 1; 4096], "chunk {c}");
+            }
+            r.unregister_region(&mut reg);
+            assert_eq!(reg.registered(), 0);
+            assert_eq!(reg.index_of(m.at(0), 4096), Bio::NO_BUF);
+            // The slots are free again: four more registrations fit in them.
+            // SAFETY: as above.
+            let (mut again, err) = unsafe { r.register_region_in(m.p, m.len, 16) };
+            assert!(err.is_none());
+            let mut now: Vec<u16> = (0..4).map(|c| again.index_of(m.at(c << 16), 1)).collect();
+            now.sort();
+            assert_eq!(now, distinct);
+            r.unregister_region(&mut again);
+        }
+
+        #[test]
+        fn a_clone_names_its_parents_buffer_only_with_its_parents_segments() {
+            let r = Reactor::new(ReactorConfig::default()).unwrap();
+            let (m, own) = (Mem::new(8192), Mem::new(4096));
+            let mut p = r.alloc_bio();
+            // SAFETY: none of these bios is submitted; `m` outlives them.
+            unsafe { p.add_seg(m.at(0), 8192) };
+            p.buf_index = 5;
+            // A descriptor alone claims nothing (flakey gives its copy
+            // memory of its own)...
+            assert_eq!(p.alloc_clone().buf_index, Bio::NO_BUF);
+            // ...the parent's segments bring the parent's buffer...
+            let mut c = p.alloc_clone();
+            c.add_segs_from(&p, 4096, 4096);
+            assert_eq!(c.buf_index, 5);
+            // ...and a bio with segments from elsewhere names none.
+            let mut mixed = p.alloc_clone();
+            // SAFETY: as above, for `own`.
+            unsafe { mixed.add_seg(own.at(0), 4096) };
+            mixed.add_segs_from(&p, 0, 4096);
+            assert_eq!(mixed.buf_index, Bio::NO_BUF);
+        }
+
+        /// Drops CAP_IPC_LOCK from the calling thread's effective set
+        /// (capabilities are per thread), so RLIMIT_MEMLOCK applies to it
+        /// as to an unprivileged udm.
+        pub(crate) fn drop_ipc_lock() {
+            #[repr(C)]
+            struct Header {
+                version: u32,
+                pid: i32,
+            }
+            #[repr(C)]
+            #[derive(Clone, Copy, Default)]
+            struct Data {
+                effective: u32,
+                permitted: u32,
+                inheritable: u32,
+            }
+            const V3: u32 = 0x2008_0522;
+            const CAP_IPC_LOCK: u32 = 14;
+            let mut h = Header {
+                version: V3,
+                pid: 0,
+            };
+            let mut d = [Data::default(); 2];
+            // SAFETY: capget fills the two-element array for this thread.
+            let rc = unsafe { libc::syscall(libc::SYS_capget, &mut h, d.as_mut_ptr()) };
+            assert_eq!(rc, 0, "capget: {}", std::io::Error::last_os_error());
+            d[0].effective &= !(1 << CAP_IPC_LOCK);
+            // SAFETY: capset reads the header and the two-element array.
+            let rc = unsafe { libc::syscall(libc::SYS_capset, &mut h, d.as_ptr()) };
+            assert_eq!(rc, 0, "capset: {}", std::io::Error::last_os_error());
+        }
+
+        /// RLIMIT_MEMLOCK's soft limit, if it is small enough for a test to
+        /// pass it (up to 64 MiB).
+        fn memlock_limit() -> Option<usize> {
+            let mut l = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            // SAFETY: getrlimit fills a live rlimit.
+            assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut l) }, 0);
+            (l.rlim_cur != libc::RLIM_INFINITY && l.rlim_cur <= 64 << 20)
+                .then_some(l.rlim_cur as usize)
+        }
+
+        #[test]
+        fn past_the_memlock_limit_the_kernel_refuses_and_io_goes_plain() {
+            let Some(limit) = memlock_limit() else {
+                eprintln!("skipped: RLIMIT_MEMLOCK is above 64 MiB or unlimited");
+                return;
+            };
+            std::thread::spawn(move || {
+                drop_ipc_lock();
+                let r = Reactor::new(ReactorConfig::default()).unwrap();
+                let f = temp_file();
+                let m = Mem::new((2 * limit).max(1 << 20));
+                // SAFETY: refused, or unregistered below before `m` goes.
+                let (mut reg, err) = unsafe { r.register_region(m.p, m.len) };
+                let e = err.expect("registration past RLIMIT_MEMLOCK refused");
+                assert_eq!(e.raw_os_error(), Some(libc::ENOMEM), "{e}");
+                assert_eq!(reg.registered(), 0);
+                let i = reg.index_of(m.at(0), 4096);
+                assert_eq!(i, Bio::NO_BUF);
+                m.fill(0, 4096, 7);
+                assert_eq!(io(&r, &f, Op::Write, 0, m.at(0), 4096, i), Status::Ok);
+                assert_eq!(io(&r, &f, Op::Read, 0, m.at(4096), 4096, i), Status::Ok);
+                assert_eq!(m.bytes(4096, 4096), vec![7; 4096]);
+                assert_eq!(r.fixed_ops(), 0);
+                // Below the limit, the same thread registers.
+                // SAFETY: unregistered below, before `m` goes.
+                let (mut small, err) = unsafe { r.register_region(m.p, 64 << 10) };
+                assert!(err.is_none(), "{err:?}");
+                assert_eq!(small.registered(), 1);
+                r.unregister_region(&mut small);
+                r.unregister_region(&mut reg);
+            })
+            .join()
+            .unwrap();
+        }
+
+        #[test]
+        fn io_uring_takes_at_most_1_gib_per_buffer_and_a_larger_region_is_split_there() {
+            let r = Reactor::new(ReactorConfig::default()).unwrap();
+            // Address space only: the refused registration pins nothing.
+            let m = Mem::new(MAX_REGISTERED_BUFFER + (8 << 10));
+            let whole = libc::iovec {
+                iov_base: m.p.cast(),
+                iov_len: m.len,
+            };
+            // SAFETY: refused before anything is pinned (checked).
+            let e = unsafe { r.ring().register_buffer(0, whole) }.unwrap_err();
+            assert_eq!(e.raw_os_error(), Some(libc::EFAULT), "{e}");
+            // Ours says so without asking the kernel.
+            // SAFETY: refused at once.
+            assert!(unsafe { r.try_register_buffer(m.p, m.len) }.is_err());
+            // Split: a GiB and the 8 KiB tail, each registered (huge pages
+            // make pinning the GiB quick; it is given back at the end).
+            // SAFETY: advice on our own mapping.
+            unsafe { libc::madvise(m.p.cast(), m.len, libc::MADV_HUGEPAGE) };
+            // SAFETY: unregistered below, before `m` is unmapped.
+            let (mut reg, err) = unsafe { r.register_region(m.p, m.len) };
+            assert!(err.is_none(), "{err:?}");
+            assert_eq!((reg.chunks(), reg.registered()), (2, 2));
+            let first = reg.index_of(m.at(0), 4096);
+            let tail = reg.index_of(m.at(MAX_REGISTERED_BUFFER), 8192);
+            assert!(first != Bio::NO_BUF && tail != Bio::NO_BUF && first != tail);
+            assert_eq!(
+                reg.index_of(m.at(MAX_REGISTERED_BUFFER - 4096), 4096),
+                first
+            );
+            assert_eq!(
+                reg.index_of(m.at(MAX_REGISTERED_BUFFER - 4096), 8192),
+                Bio::NO_BUF,
+                "across the GiB boundary: plain"
+            );
+            let f = temp_file();
+            m.fill(MAX_REGISTERED_BUFFER, 4096, 0x5a);
+            let st = io(
+                &r,
+                &f,
+                Op::Write,
+                0,
+                m.at(MAX_REGISTERED_BUFFER),
+                4096,
+                tail,
+            );
+            assert_eq!(st, Status::Ok);
+            let end = MAX_REGISTERED_BUFFER - 4096;
+            assert_eq!(io(&r, &f, Op::Read, 0, m.at(end), 4096, first), Status::Ok);
+            assert_eq!(m.bytes(end, 4096), vec![0x5a; 4096]);
+            assert_eq!(r.fixed_ops(), 2);
+            r.unregister_region(&mut reg);
+        }
+    }
 
     #[test]
     fn adaptive_mode_sleeps_right_after_work_while_its_window_is_closed() {

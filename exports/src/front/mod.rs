@@ -172,6 +172,10 @@ pub struct Request {
     pub flags: ReqFlags,
     /// For reads and writes: `len` bytes of data (any alignment).
     pub buf: *mut u8,
+    /// The registered buffer (see [`udm_core::Reactor::register_buffer`])
+    /// that holds all of `buf`, or [`udm_core::Bio::NO_BUF`]: the bios
+    /// that carry `buf` itself (not a bounce) name it.
+    pub buf_index: u16,
     /// Handed back in [`Done::token`].
     pub token: u64,
     /// Called when the request is finished.
@@ -573,6 +577,13 @@ impl Front {
     /// Submits the bios of one range (pending already counts them).
     fn submit_bios(&self, idx: usize, op: Op, off: u64, len: u32, buf: *mut u8, flags: BioFlags) {
         let step = self.max_bio;
+        let buf_index = self.with_slot(idx, |s| {
+            if buf == s.req.buf {
+                s.req.buf_index
+            } else {
+                udm_core::Bio::NO_BUF
+            }
+        });
         let mut done = 0;
         while done < len {
             let n = step.min(len - done);
@@ -586,6 +597,7 @@ impl Front {
                 // bounce buffer, which stays allocated until the slot is
                 // freed, after every bio completed.
                 unsafe { bio.add_seg(buf.add(done as usize), n as usize) };
+                bio.buf_index = buf_index;
             } else {
                 bio.set_dataless(op, sector, n);
             }

@@ -204,6 +204,7 @@ impl Rig {
             len: buf.len() as u32,
             flags,
             buf: buf.as_mut_ptr(),
+            buf_index: udm_core::Bio::NO_BUF,
             token,
             done: record,
             ctx: Rc::as_ptr(&self.done).cast_mut().cast(),

@@ -267,6 +267,7 @@ impl Queue {
                 ..ReqFlags::default()
             },
             buf: self.buf(tag),
+            buf_index: udm_core::Bio::NO_BUF,
             // The tag, and what a success answers (bytes for data).
             token: tag as u64 | (if data { len as u64 } else { 0 }) << 16,
             done,

@@ -51,6 +51,17 @@ impl Region {
     fn host(&self) -> *mut u8 {
         self.mapping.as_ptr()
     }
+
+    /// Where it is mapped here, and its length.
+    pub fn host_range(&self) -> (*mut u8, usize) {
+        (self.host(), self.len as usize)
+    }
+
+    /// Whether `other` is this very mapping (a region kept from one
+    /// memory table to the next), not just the same addresses.
+    pub fn same_mapping(&self, other: &Region) -> bool {
+        Arc::ptr_eq(&self.mapping, &other.mapping)
+    }
 }
 
 /// The guest's memory: its regions, for the queues (shared, immutable; a

@@ -17,6 +17,7 @@
 //!   inflight.rs  the frontend's inflight file: heads taken and not yet
 //!                answered, resubmitted by the next udm after a crash
 //!   memory.rs    the guest's memory regions, mapped
+//!   fixed.rs     …and registered with each reactor's io_uring (fixed buffers)
 //!   config.rs    feature bits and the configuration space
 //! ```
 //!
@@ -32,6 +33,7 @@
 pub mod chain;
 pub mod config;
 mod control;
+pub mod fixed;
 pub mod fuzzing;
 pub mod inflight;
 pub mod memory;

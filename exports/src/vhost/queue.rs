@@ -19,12 +19,13 @@ use std::sync::Arc;
 
 use slab::Slab;
 use udm_core::io_uring::{opcode, types};
-use udm_core::{BlockDevice, Poller, Reactor, RingOp};
+use udm_core::{Bio, BlockDevice, Poller, Reactor, RingOp};
 use virtio_bindings::virtio_blk::*;
 use virtio_queue::{Queue, QueueT};
 
 use super::chain::{self, Seg};
 use super::config::{Shared, MAX_RANGES, MAX_RANGE_SECTORS};
+use super::fixed::{Guest, Registry};
 use super::inflight::QueueInflight;
 use super::memory::Memory;
 use crate::front::{Done, Front, FrontError, FrontOp, ReqFlags, Request, Submitted};
@@ -59,8 +60,8 @@ struct VReq {
     status_ptr: *mut u8,
     /// Bytes written into the chain (the used element's length).
     written: u32,
-    /// Keeps the memory its pointers are in mapped.
-    _mem: Arc<Memory>,
+    /// Keeps the memory its pointers are in mapped, and registered.
+    mem: Rc<Guest>,
 }
 
 /// One queue on its reactor. Boxed (its kick op's address is handed to
@@ -74,7 +75,7 @@ pub struct VQueue {
     call: Option<File>,
     index: u16,
     queue: Queue,
-    mem: Arc<Memory>,
+    mem: Rc<Guest>,
     front: Rc<Front>,
     shared: Arc<Shared>,
     reqs: Slab<VReq>,
@@ -199,7 +200,7 @@ impl VQueue {
     }
 
     /// Starts the request of the chain at `head`, made of `descs`.
-    fn take(&mut self, head: u16, descs: impl Iterator<Item = chain::Desc>, mem: &Arc<Memory>) {
+    fn take(&mut self, head: u16, descs: impl Iterator<Item = chain::Desc>, mem: &Rc<Guest>) {
         let mut segs = std::mem::take(&mut self.segs);
         match chain::parse(descs, |a, l| mem.map(a, l), &mut segs) {
             Ok(p) => self.start_request(head, p, &segs, mem),
@@ -255,14 +256,14 @@ impl VQueue {
         self.broken = true;
     }
 
-    fn start_request(&mut self, head: u16, p: chain::Parsed, segs: &[Seg], mem: &Arc<Memory>) {
+    fn start_request(&mut self, head: u16, p: chain::Parsed, segs: &[Seg], mem: &Rc<Guest>) {
         let idx = self.reqs.insert(VReq {
             head,
             pending: 1,
             status: S_OK,
             status_ptr: p.status,
             written: 1,
-            _mem: mem.clone(),
+            mem: mem.clone(),
         });
         let st = self.submit_request(idx, p, segs);
         self.piece_done(idx, st);
@@ -302,7 +303,8 @@ impl VQueue {
                     ..ReqFlags::default()
                 };
                 for s in segs {
-                    let st = self.submit(idx, op, off, s.len, flags, s.ptr);
+                    let bi = self.reqs[idx].mem.buf_index(s.ptr, s.len);
+                    let st = self.submit(idx, op, off, s.len, flags, s.ptr, bi);
                     if st != S_OK {
                         return st;
                     }
@@ -317,6 +319,7 @@ impl VQueue {
                 0,
                 ReqFlags::default(),
                 std::ptr::null_mut(),
+                Bio::NO_BUF,
             ),
             VIRTIO_BLK_T_GET_ID => {
                 // The id, NUL-padded to 20 bytes, as much as fits.
@@ -388,7 +391,15 @@ impl VQueue {
                     },
                 )
             };
-            let st = self.submit(idx, op, off, sectors << 9, rf, std::ptr::null_mut());
+            let st = self.submit(
+                idx,
+                op,
+                off,
+                sectors << 9,
+                rf,
+                std::ptr::null_mut(),
+                Bio::NO_BUF,
+            );
             if st != S_OK {
                 return st;
             }
@@ -396,7 +407,9 @@ impl VQueue {
         S_OK
     }
 
-    /// One front request of request `idx`.
+    /// One front request of request `idx`; `buf_index` names the
+    /// registered buffer `buf` lies in, if one does.
+    #[allow(clippy::too_many_arguments)]
     fn submit(
         &mut self,
         idx: usize,
@@ -405,6 +418,7 @@ impl VQueue {
         len: u32,
         flags: ReqFlags,
         buf: *mut u8,
+        buf_index: u16,
     ) -> u8 {
         let req = Request {
             op,
@@ -412,13 +426,14 @@ impl VQueue {
             len,
             flags,
             buf,
+            buf_index,
             token: idx as u64,
             done: front_done,
             ctx: (self as *mut VQueue).cast(),
         };
         // SAFETY: `buf` is `len` bytes of guest memory mapped whole by
-        // chain::parse and kept mapped by the request's Arc<Memory> until
-        // it completes; the device's driver does not reuse the buffer
+        // chain::parse and kept mapped (and registered, when `buf_index`
+        // says so) by the request's Rc<Guest> until it completes; the device's driver does not reuse the buffer
         // before the request is in the used ring, which happens after
         // every front request of it completed (piece_done).
         match unsafe { self.front.submit(req) } {
@@ -443,7 +458,7 @@ impl VQueue {
         }
         let r = self.reqs.remove(idx);
         // SAFETY: the status byte is guest memory mapped by chain::parse,
-        // kept mapped by r's Arc<Memory>, which lives until after this.
+        // kept mapped by r's Rc<Guest>, which lives until after this.
         unsafe { std::ptr::write_volatile(r.status_ptr, r.status) };
         let written = if r.status == S_OK { r.written } else { 1 };
         self.add_used(r.head, written);
@@ -526,6 +541,8 @@ pub struct Worker {
     queues: RefCell<Vec<*mut VQueue>>,
     dirty: RefCell<Vec<*mut VQueue>>,
     scratch: RefCell<Vec<*mut VQueue>>,
+    /// The guest's memory registered with this reactor's rings.
+    fixed: Registry,
 }
 
 impl Worker {
@@ -540,6 +557,7 @@ impl Worker {
             queues: RefCell::new(Vec::new()),
             dirty: RefCell::new(Vec::new()),
             scratch: RefCell::new(Vec::new()),
+            fixed: Registry::new(reactor),
         })
     }
 
@@ -586,7 +604,7 @@ impl Worker {
             call: s.call,
             index: s.index,
             queue: s.queue,
-            mem: s.mem,
+            mem: self.fixed.guest(s.mem),
             front,
             shared: self.shared.clone(),
             reqs: Slab::new(),
@@ -660,11 +678,16 @@ impl Worker {
     }
 
     /// The guest's memory changed: the queues use `mem` from now on
-    /// (requests in flight keep the old mapping alive until they finish).
+    /// (requests in flight keep the old mapping, and its registration with
+    /// the rings, until they finish).
     pub fn set_mem(&self, mem: Arc<Memory>) {
+        if self.queues.borrow().is_empty() {
+            return;
+        }
+        let g = self.fixed.guest(mem);
         for &p in self.queues.borrow().iter() {
             // SAFETY: as in find().
-            unsafe { (*p).mem = mem.clone() };
+            unsafe { (*p).mem = g.clone() };
         }
     }
 

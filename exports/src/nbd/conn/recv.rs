@@ -375,6 +375,7 @@ impl Conn {
             len: req.len,
             flags,
             buf: req.data(),
+            buf_index: udm_core::Bio::NO_BUF,
             token: id as u64,
             done: req_done,
             ctx: conn.cast(),
