@@ -23,7 +23,7 @@ cargo build --release -q -p udm-exports --example vhost_bench
 UDM=$ROOT/target/release/udm
 CLIENT=$ROOT/target/release/examples/vhost_bench
 W=$(mktemp -d /dev/shm/udm-vhost-bench.XXXX)
-trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$W"' EXIT
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$W"' EXIT
 IMG=$W/disk.img
 dd if=/dev/urandom of="$IMG" bs=1M count=256 status=none
 SOCK=$W/vhost.sock
