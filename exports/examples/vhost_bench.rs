@@ -1,8 +1,9 @@
 //! A vhost-user-blk load generator on libblkio's `virtio-blk-vhost-user`
-//! driver (no VM): random reads or writes of BS bytes at QD in flight on
-//! one queue for SECS seconds; prints `iops N`.
+//! driver (no VM): random (`read`, `write`) or sequential (`seqread`,
+//! `seqwrite`) reads or writes of BS bytes at QD in flight on one queue for
+//! SECS seconds; prints `iops N`.
 //!
-//! usage: vhost_bench SOCKET [SECS=5] [QD=32] [BS=4096] [read|write]
+//! usage: vhost_bench SOCKET [SECS=5] [QD=32] [BS=4096] [read|write|seqread|seqwrite]
 
 // A benchmark tool: a failed setup step ends it with its message.
 #![allow(clippy::unwrap_used)]
@@ -16,12 +17,14 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     let path = args
         .get(1)
-        .expect("usage: vhost_bench SOCKET [SECS] [QD] [BS] [read|write]");
+        .expect("usage: vhost_bench SOCKET [SECS] [QD] [BS] [read|write|seqread|seqwrite]");
     let arg = |i: usize, d: u64| args.get(i).map_or(d, |s| s.parse().unwrap());
     let secs = arg(2, 5);
     let qd = arg(3, 32) as usize;
     let bs = arg(4, 4096) as usize;
-    let write = args.get(5).is_some_and(|s| s == "write");
+    let rw = args.get(5).map_or("read", String::as_str);
+    let write = rw.ends_with("write");
+    let seq = rw.starts_with("seq");
     let mut b = Blkio::new("virtio-blk-vhost-user").unwrap();
     b.set_str("path", path).unwrap();
     b.connect().unwrap();
@@ -32,9 +35,15 @@ fn main() {
     let region = b.alloc_mem_region(qd * bs).unwrap();
     b.map_mem_region(&region).unwrap();
     let buf = |i: usize| (region.addr + i * bs) as *mut u8;
-    // xorshift: a different block each time, cheap to draw.
+    // Sequential: the next block, wrapping; random: xorshift, a different
+    // block each time, cheap to draw.
     let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut cursor = 0u64;
     let mut next = || {
+        if seq {
+            cursor = (cursor + 1) % blocks;
+            return cursor * bs as u64;
+        }
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;

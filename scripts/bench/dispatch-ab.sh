@@ -7,21 +7,41 @@
 #
 # Rows: sequential and random reads and writes on a RAM disk (prefilled,
 # unmeasured), and sequential writes on an O_DIRECT file on this machine's
-# disk. Env: RUNTIME (seconds per run, default 3), FILE (default
-# /var/tmp/udm-dispatch.img, written once in full before the rounds),
-# ROWS (default "ram file").
+# disk, through `udm bench`; row "vhost": the same four on a RAM disk
+# served by `udm serve --vhost-user-blk` (one queue) to the VM-less client
+# (exports/examples/vhost_bench.rs). Env: RUNTIME (seconds per run, default
+# 3), FILE (default /var/tmp/udm-dispatch.img, written once in full before
+# the rounds), ROWS (default "ram file vhost").
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 . scripts/bench/ab-rounds.sh
 ROUNDS=${1:-7}
 RUNTIME=${RUNTIME:-3}
 FILE=${FILE:-/var/tmp/udm-dispatch.img}
-ROWS=${ROWS:-ram file}
+ROWS=${ROWS:-ram file vhost}
 cargo build --release -q -p udm
+cargo build --release -q -p udm-exports --example vhost_bench
 UDM=target/release/udm
+CLIENT=target/release/examples/vhost_bench
+W=$(mktemp -d /dev/shm/udm-dispatch.XXXX)
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$W"' EXIT
+# One run through the vhost-user-blk export: prints IOPS.
+one_vhost() {
+    local mode=$1 pid out
+    rm -f "$W/sock"
+    "$UDM" serve --dev d=ram:256M --vhost-user-blk "$W/sock" --queues 1 --dispatch "$mode" \
+        >"$W/serve.out" 2>&1 &
+    pid=$!
+    for _ in $(seq 100); do [ -S "$W/sock" ] && break; sleep 0.05; done
+    out=$("$CLIENT" "$W/sock" "$RUNTIME" 32 4096 "$VRW")
+    kill "$pid"
+    wait "$pid" 2>/dev/null || true
+    echo "${out#iops }"
+}
 one() {
     local mode=$1
     [ "$mode" = raw ] && mode=direct
+    [ -n "${VRW:-}" ] && { one_vhost "$mode"; return; }
     "$UDM" bench "${DEV[@]}" --target d --rw "$RW" --bs 4k --iodepth 32 \
         --runtime "$RUNTIME" --dispatch "$mode" "${EXTRA[@]}" --json |
         python3 -c 'import json,sys; print(json.load(sys.stdin)["iops"])'
@@ -43,6 +63,12 @@ for row in $ROWS; do
         EXTRA=()
         RW=write
         ab_rounds "$ROUNDS" IOPS "O_DIRECT file on $(df --output=source "$FILE" | tail -1), write 4k QD32 (raw = direct)" queued stream auto
+        ;;
+    vhost)
+        for VRW in seqread seqwrite read write; do
+            ab_rounds "$ROUNDS" IOPS "vhost-user-blk over RAM, $VRW 4k QD32 (raw = direct)" queued stream auto
+        done
+        unset VRW
         ;;
     esac
 done
