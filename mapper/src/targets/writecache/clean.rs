@@ -51,12 +51,22 @@ impl Worker {
         let paused = st
             .last_origin_write
             .is_some_and(|t| now.duration_since(t) < sh.cfg.pause_writeback);
-        let by_watermark = st.wb_active && !paused;
+        // Watermark writeback takes the oldest blocks beyond the low
+        // watermark and no more (as dm's loop on freelist_low_watermark):
+        // the newest stay cached. Counted in live blocks, the only ones
+        // writeback frees; the others (superseded, their free markers not
+        // yet durable) are freed by commits.
+        let mut over_low = if st.wb_active && !paused {
+            let low = n * sh.cfg.low_watermark as u64 / 100;
+            st.live.saturating_sub(st.wb_inflight).saturating_sub(low)
+        } else {
+            0
+        };
         let age_limit = sh.cfg.max_age.map(|a| {
             sh.now_ms()
                 .saturating_sub(a.as_millis().min(u32::MAX as u128) as u32)
         });
-        if !all && !by_watermark && age_limit.is_none() {
+        if !all && over_low == 0 && age_limit.is_none() {
             return Batch::default();
         }
         let mut max = (BATCH_BYTES / sh.cfg.block_size as u64).max(1);
@@ -71,9 +81,9 @@ impl Worker {
         while b != NONE && (out.len() as u64) < max && scanned < 4 * max + 4096 {
             let e = st.entries[b as usize];
             scanned += 1;
-            if !all && !by_watermark {
-                // max_age only: the list is oldest first, so stop at the
-                // first block young enough.
+            if !all && over_low == 0 {
+                // Only max_age is left: the list is oldest first, so stop
+                // at the first block young enough.
                 match age_limit {
                     Some(lim) if e.born_ms <= lim => {}
                     _ => break,
@@ -82,6 +92,7 @@ impl Worker {
             if e.st == St::Live && !e.wb && e.writes == 0 {
                 if e.seq != 0 && e.seq <= st.committed && !st.shadowed(e.ob as u64) {
                     out.push(b);
+                    over_low = over_low.saturating_sub(1);
                     // The origin block is read here anyway: runs are built
                     // now, so writeback sorts and merges without the lock
                     // and per run, not per block (blocks written together
