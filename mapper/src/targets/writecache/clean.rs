@@ -41,7 +41,7 @@ impl Worker {
         let sh = &*self.shared;
         let n = sh.geo.n_blocks as u64;
         let used = st.used(n);
-        if used * 100 >= n * sh.cfg.high_watermark as u64 {
+        if sh.above_high_watermark(st) {
             st.wb_active = true;
         }
         if used * 100 <= n * sh.cfg.low_watermark as u64 {
