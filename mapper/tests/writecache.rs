@@ -7,7 +7,7 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use udm_core::{BioFlags, BlockDevice, Status};
+use udm_core::{BioFlags, BlockDevice, Op, Status};
 use udm_mapper::MappedDevice;
 
 /// Origin 8 MiB, cache 2 MiB: about 480 blocks of 4 KiB.
@@ -189,6 +189,52 @@ fn writes_crossing_the_high_watermark_start_writeback_so_later_writes_find_free_
     assert!(
         written_back >= first - n * 45 / 100,
         "the oldest blocks went back: {written_back} of {first}"
+    );
+}
+
+#[test]
+fn writeback_of_an_aged_cache_takes_origin_neighbours_along_in_large_writes() {
+    // The origin is counted through a linear device. Batches are kept to
+    // 32 blocks (writeback_jobs), as the oldest blocks of a large cache
+    // are a small sample of it: each block picked brings its cached origin
+    // neighbours with it, so the region goes back in a few large writes,
+    // not one write per block.
+    let mut d = Devices::new();
+    d.ram("oram", 16384);
+    d.ram("cache", 4096);
+    let origin = d.mapped("origin", "0 16384 linear oram 0");
+    d.add(as_dev(&origin));
+    let md = wc(&d, "2 writeback_jobs 32");
+    let dev = as_dev(&md);
+    let t = Tester::new();
+    let n = status(&md)[BLOCKS];
+    // 60% of the cache: a region of the origin, one block a write, in a
+    // random order (the list's oldest blocks are scattered over it).
+    let region = n * 60 / 100;
+    let mut order: Vec<u64> = (0..region).collect();
+    let mut rng = Rng::new(27);
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.range(0, i as u64 + 1) as usize);
+    }
+    let reqs = order
+        .iter()
+        .map(|&b| Req::write(b * 8, pattern(3, b * 8, 8)))
+        .collect();
+    for r in t.run_all(&dev, reqs) {
+        assert_eq!(r.status, Status::Ok);
+    }
+    let before = origin.stats().snapshot().ios[Op::Write as usize];
+    assert_eq!(md.message(0, &["flush"]).expect("flush"), "");
+    let writes = origin.stats().snapshot().ios[Op::Write as usize] - before;
+    assert!(
+        writes <= region / 8,
+        "{region} blocks went back in {writes} origin writes: neighbours were not taken along"
+    );
+    let od = as_dev(&origin);
+    assert_sectors_eq(
+        &t.read(&od, 0, region * 8),
+        &pattern(3, 0, region * 8),
+        "origin after writeback",
     );
 }
 
