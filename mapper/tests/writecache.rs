@@ -7,7 +7,7 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use udm_core::{BioFlags, BlockDevice, Status};
+use udm_core::{BioFlags, BlockDevice, Op, Status};
 use udm_mapper::MappedDevice;
 
 /// Origin 8 MiB, cache 2 MiB: about 480 blocks of 4 KiB.
@@ -40,6 +40,7 @@ const FREE: usize = 2;
 const WB: usize = 3;
 const READ_HITS: usize = 5;
 const WRITES_AROUND: usize = 9;
+const WRITES_BLOCKED: usize = 11;
 
 #[test]
 fn writes_are_read_back_from_the_cache_and_leave_the_origin_alone() {
@@ -171,6 +172,91 @@ fn writeback_starts_above_the_high_watermark_and_stops_at_the_low() {
         &t.read(&dev, 0, blocks * 8),
         &pattern(5, 0, blocks * 8),
         "data",
+    );
+}
+
+#[test]
+fn writes_crossing_the_high_watermark_start_writeback_so_later_writes_find_free_blocks() {
+    // No flush, no FUA, and an autocommit timer far beyond the test's
+    // timeout: only crossing the high watermark (50%) can start writeback.
+    let d = setup();
+    let md = wc(&d, "2 autocommit_time 600000");
+    let dev = as_dev(&md);
+    let t = Tester::new();
+    let n = status(&md)[BLOCKS];
+    let first = n * 70 / 100;
+    // 30%, then 40% more: the first write wakes the worker (it starts the
+    // autocommit clock) below the watermark, the second crosses it.
+    let third = n * 30 / 100;
+    t.write(&dev, 0, pattern(1, 0, third * 8));
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    t.write(&dev, third * 8, pattern(1, third * 8, (first - third) * 8));
+    wait_for("writeback down to the low watermark (45%)", || {
+        let s = status(&md);
+        (s[BLOCKS] - s[FREE]) * 100 <= s[BLOCKS] * 45
+    });
+    // The next 40% of the cache in new blocks: free blocks are there.
+    let second = n * 40 / 100;
+    t.write(&dev, first * 8, pattern(2, first * 8, second * 8));
+    let s = status(&md);
+    assert_eq!(s[WRITES_BLOCKED], 0, "no write waited for free blocks");
+    assert_eq!(s[ERR], 0);
+    let all = (first + second) * 8;
+    let mut want = pattern(1, 0, first * 8);
+    want.extend(pattern(2, first * 8, second * 8));
+    assert_sectors_eq(&t.read(&dev, 0, all), &want, "device");
+    let origin = d.get("origin");
+    let o = t.read(&origin, 0, first * 8);
+    let written_back = o.chunks(4096).filter(|c| c.iter().any(|&b| b != 0)).count() as u64;
+    assert!(
+        written_back >= first - n * 45 / 100,
+        "the oldest blocks went back: {written_back} of {first}"
+    );
+}
+
+#[test]
+fn writeback_of_an_aged_cache_takes_origin_neighbours_along_in_large_writes() {
+    // The origin is counted through a linear device. Batches are kept to
+    // 32 blocks (writeback_jobs), as the oldest blocks of a large cache
+    // are a small sample of it: each block picked brings its cached origin
+    // neighbours with it, so the region goes back in a few large writes,
+    // not one write per block.
+    let mut d = Devices::new();
+    d.ram("oram", 16384);
+    d.ram("cache", 4096);
+    let origin = d.mapped("origin", "0 16384 linear oram 0");
+    d.add(as_dev(&origin));
+    let md = wc(&d, "2 writeback_jobs 32");
+    let dev = as_dev(&md);
+    let t = Tester::new();
+    let n = status(&md)[BLOCKS];
+    // 60% of the cache: a region of the origin, one block a write, in a
+    // random order (the list's oldest blocks are scattered over it).
+    let region = n * 60 / 100;
+    let mut order: Vec<u64> = (0..region).collect();
+    let mut rng = Rng::new(27);
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.range(0, i as u64 + 1) as usize);
+    }
+    let reqs = order
+        .iter()
+        .map(|&b| Req::write(b * 8, pattern(3, b * 8, 8)))
+        .collect();
+    for r in t.run_all(&dev, reqs) {
+        assert_eq!(r.status, Status::Ok);
+    }
+    let before = origin.stats().snapshot().ios[Op::Write as usize];
+    assert_eq!(md.message(0, &["flush"]).expect("flush"), "");
+    let writes = origin.stats().snapshot().ios[Op::Write as usize] - before;
+    assert!(
+        writes <= region / 8,
+        "{region} blocks went back in {writes} origin writes: neighbours were not taken along"
+    );
+    let od = as_dev(&origin);
+    assert_sectors_eq(
+        &t.read(&od, 0, region * 8),
+        &pattern(3, 0, region * 8),
+        "origin after writeback",
     );
 }
 

@@ -11,14 +11,19 @@
 # SPLIT=1 (with the cluster this script starts) puts the monitor and OSD on
 # CPU 1 and the clients on CPU 0, so that neither client's CPU time comes
 # out of the OSD's.
+# UDM=path runs that binary instead of building this tree's; ONLY picks
+# cases, comma-separated (e.g. ONLY='randwrite udm,randwrite udm-wc'; "vs
+# fio" is then 0 unless the fio case is among them).
 #   usage: scripts/bench/rbd-vs-fio.sh [ROUNDS] [RUNTIME_S]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROUNDS=${1:-5}
 RT=${2:-5}
 fio --enghelp 2>/dev/null | grep -qw rbd || { echo "bench/rbd-vs-fio: this fio has no rbd engine" >&2; exit 2; }
-cargo build --release -q -p udm
-UDM=./target/release/udm
+if [ -z "${UDM:-}" ]; then
+    cargo build --release -q -p udm
+    UDM=./target/release/udm
+fi
 if [ -z "${CEPH_CONF:-}" ]; then
     DIR=$(mktemp -d /tmp/udm-rbd-bench.XXXXXX)
     trap 'scripts/ceph-cluster.sh stop "$DIR"; rm -rf "$DIR"' EXIT
@@ -70,6 +75,7 @@ PY
 median() { tr ' ' '\n' | grep . | sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 declare -A I C
 CASES=("randread udm" "randread udm-linear" "randread fio" "randwrite udm" "randwrite udm-linear" "randwrite fio" "randwrite udm-wc")
+if [ -n "${ONLY:-}" ]; then IFS=, read -r -a CASES <<<"$ONLY"; fi
 for r in $(seq "$ROUNDS"); do
     echo "round $r/$ROUNDS" >&2
     for c in "${CASES[@]}"; do
@@ -82,6 +88,6 @@ printf '\n%-22s %10s %14s %10s\n' "case" "IOPS" "CPU us/IO" "vs fio"
 for c in "${CASES[@]}"; do
     read -r rw _ <<<"$c"
     i=$(echo "${I[$c]}" | median); cpu=$(echo "${C[$c]}" | median)
-    f=$(echo "${I[$rw fio]}" | median)
-    printf '%-22s %10.0f %14.1f %10.3f\n' "$c" "$i" "$cpu" "$(echo "$i / $f" | bc -l)"
+    f=$(echo "${I[$rw fio]:-}" | median || true)
+    printf '%-22s %10.0f %14.1f %10.3f\n' "$c" "$i" "$cpu" "$([ -n "$f" ] && echo "$i / $f" | bc -l || echo 0)"
 done

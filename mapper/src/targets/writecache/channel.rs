@@ -287,8 +287,15 @@ impl WcChannel {
                 // The first change since a commit starts the autocommit
                 // clock: the worker may be asleep with no deadline, so it
                 // must hear of it; as it must of a full autocommit.
+                //
+                // Crossing the high watermark starts writeback now, while
+                // the cache still has free blocks (dm-writecache queues
+                // its writeback work from the map path): a worker left
+                // asleep until the autocommit timer or a full cache makes
+                // foreground writes wait on the origin.
                 poke = (was_clean && st.dirty_since.is_some())
-                    || st.uncommitted >= sh.cfg.autocommit_blocks;
+                    || st.uncommitted >= sh.cfg.autocommit_blocks
+                    || (!st.wb_active && sh.above_high_watermark(&st));
                 if from < nblk {
                     blocked = true;
                     st.stats.writes_blocked_on_freelist += 1;

@@ -41,7 +41,7 @@ impl Worker {
         let sh = &*self.shared;
         let n = sh.geo.n_blocks as u64;
         let used = st.used(n);
-        if used * 100 >= n * sh.cfg.high_watermark as u64 {
+        if sh.above_high_watermark(st) {
             st.wb_active = true;
         }
         if used * 100 <= n * sh.cfg.low_watermark as u64 {
@@ -75,6 +75,7 @@ impl Worker {
         }
         let mut out = Vec::new();
         let mut runs: Vec<Run> = Vec::new();
+        let max_run = (MAX_RUN_BYTES / sh.cfg.block_size as u64).max(1);
         let mut b = st.lru_head;
         let mut scanned = 0u64;
         let mut need_commit = false;
@@ -90,25 +91,33 @@ impl Worker {
                 }
             }
             if e.st == St::Live && !e.wb && e.writes == 0 {
-                if e.seq != 0 && e.seq <= st.committed && !st.shadowed(e.ob as u64) {
-                    out.push(b);
-                    over_low = over_low.saturating_sub(1);
-                    // The origin block is read here anyway: runs are built
-                    // now, so writeback sorts and merges without the lock
-                    // and per run, not per block (blocks written together
-                    // sit together in the list, on the cache and on the
-                    // origin: a 512 KiB write of 512-byte blocks is one run,
-                    // not 1024 entries to sort).
-                    match runs.last_mut() {
-                        Some(r) if r.b + r.len == b && r.ob + r.len as u64 == e.ob as u64 => {
-                            r.len += 1
-                        }
-                        _ => runs.push(Run {
-                            ob: e.ob as u64,
-                            b,
-                            len: 1,
-                        }),
+                if may_go_back(st, b) {
+                    // With it, the cached neighbours on the origin that may
+                    // go back too (as dm-writecache takes the following
+                    // entries of its tree): an aged cache holds many
+                    // neighbours, and they go back in one large origin
+                    // write instead of one small write each, later.
+                    // Watermark writeback alone takes no more than the
+                    // blocks over the low watermark: the newest stay.
+                    let ob = e.ob as u64;
+                    let mut room = (max - out.len() as u64).min(max_run);
+                    if !all && age_limit.is_none() {
+                        room = room.min(over_low.max(1));
                     }
+                    let mut lo = ob;
+                    while lo > 0 && ob - lo + 1 < room && may_go_back_ob(st, lo - 1) {
+                        lo -= 1;
+                    }
+                    let mut hi = ob + 1;
+                    while hi < sh.origin_blocks && hi - lo < room && may_go_back_ob(st, hi) {
+                        hi += 1;
+                    }
+                    let before = out.len();
+                    for o in lo..hi {
+                        let cb = st.map[o as usize];
+                        take(st, cb, o, &mut out, &mut runs);
+                    }
+                    over_low = over_low.saturating_sub((out.len() - before) as u64);
                 } else {
                     need_commit = true;
                 }
@@ -118,13 +127,6 @@ impl Worker {
         if need_commit || (out.is_empty() && (st.live > 0 || !st.free_pending.is_empty()) && all) {
             let pg = st.pending_gen;
             st.commit_wanted = st.commit_wanted.max(pg);
-        }
-        for &b in &out {
-            let e = &mut st.entries[b as usize];
-            e.wb = true;
-            e.reads += 1;
-            let ob = e.ob as usize;
-            st.wb_ob[ob] += 1;
         }
         st.wb_inflight += out.len() as u64;
         sh.wb_blocks.store(st.wb_inflight, Ordering::Relaxed);
@@ -297,5 +299,43 @@ impl Worker {
         }
         sh.cv.notify_all();
         sh.poke();
+    }
+}
+
+/// Whether live cache block `b` may be written back now: committed (its
+/// entry durable), not being written, not already under writeback, and
+/// no older entry of its origin block has a free marker still pending.
+fn may_go_back(st: &State, b: u32) -> bool {
+    let e = &st.entries[b as usize];
+    e.st == St::Live
+        && !e.wb
+        && e.writes == 0
+        && e.seq != 0
+        && e.seq <= st.committed
+        && !st.shadowed(e.ob as u64)
+}
+
+/// Whether origin block `ob` is cached in a block that may go back now.
+fn may_go_back_ob(st: &State, ob: u64) -> bool {
+    let b = st.map[ob as usize];
+    b != NONE && may_go_back(st, b)
+}
+
+/// Takes cache block `b` (caching origin block `ob`) for writeback: pins
+/// it and adds it to the batch, merged into the last run when contiguous
+/// both on the cache and on the origin. (The origin block is read here
+/// anyway: runs are built now, so writeback sorts and merges without the
+/// lock and per run, not per block: blocks written together sit together
+/// in the list, on the cache and on the origin, and a 512 KiB write of
+/// 512-byte blocks is one run, not 1024 entries to sort.)
+fn take(st: &mut State, b: u32, ob: u64, out: &mut Vec<u32>, runs: &mut Vec<Run>) {
+    let e = &mut st.entries[b as usize];
+    e.wb = true;
+    e.reads += 1;
+    st.wb_ob[ob as usize] += 1;
+    out.push(b);
+    match runs.last_mut() {
+        Some(r) if r.b + r.len == b && r.ob + r.len as u64 == ob => r.len += 1,
+        _ => runs.push(Run { ob, b, len: 1 }),
     }
 }

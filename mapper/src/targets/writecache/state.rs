@@ -485,6 +485,14 @@ impl Shared {
         }
     }
 
+    /// Whether the blocks in use reach `high_watermark` percent of the
+    /// cache (where watermark writeback starts).
+    #[inline]
+    pub fn above_high_watermark(&self, st: &State) -> bool {
+        let n = self.geo.n_blocks as u64;
+        st.used(n) * 100 >= n * self.cfg.high_watermark as u64
+    }
+
     /// Sector of data block `b` on the cache device.
     #[inline]
     pub fn cache_sector(&self, b: u32) -> u64 {

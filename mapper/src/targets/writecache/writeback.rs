@@ -3,8 +3,10 @@
 //! the metadata, runs commits (on FLUSH, FUA, autocommit and to release
 //! freed blocks), and writes back: above `high_watermark` down to
 //! `low_watermark`, everything on `flush`/`cleaner`, and blocks older than
-//! `max_age`. Writeback takes the oldest committed blocks, sorts them by
-//! origin sector and merges neighbours into large origin writes.
+//! `max_age`. Writeback takes the oldest committed blocks, each with its
+//! cached neighbours on the origin, sorts them by origin sector and merges
+//! neighbours into large origin writes. The map path wakes the worker when
+//! a write brings the cache to the high watermark.
 
 use std::cell::Cell;
 use std::rc::Rc;
