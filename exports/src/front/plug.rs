@@ -38,8 +38,14 @@ impl Front {
     /// first when it cannot take this one); any other sends what is held
     /// and goes now.
     pub(super) fn hold(&self, idx: usize, req: Request) -> bool {
-        let holdable = matches!(req.op, FrontOp::Read | FrontOp::Write) && req.len <= self.max_bio;
         let stream = self.mode.get() == Dispatch::Stream;
+        // Stream mode sends a read the device may lend its memory to alone:
+        // a merged bio cannot be lent, and on the memory-like devices that
+        // lend (where auto streams) the copy saved is worth more than the
+        // bios merged.
+        let holdable = matches!(req.op, FrontOp::Read | FrontOp::Write)
+            && req.len <= self.max_bio
+            && !(stream && req.flags.may_lend);
         if stream {
             let follows = self.next_off.replace(req.offset + req.len as u64) == req.offset;
             if !(holdable && follows) {

@@ -750,6 +750,25 @@ fn stream_holds_only_what_continues_the_request_before_and_sends_the_rest_as_it_
 }
 
 #[test]
+fn stream_sends_a_read_the_device_may_lend_to_alone() {
+    // A merged bio cannot be lent: stream mode does not hold such reads,
+    // even back to back, so each can be served from the device's memory.
+    let rig = Rig::new(MemDev::new());
+    rig.front().set_dispatch(Dispatch::Stream);
+    let lend = ReqFlags {
+        may_lend: true,
+        ..ReqFlags::default()
+    };
+    let mut r: Vec<Vec<u8>> = (0..3).map(|_| vec![0u8; BS as usize]).collect();
+    for (k, buf) in r.iter_mut().enumerate() {
+        rig.submit(k as u64, FrontOp::Read, k as u64 * BS as u64, buf, lend);
+        assert_eq!(shapes(&rig.dev).len(), k + 1, "read {k} went at once");
+    }
+    rig.run();
+    assert_eq!(rig.results().len(), 3);
+}
+
+#[test]
 fn switching_mode_sends_what_is_held() {
     let rig = Rig::new(MemDev::new());
     rig.front().set_dispatch(Dispatch::Stream);
