@@ -183,7 +183,11 @@ fn metrics_scraped_over_http_during_a_fio_run_show_fios_io_counts() {
 
 #[test]
 fn udm_stats_prints_the_counts_and_clear_starts_them_again() {
-    let s = Serve::start(&STACK[..6]);
+    // Direct dispatch: one bio per request, so the device's counts are
+    // fio's (auto would merge the sequential writes).
+    let mut args = STACK[..6].to_vec();
+    args.extend(["--dispatch", "direct"]);
+    let s = Serve::start(&args);
     let out = fio(
         &s.uri("lin"),
         &["--rw=write", "--bs=4k", "--iodepth=4", "--number_ios=100"],
