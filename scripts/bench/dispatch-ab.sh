@@ -25,18 +25,20 @@ UDM=target/release/udm
 CLIENT=target/release/examples/vhost_bench
 W=$(mktemp -d /dev/shm/udm-dispatch.XXXX)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$W"' EXIT
+SOCK=$W/sock QD=32 BS=4096
+. scripts/bench/vhost-rounds.sh
+start() {
+    rm -f "$SOCK"
+    "$UDM" serve --dev d=ram:256M --vhost-user-blk "$SOCK" --queues 1 --dispatch "$1" \
+        >"$W/serve.out" 2>&1 &
+    vhost_listening "$1"
+}
 # One run through the vhost-user-blk export: prints IOPS.
 one_vhost() {
-    local mode=$1 pid out
-    rm -f "$W/sock"
-    "$UDM" serve --dev d=ram:256M --vhost-user-blk "$W/sock" --queues 1 --dispatch "$mode" \
-        >"$W/serve.out" 2>&1 &
-    pid=$!
-    for _ in $(seq 100); do [ -S "$W/sock" ] && break; sleep 0.05; done
-    out=$("$CLIENT" "$W/sock" "$RUNTIME" 32 4096 "$VRW")
-    kill "$pid"
-    wait "$pid" 2>/dev/null || true
-    echo "${out#iops }"
+    local line
+    line=$(RW=$VRW vhost_run "$1")
+    line=${line#* }
+    echo "${line% *}"
 }
 one() {
     local mode=$1

@@ -27,9 +27,7 @@ trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$W"' EXIT
 IMG=$W/disk.img
 dd if=/dev/urandom of="$IMG" bs=1M count=256 status=none
 SOCK=$W/vhost.sock
-CLK=$(getconf CLK_TCK)
-
-cpu_ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+. scripts/bench/vhost-rounds.sh
 
 start() {
     rm -f "$SOCK"
@@ -46,47 +44,8 @@ start() {
             >"$W/qsd.out" 2>&1 &
         ;;
     esac
-    PID=$!
-    for _ in $(seq 100); do [ -S "$SOCK" ] && return; sleep 0.05; done
-    echo "bench/vhost: $1 did not listen" >&2
-    exit 1
-}
-
-run() {
-    start "$1"
-    local c0 out iops c1
-    c0=$(cpu_ticks "$PID")
-    out=$("$CLIENT" "$SOCK" "$RUNTIME" "$QD" "$BS" "$RW")
-    c1=$(cpu_ticks "$PID")
-    kill "$PID"
-    wait "$PID" 2>/dev/null || true
-    iops=${out#iops }
-    # CPU microseconds per I/O.
-    echo "$1 $iops $(awk -v c=$((c1 - c0)) -v k="$CLK" -v i="$iops" -v t="$RUNTIME" \
-        'BEGIN { printf "%.2f", c / k * 1e6 / (i * t) }')"
+    vhost_listening "$1"
 }
 
 echo "# $(date -u +%F) $(git rev-parse --short HEAD) $BS $RW QD$QD, $RUNTIME s x $ROUNDS rounds"
-: >"$W/results"
-for r in $(seq "$ROUNDS"); do
-    if [ $((r % 2)) = 1 ]; then order="udm qsd"; else order="qsd udm"; fi
-    for s in $order; do
-        line=$(run "$s")
-        echo "round $r: $line"
-        echo "$r $line" >>"$W/results"
-    done
-done
-python3 - "$W/results" <<'PY'
-import sys, statistics as st
-rows = [l.split() for l in open(sys.argv[1])]
-by = {}
-for r, s, iops, cpu in rows:
-    by.setdefault(s, {})[int(r)] = (float(iops), float(cpu))
-for s in ("udm", "qsd"):
-    v = by[s].values()
-    print(f"{s}: median {st.median(i for i, _ in v):.0f} IOPS, {st.median(c for _, c in v):.2f} us CPU/IO")
-rs = sorted(by["udm"])
-ri = st.median(by["udm"][r][0] / by["qsd"][r][0] for r in rs)
-rc = st.median(by["udm"][r][1] / by["qsd"][r][1] for r in rs)
-print(f"udm/qsd: IOPS x{ri:.2f}, CPU per I/O x{rc:.2f} (medians of per-round ratios)")
-PY
+vhost_rounds "$ROUNDS" "$W/results" udm qsd
