@@ -24,6 +24,7 @@ pub mod device;
 pub mod dispatch;
 pub mod error;
 pub mod fuzz_corpus;
+pub mod memlock;
 pub mod pool;
 pub mod reactor;
 pub mod ring;

@@ -1184,48 +1184,11 @@ mod fixed {
         );
     }
 
-    /// Drops CAP_IPC_LOCK from the calling thread's effective set
-    /// (capabilities are per thread, and the threads it starts inherit
-    /// them), so RLIMIT_MEMLOCK applies as to an unprivileged udm.
-    fn drop_ipc_lock() {
-        #[repr(C)]
-        struct Header {
-            version: u32,
-            pid: i32,
-        }
-        #[repr(C)]
-        #[derive(Clone, Copy, Default)]
-        struct Data {
-            effective: u32,
-            permitted: u32,
-            inheritable: u32,
-        }
-        const V3: u32 = 0x2008_0522;
-        const CAP_IPC_LOCK: u32 = 14;
-        let mut h = Header {
-            version: V3,
-            pid: 0,
-        };
-        let mut d = [Data::default(); 2];
-        // SAFETY: capget fills the two-element array for this thread.
-        let rc = unsafe { libc::syscall(libc::SYS_capget, &mut h, d.as_mut_ptr()) };
-        assert_eq!(rc, 0, "capget: {}", std::io::Error::last_os_error());
-        d[0].effective &= !(1 << CAP_IPC_LOCK);
-        // SAFETY: capset reads the header and the two-element array.
-        let rc = unsafe { libc::syscall(libc::SYS_capset, &mut h, d.as_ptr()) };
-        assert_eq!(rc, 0, "capset: {}", std::io::Error::last_os_error());
-    }
-
     /// RLIMIT_MEMLOCK's soft limit, if small enough for a test to pass it
     /// (up to 64 MiB).
     fn memlock_limit() -> Option<usize> {
-        let mut l = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        // SAFETY: getrlimit fills a live rlimit.
-        assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut l) }, 0);
-        (l.rlim_cur != libc::RLIM_INFINITY && l.rlim_cur <= 64 << 20).then_some(l.rlim_cur as usize)
+        let limit = udm_core::memlock::soft_limit().expect("getrlimit");
+        limit.filter(|&l| l <= 64 << 20).map(|l| l as usize)
     }
 
     #[test]
@@ -1235,7 +1198,7 @@ mod fixed {
             return;
         };
         std::thread::spawn(move || {
-            drop_ipc_lock();
+            udm_core::memlock::drop_ipc_lock().expect("capset");
             let dir = TempDir::new();
             let dev = Counted::new(&dir, false);
             let srv = serve(dev.clone(), 1);

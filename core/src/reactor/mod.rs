@@ -1219,49 +1219,11 @@ mod tests {
             assert_eq!(mixed.buf_index, Bio::NO_BUF);
         }
 
-        /// Drops CAP_IPC_LOCK from the calling thread's effective set
-        /// (capabilities are per thread), so RLIMIT_MEMLOCK applies to it
-        /// as to an unprivileged udm.
-        pub(crate) fn drop_ipc_lock() {
-            #[repr(C)]
-            struct Header {
-                version: u32,
-                pid: i32,
-            }
-            #[repr(C)]
-            #[derive(Clone, Copy, Default)]
-            struct Data {
-                effective: u32,
-                permitted: u32,
-                inheritable: u32,
-            }
-            const V3: u32 = 0x2008_0522;
-            const CAP_IPC_LOCK: u32 = 14;
-            let mut h = Header {
-                version: V3,
-                pid: 0,
-            };
-            let mut d = [Data::default(); 2];
-            // SAFETY: capget fills the two-element array for this thread.
-            let rc = unsafe { libc::syscall(libc::SYS_capget, &mut h, d.as_mut_ptr()) };
-            assert_eq!(rc, 0, "capget: {}", std::io::Error::last_os_error());
-            d[0].effective &= !(1 << CAP_IPC_LOCK);
-            // SAFETY: capset reads the header and the two-element array.
-            let rc = unsafe { libc::syscall(libc::SYS_capset, &mut h, d.as_ptr()) };
-            assert_eq!(rc, 0, "capset: {}", std::io::Error::last_os_error());
-        }
-
-        /// RLIMIT_MEMLOCK's soft limit, if it is small enough for a test to
-        /// pass it (up to 64 MiB).
+        /// RLIMIT_MEMLOCK's soft limit, if small enough for a test to pass it
+        /// (up to 64 MiB).
         fn memlock_limit() -> Option<usize> {
-            let mut l = libc::rlimit {
-                rlim_cur: 0,
-                rlim_max: 0,
-            };
-            // SAFETY: getrlimit fills a live rlimit.
-            assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut l) }, 0);
-            (l.rlim_cur != libc::RLIM_INFINITY && l.rlim_cur <= 64 << 20)
-                .then_some(l.rlim_cur as usize)
+            let limit = crate::memlock::soft_limit().expect("getrlimit");
+            limit.filter(|&l| l <= 64 << 20).map(|l| l as usize)
         }
 
         #[test]
@@ -1271,7 +1233,7 @@ mod tests {
                 return;
             };
             std::thread::spawn(move || {
-                drop_ipc_lock();
+                crate::memlock::drop_ipc_lock().expect("capset");
                 let r = Reactor::new(ReactorConfig::default()).unwrap();
                 let f = temp_file();
                 let m = Mem::new((2 * limit).max(1 << 20));
