@@ -372,8 +372,9 @@ impl Job {
         }
     }
 
-    /// Stream dispatch: whether an I/O of `op` at `sector` can join the run
-    /// held (or nothing is held) within the device's limits.
+    /// Stream dispatch: whether an I/O of `op` at `sector`, where the one
+    /// issued before it ended, can join the run held (or nothing is held)
+    /// within the device's limits.
     fn continues_plug(&self, op: Op, sector: u64) -> bool {
         // SAFETY: the job runs on one thread; nothing else borrows the
         // plug list during this call.
@@ -384,8 +385,8 @@ impl Job {
         // SAFETY: the plug's entries are slots of the job's vector, not
         // resized after setup.
         let (lop, lsector) = unsafe { ((*last).op, (*last).sector) };
+        debug_assert_eq!(lsector + self.bs_sectors, sector);
         lop == op
-            && lsector + self.bs_sectors == sector
             && plug.len() < self.max_segs
             && (plug.len() as u32 + 1) * self.cfg.bs <= self.max_bytes
     }

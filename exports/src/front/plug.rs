@@ -83,15 +83,16 @@ impl Front {
         true
     }
 
-    /// Stream dispatch: whether `p` can join the run held (or nothing is
-    /// held) within the device's limits.
+    /// Stream dispatch: whether `p`, which starts where the last request
+    /// ended (`next_off`), can join the run held (or nothing is held)
+    /// within the device's limits.
     fn continues_plug(&self, p: &Plugged) -> bool {
         let plug = self.plug.borrow();
         let (Some(first), Some(last)) = (plug.first(), plug.last()) else {
             return true;
         };
+        debug_assert_eq!(last.off + last.len as u64, p.off);
         last.class() == p.class()
-            && last.off + last.len as u64 == p.off
             && plug.len() < self.max_segs
             && p.off + p.len as u64 - first.off <= self.max_bio as u64
     }
