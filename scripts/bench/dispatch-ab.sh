@@ -11,7 +11,9 @@
 # served by `udm serve --vhost-user-blk` (one queue) to the VM-less client
 # (exports/examples/vhost_bench.rs). Env: RUNTIME (seconds per run, default
 # 3), FILE (default /var/tmp/udm-dispatch.img, written once in full before
-# the rounds), ROWS (default "ram file vhost").
+# the rounds), ROWS (default "ram file vhost"), RAM_SIZE (the RAM disk's size,
+# default 256M; 8M fits the CPU's caches, so the rows then show each mode's
+# CPU cost rather than memory stalls).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 . scripts/bench/ab-rounds.sh
@@ -51,10 +53,10 @@ one() {
 for row in $ROWS; do
     case $row in
     ram)
-        DEV=(--dev d=ram:256M)
+        DEV=(--dev "d=ram:${RAM_SIZE:-256M}")
         EXTRA=(--prefill)
         for RW in read write randread randwrite; do
-            ab_rounds "$ROUNDS" IOPS "RAM, $RW 4k QD32 (raw = direct)" queued stream auto
+            ab_rounds "$ROUNDS" IOPS "RAM ${RAM_SIZE:-256M}, $RW 4k QD32 (raw = direct)" queued stream auto
         done
         ;;
     file)
