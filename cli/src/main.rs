@@ -43,6 +43,8 @@ Devices (--dev NAME=SPEC, repeatable, later ones may use earlier ones):
   null:<size>[,delay=<us>]            completes without touching data (null_blk)
   file:<path>[,size=<size>][,buffered][,direct][,sqpoll][,iopoll][,ro]
                                       a file or block device through io_uring
+  rbd:<pool>/<image>[@<snap>][,conf=<path>][,id=<client>][,ro]
+                                      a Ceph RBD image through librbd
   '<start> <len> <type> <args>;...'   a device-mapper table over earlier devices
                                       or paths (see 'udm targets')
 
@@ -62,7 +64,7 @@ struct Cli {
 enum Cmd {
     /// Drive a device in process: IOPS, latency, CPU and allocations per I/O.
     Bench(bench::BenchArgs),
-    /// Export a fixed stack over NBD, with a control socket, until SIGINT/SIGTERM.
+    /// Export a fixed stack over NBD, vhost-user-blk or ublk, with a control socket, until SIGINT/SIGTERM.
     Serve(serve::ServeArgs),
     /// Run the daemon: devices and exports created and removed at runtime.
     Daemon(daemon::DaemonArgs),
