@@ -76,6 +76,7 @@ impl Guest {
     /// Boots the guest and waits for it; returns its console and run.sh's
     /// messages. Panics with them, followed by `context()` (e.g. udm's
     /// log), unless the script succeeded.
+    #[track_caller]
     pub fn run(self, context: impl FnOnce() -> String) -> String {
         let (ok, text) = self.spawn().wait();
         assert!(ok, "the guest's test failed:\n{text}{}", context());
@@ -139,6 +140,7 @@ impl Running {
 /// Runs `scripts/guest.sh SCENARIO...` with this build's udm and returns
 /// its output; panics with that output unless it exited 0 and every
 /// check in `checks` printed `RESULT check=ok`.
+#[track_caller]
 pub fn run_scenarios<S: AsRef<str>>(scenarios: &[&str], checks: &[S]) -> String {
     let mut cmd = Command::new(scripts().join("guest.sh"));
     cmd.args(scenarios).env("UDM", env!("CARGO_BIN_EXE_udm"));
