@@ -29,6 +29,17 @@ use udm_exports::vhost::{Server, ServerConfig};
 
 const SIZE: u64 = 64 << 20;
 
+/// A memfd named `name` of `len` bytes.
+fn memfd(name: &std::ffi::CStr, len: u64) -> File {
+    // SAFETY: plain syscall with a NUL-terminated name; checked below.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+    // SAFETY: a fresh descriptor we own.
+    let file = unsafe { File::from_raw_fd(fd) };
+    file.set_len(len).unwrap();
+    file
+}
+
 /// A memfd, read and written through the reactor's io_uring; discard and
 /// write-zeroes punch holes.
 struct MemfdDev {
@@ -42,12 +53,7 @@ struct MemfdDev {
 
 impl MemfdDev {
     fn new(bytes: u64) -> Arc<MemfdDev> {
-        // SAFETY: plain syscall with a NUL-terminated name; checked below.
-        let fd = unsafe { libc::memfd_create(c"udm-vhost-test".as_ptr(), libc::MFD_CLOEXEC) };
-        assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
-        // SAFETY: a fresh descriptor we own.
-        let file = unsafe { File::from_raw_fd(fd) };
-        file.set_len(bytes).unwrap();
+        let file = memfd(c"udm-vhost-test", bytes);
         Arc::new(MemfdDev {
             file,
             limits: Limits::new(bytes / 512),
@@ -482,7 +488,7 @@ mod hostile {
 
         /// The guest's memory and eventfds, no frontend yet.
         fn memory() -> Guest {
-            let memfd = guest_memfd(c"guest");
+            let memfd = memfd(c"guest", MEM as u64);
             let mem = map_area(&memfd, MEM as u64);
             Guest {
                 fe: None,
@@ -562,7 +568,7 @@ mod hostile {
         /// guest address) while the queue runs. The old memory stays
         /// mapped here as long as the returned mapping.
         fn move_memory(&mut self) -> Mmap {
-            let memfd = guest_memfd(c"guest2");
+            let memfd = memfd(c"guest2", MEM as u64);
             let mem = map_area(&memfd, MEM as u64);
             // SAFETY: two distinct live mappings of MEM bytes; nothing is
             // in flight (requests are waited for).
@@ -807,17 +813,6 @@ mod hostile {
         let got = g.read(0x4000, 40960);
         assert!(got[..512].iter().all(|&b| b == 0));
         assert!(got[512..512 + data.len()] == data[..]);
-    }
-
-    /// A memfd of the guest memory's size.
-    fn guest_memfd(name: &std::ffi::CStr) -> File {
-        // SAFETY: plain syscall with a NUL-terminated name; checked below.
-        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
-        assert!(fd >= 0);
-        // SAFETY: a fresh descriptor we own.
-        let memfd = unsafe { File::from_raw_fd(fd) };
-        memfd.set_len(MEM as u64).unwrap();
-        memfd
     }
 
     /// A shared read-write mapping of `len` bytes of `file`: the guest's
