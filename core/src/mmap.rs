@@ -108,11 +108,17 @@ impl Mmap {
 
     /// Advice about the whole mapping (`madvise(2)`, `MADV_*`), e.g.
     /// `MADV_NOHUGEPAGE`, or `MADV_POPULATE_WRITE` to back every page now.
+    /// Advice that throws the bytes away (`MADV_DONTNEED`, `MADV_FREE`,
+    /// `MADV_REMOVE`, ...) is refused: only the users' writes change them.
     pub fn advise(&self, advice: i32) -> Result<()> {
-        // SAFETY: the range is exactly this live mapping. The advice a
-        // caller may give changes at most which pages are backed or
-        // whether they hold zeroes again (MADV_DONTNEED), never the address
-        // space outside the mapping.
+        if DISCARDS.contains(&advice) {
+            return Err(Error::invalid(format!(
+                "madvise({advice}) would discard the mapping's bytes"
+            )));
+        }
+        // SAFETY: the range is exactly this live mapping, and the advice
+        // left (discarding advice is refused above) changes at most which
+        // pages are backed and how, never the bytes or the address space.
         if unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.len, advice) } != 0 {
             return Err(Error::os(
                 format!("madvise({advice}) of {} bytes", self.len),
@@ -122,6 +128,15 @@ impl Mmap {
         Ok(())
     }
 }
+
+/// The advice after which the pages read differently (zero, or poisoned).
+const DISCARDS: [i32; 5] = [
+    libc::MADV_DONTNEED,
+    libc::MADV_DONTNEED_LOCKED,
+    libc::MADV_FREE,
+    libc::MADV_REMOVE,
+    libc::MADV_HWPOISON,
+];
 
 impl Drop for Mmap {
     fn drop(&mut self) {
@@ -220,9 +235,19 @@ mod tests {
     }
 
     #[test]
-    fn advice_is_taken_and_bad_advice_is_an_error() {
+    fn advice_is_taken_and_advice_that_discards_or_is_unknown_is_an_error() {
         let m = Mmap::anon(1 << 20).unwrap();
         m.advise(libc::MADV_NOHUGEPAGE).unwrap();
+        // SAFETY: inside the live read-write mapping; nothing else uses it.
+        unsafe { m.as_ptr().write(9) };
+        let e = m.advise(libc::MADV_DONTNEED).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Invalid);
+        assert_eq!(
+            e.to_string(),
+            "madvise(4) would discard the mapping's bytes"
+        );
+        // SAFETY: as above.
+        assert_eq!(unsafe { m.as_ptr().read() }, 9, "the byte is kept");
         let e = m.advise(-1).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Os);
         assert!(
