@@ -30,38 +30,18 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use udm_core::{
-    check_bio, BioPtr, BlockDevice, Caps, Channel, Error, Limits, Op, Reactor, Status, SECTOR_SHIFT,
+    check_bio, BioPtr, BlockDevice, Caps, Channel, Error, Limits, Mmap, Op, Reactor, Status,
+    SECTOR_SHIFT,
 };
 
 const PAGE: usize = 4096;
 const PAGE_SHIFT: u32 = 12;
 
-/// An anonymous private mapping, unmapped on drop.
-struct Mapping {
-    ptr: *mut u8,
-    len: usize,
-}
-
-// SAFETY: the mapping is plain memory owned by this value; every access goes
-// through raw pointers by the device, whose callers accept torn data for
-// overlapping I/O, as on any block device.
-unsafe impl Send for Mapping {}
-// SAFETY: as above.
-unsafe impl Sync for Mapping {}
-
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        // SAFETY: ptr/len are exactly what mmap returned; the device (and so
-        // every channel using the memory) is going away.
-        unsafe { libc::munmap(self.ptr.cast(), self.len) };
-    }
-}
-
 /// A RAM disk.
 pub struct RamDevice {
     name: String,
     limits: Limits,
-    mem: Mapping,
+    mem: Mmap,
     /// One bit per page: written at least once.
     written: Box<[AtomicU64]>,
     allocated: AtomicU64,
@@ -79,35 +59,16 @@ impl RamDevice {
         let npages = bytes.div_ceil(PAGE as u64);
         let len = usize::try_from(npages * PAGE as u64)
             .map_err(|_| Error::invalid(format!("ram: size {bytes} does not fit in memory")))?;
-        // SAFETY: a fresh anonymous mapping; no existing memory is affected.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(Error::os(
-                format!("ram: mapping {bytes} bytes"),
-                std::io::Error::last_os_error(),
-            ));
-        }
-        // SAFETY: advice on the mapping just made; failure is harmless.
-        unsafe { libc::madvise(ptr, len, libc::MADV_NOHUGEPAGE) };
+        let mem = Mmap::anon(len).map_err(|e| e.context("ram"))?;
+        // Failure is harmless: the disk works, only first writes cost more.
+        let _ = mem.advise(libc::MADV_NOHUGEPAGE);
         let written = (0..npages.div_ceil(64))
             .map(|_| AtomicU64::new(0))
             .collect();
         Ok(RamDevice {
             name: name.into(),
             limits: Limits::new(sectors),
-            mem: Mapping {
-                ptr: ptr.cast(),
-                len,
-            },
+            mem,
             written,
             allocated: AtomicU64::new(0),
         })
@@ -119,25 +80,21 @@ impl RamDevice {
     /// an access pattern reaches (a log-structured cache reaches all of it,
     /// random overwrites of a region only part).
     pub fn prealloc(&self) -> Result<(), Error> {
-        // SAFETY: advice on our own mapping; it only faults pages in.
-        let r =
-            unsafe { libc::madvise(self.mem.ptr.cast(), self.mem.len, libc::MADV_POPULATE_WRITE) };
-        if r != 0 {
-            let e = std::io::Error::last_os_error();
+        if let Err(e) = self.mem.advise(libc::MADV_POPULATE_WRITE) {
             if e.raw_os_error() != Some(libc::EINVAL) {
-                return Err(Error::os(format!("ram: preallocating '{}'", self.name), e));
+                return Err(e.context(format_args!("ram: preallocating '{}'", self.name)));
             }
             // Kernels before 5.14: touch each page (the store keeps it zero).
-            for off in (0..self.mem.len).step_by(PAGE) {
+            for off in (0..self.mem.len()).step_by(PAGE) {
                 // SAFETY: `off` lies inside the mapping; no I/O runs yet.
-                unsafe { std::ptr::write_volatile(self.mem.ptr.add(off), 0) };
+                unsafe { std::ptr::write_volatile(self.mem.as_ptr().add(off), 0) };
             }
         }
         for w in self.written.iter() {
             w.store(u64::MAX, Ordering::Release);
         }
         self.allocated
-            .store((self.mem.len / PAGE) as u64, Ordering::Relaxed);
+            .store((self.mem.len() / PAGE) as u64, Ordering::Relaxed);
         Ok(())
     }
 
@@ -161,7 +118,7 @@ impl RamDevice {
         }
         // SAFETY: idx < npages (bios are checked against the device's size),
         // so the page lies inside the mapping.
-        Some(unsafe { self.mem.ptr.add(idx << PAGE_SHIFT) })
+        Some(unsafe { self.mem.as_ptr().add(idx << PAGE_SHIFT) })
     }
 
     /// Serves `bio` synchronously; returns its status.
@@ -175,7 +132,7 @@ impl RamDevice {
         // pages read as zeroes there too (the kernel maps its zero page), and
         // only writes, discards and write-zeroes, which overlap the read if
         // they change its bytes, store into it.
-        if unsafe { bio.lend(self.mem.ptr.add(pos)) } {
+        if unsafe { bio.lend(self.mem.as_ptr().add(pos)) } {
             return Status::Ok;
         }
         let mut off = 0usize;

@@ -7,29 +7,9 @@
 mod common;
 
 use std::path::Path;
-use std::process::Command;
 
+use common::guest::Guest;
 use common::{udm, TempDir};
-
-/// Boots the guest with `script` and `disks`; panics with its console
-/// unless the script succeeds.
-fn guest(dir: &TempDir, script: &str, disks: &[&Path]) {
-    let s = dir.path("test.sh");
-    std::fs::write(&s, script).unwrap();
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let out = Command::new(root.join("scripts/guest/run.sh"))
-        .arg(&s)
-        .args(disks)
-        .env("UDM", env!("CARGO_BIN_EXE_udm"))
-        .output()
-        .expect("scripts/guest/run.sh");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "the guest's test failed:\n{text}");
-}
 
 fn image(path: &Path, len: u64) {
     let f = std::fs::File::create(path).unwrap();
@@ -50,7 +30,7 @@ fn a_log_written_by_linux_dm_log_writes_replays_with_udm_to_each_mark() {
     for p in [&log, &one, &fin] {
         image(p, 64 << 20);
     }
-    guest(
+    Guest::new(
         &dir,
         r#"
 insmod /lib/modules/brd.ko rd_size=65536 rd_nr=2
@@ -66,8 +46,9 @@ dd if=/dev/ram1 of=/dev/vda bs=1M conv=fsync 2>/dev/null
 dd if=/tmp/one of=/dev/vdb bs=1M conv=fsync 2>/dev/null
 dd if=/dev/ram0 of=/dev/vdc bs=1M conv=fsync 2>/dev/null
 "#,
-        &[&log, &one, &fin],
-    );
+    )
+    .disks(&[&log, &one, &fin])
+    .run(String::new);
     let mb = 1 << 20;
     for (mark, want, len) in [("one", &one, mb), ("two", &fin, 328 * 4096)] {
         let out = dir.path(&format!("replayed-{mark}.img"));

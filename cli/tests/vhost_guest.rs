@@ -7,9 +7,7 @@
 
 mod common;
 
-use std::path::Path;
-use std::process::Command;
-
+use common::guest::Guest;
 use common::{Serve, TempDir};
 
 #[test]
@@ -31,9 +29,8 @@ fn a_linux_guest_writes_verifies_and_discards_on_a_vhost_user_blk_export() {
         "--queues",
         "2",
     ]);
-    let script = dir.path("test.sh");
-    std::fs::write(
-        &script,
+    let text = Guest::new(
+        &dir,
         r#"
 echo "vda: $(cat /sys/block/vda/size) sectors, $(ls /sys/block/vda/mq | wc -l) queues"
 [ "$(cat /sys/block/vda/size)" = 262144 ]
@@ -50,31 +47,12 @@ printf 'udm-guest-mark' | dd of=/dev/vda bs=512 seek=200000 conv=fsync 2>/dev/nu
 sync
 "#,
     )
-    .unwrap();
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let out = Command::new(root.join("scripts/guest/run.sh"))
-        .arg(&script)
-        .env("UDM", env!("CARGO_BIN_EXE_udm"))
-        .env("GUEST_MEM", "512M")
-        .env(
-            "GUEST_QEMU_ARGS",
-            format!(
-                "-chardev socket,id=c0,path={} -device vhost-user-blk-pci,chardev=c0,num-queues=2",
-                sock.display()
-            ),
-        )
-        .output()
-        .expect("scripts/guest/run.sh");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.status.success(),
-        "the guest's test failed:\n{text}\nudm:\n{}",
-        srv.log()
-    );
+    .mem("512M")
+    .qemu_args(format!(
+        "-chardev socket,id=c0,path={} -device vhost-user-blk-pci,chardev=c0,num-queues=2",
+        sock.display()
+    ))
+    .run(|| format!("\nudm:\n{}", srv.log()));
     assert!(text.contains("discarded"), "{text}");
     // The guest's last write is in the file, at its offset.
     let data = std::fs::read(&img).unwrap();

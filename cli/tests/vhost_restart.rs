@@ -21,10 +21,9 @@
 
 mod common;
 
-use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::guest::Guest;
 use common::{Serve, TempDir};
 use serde_json::Value;
 
@@ -74,21 +73,6 @@ echo "FIRST_BOOT_OK"
 printf udm-boot-1 | dd of=/dev/vda bs=512 seek=250000 conv=fsync 2>/dev/null
 reboot -f
 "#;
-
-/// Waits until the console log at `log` shows `needle`, or the guest ended.
-fn wait_console(log: &Path, needle: &str, guest: &mut std::process::Child) -> bool {
-    let t0 = Instant::now();
-    while t0.elapsed() < Duration::from_secs(240) {
-        if std::fs::read_to_string(log).is_ok_and(|s| s.contains(needle)) {
-            return true;
-        }
-        if guest.try_wait().unwrap().is_some() {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    false
-}
 
 /// Writes on `lin` that the udm behind `srv` must have completed before
 /// it is killed: fio is in its write phase (8192 writes), and the guest
@@ -150,30 +134,19 @@ fn udm_restarted_under_fio_loses_nothing_the_disk_survives_a_guest_reboot_and_a_
         "2",
     ];
     let mut srv = Serve::start_as_given(&args);
-    let script = dir.path("test.sh");
-    std::fs::write(&script, GUEST_SCRIPT).unwrap();
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let mut guest = Command::new(root.join("scripts/guest/run.sh"))
-        .arg(&script)
-        .env("UDM", env!("CARGO_BIN_EXE_udm"))
-        .env("GUEST_MEM", "512M")
-        .env("GUEST_LOG", &console)
-        .env("GUEST_REBOOT", "1")
-        .env("GUEST_TIMEOUT", "200")
-        .env(
-            "GUEST_QEMU_ARGS",
-            format!(
-                "-chardev socket,id=c0,path={},reconnect-ms=200 \
-                 -device vhost-user-blk-pci,chardev=c0,num-queues=2",
-                sock.display()
-            ),
-        )
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("scripts/guest/run.sh");
+    let mut guest = Guest::new(&dir, GUEST_SCRIPT)
+        .mem("512M")
+        .console_log(&console)
+        .reboot()
+        .timeout(200)
+        .qemu_args(format!(
+            "-chardev socket,id=c0,path={},reconnect-ms=200 \
+             -device vhost-user-blk-pci,chardev=c0,num-queues=2",
+            sock.display()
+        ))
+        .spawn();
     let mut logs = String::new();
-    let running = wait_console(&console, "FIO_RUNNING", &mut guest);
+    let running = guest.wait_console("FIO_RUNNING");
     if running {
         for _ in 0..2 {
             let how = kill_with_requests_in_flight(&mut srv);
@@ -183,7 +156,7 @@ fn udm_restarted_under_fio_loses_nothing_the_disk_survives_a_guest_reboot_and_a_
         }
     }
     // Grown by 32 MiB of RAM while the guest runs.
-    let resized = running && wait_console(&console, "RESIZE_READY", &mut guest);
+    let resized = running && guest.wait_console("RESIZE_READY");
     if resized {
         let ctl = srv.ctl();
         let reload = |table: &str| {
@@ -195,18 +168,10 @@ fn udm_restarted_under_fio_loses_nothing_the_disk_survives_a_guest_reboot_and_a_
         let (rc, _, err) = reload(TABLE);
         assert!(rc != 0 && err.contains("may grow, not shrink"), "{err}");
     }
-    let out = guest.wait_with_output().unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (ok, text) = guest.wait();
     logs += &format!("--- udm:\n{}", srv.log());
     assert!(running, "the guest never started fio:\n{text}\n{logs}");
-    assert!(
-        out.status.success(),
-        "the guest's test failed:\n{text}\n{logs}"
-    );
+    assert!(ok, "the guest's test failed:\n{text}\n{logs}");
     assert!(text.contains("FIRST_BOOT_OK"), "{text}");
     assert!(text.contains("SECOND_BOOT_OK"), "{text}");
     assert!(

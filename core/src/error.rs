@@ -67,6 +67,11 @@ impl Error {
     pub fn kind(&self) -> ErrorKind {
         self.kind
     }
+    /// The OS error number underneath, if there is one (as
+    /// [`std::io::Error::raw_os_error`]).
+    pub fn raw_os_error(&self) -> Option<i32> {
+        self.source.as_ref().and_then(std::io::Error::raw_os_error)
+    }
     /// Prefixes the message with more context ("table for 'lin': …").
     pub fn context(mut self, ctx: impl fmt::Display) -> Error {
         self.msg = format!("{ctx}: {}", self.msg);
@@ -111,5 +116,7 @@ mod tests {
         assert_eq!(busy.kind(), ErrorKind::Busy);
         let perm = Error::os("open", std::io::Error::from_raw_os_error(libc::EACCES));
         assert_eq!(perm.kind(), ErrorKind::Os);
+        assert_eq!(perm.raw_os_error(), Some(libc::EACCES));
+        assert_eq!(Error::invalid("bad").raw_os_error(), None);
     }
 }

@@ -5,6 +5,7 @@
 //! - [`BlockDevice`]/[`Channel`]: the device contract; capabilities and limits
 //!   are data ([`Limits`], [`Caps`]); I/O goes through per-reactor channels.
 //! - [`AlignedBuf`]: memory any device can do (O_DIRECT) I/O to.
+//! - [`Mmap`]: a memory mapping, owned and unmapped once.
 //! - [`ReactorPool`]: reactor threads started, pinned, stopped and joined together.
 //! - [`Reactor`]: one per thread, run to completion, with its own io_uring
 //!   ([`Ring`]), descriptor cache and completion list.
@@ -25,6 +26,7 @@ pub mod dispatch;
 pub mod error;
 pub mod fuzz_corpus;
 pub mod memlock;
+pub mod mmap;
 pub mod pool;
 pub mod reactor;
 pub mod ring;
@@ -34,6 +36,7 @@ pub use buf::AlignedBuf;
 pub use device::{bio_status, check_bio, BlockDevice, Caps, Channel, Limits};
 pub use dispatch::{merge_report, Dispatch};
 pub use error::{Error, ErrorKind, Result};
+pub use mmap::Mmap;
 pub use pool::{PoolConfig, ReactorPool, StopToken};
 pub use reactor::{
     CacheStats, CompletionMode, Poller, Reactor, ReactorConfig, ReactorHandle, RegisteredRegion,

@@ -29,6 +29,17 @@ use udm_exports::vhost::{Server, ServerConfig};
 
 const SIZE: u64 = 64 << 20;
 
+/// A memfd named `name` of `len` bytes.
+fn memfd(name: &std::ffi::CStr, len: u64) -> File {
+    // SAFETY: plain syscall with a NUL-terminated name; checked below.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+    // SAFETY: a fresh descriptor we own.
+    let file = unsafe { File::from_raw_fd(fd) };
+    file.set_len(len).unwrap();
+    file
+}
+
 /// A memfd, read and written through the reactor's io_uring; discard and
 /// write-zeroes punch holes.
 struct MemfdDev {
@@ -42,12 +53,7 @@ struct MemfdDev {
 
 impl MemfdDev {
     fn new(bytes: u64) -> Arc<MemfdDev> {
-        // SAFETY: plain syscall with a NUL-terminated name; checked below.
-        let fd = unsafe { libc::memfd_create(c"udm-vhost-test".as_ptr(), libc::MFD_CLOEXEC) };
-        assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
-        // SAFETY: a fresh descriptor we own.
-        let file = unsafe { File::from_raw_fd(fd) };
-        file.set_len(bytes).unwrap();
+        let file = memfd(c"udm-vhost-test", bytes);
         Arc::new(MemfdDev {
             file,
             limits: Limits::new(bytes / 512),
@@ -443,6 +449,7 @@ impl WriteAt for File {
 mod hostile {
     use super::*;
     use std::time::{Duration, Instant};
+    use udm_core::Mmap;
     use vhost::vhost_user::message::{
         VhostUserHeaderFlag, VhostUserInflight, VhostUserProtocolFeatures,
     };
@@ -465,7 +472,7 @@ mod hostile {
     /// server, and the count of chains it made available.
     struct Guest {
         fe: Option<Frontend>,
-        mem: *mut u8,
+        mem: Mmap,
         _memfd: File,
         kick: EventFd,
         _call: EventFd,
@@ -481,25 +488,8 @@ mod hostile {
 
         /// The guest's memory and eventfds, no frontend yet.
         fn memory() -> Guest {
-            // SAFETY: plain syscall with a NUL-terminated name; checked below.
-            let fd = unsafe { libc::memfd_create(c"guest".as_ptr(), libc::MFD_CLOEXEC) };
-            assert!(fd >= 0);
-            // SAFETY: a fresh descriptor we own.
-            let memfd = unsafe { File::from_raw_fd(fd) };
-            memfd.set_len(MEM as u64).unwrap();
-            // SAFETY: a new shared mapping of the memfd, checked below.
-            let mem = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    MEM,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_SHARED,
-                    memfd.as_raw_fd(),
-                    0,
-                )
-            };
-            assert_ne!(mem, libc::MAP_FAILED);
-            let mem = mem.cast::<u8>();
+            let memfd = memfd(c"guest", MEM as u64);
+            let mem = map_area(&memfd, MEM as u64);
             Guest {
                 fe: None,
                 mem,
@@ -523,7 +513,7 @@ mod hostile {
             base: u16,
         ) {
             self.fe = None;
-            let mem = self.mem;
+            let mem = self.mem.as_ptr();
             let mut fe = Frontend::connect(path, 1).unwrap();
             fe.set_owner().unwrap();
             let f = fe.get_features().unwrap();
@@ -576,24 +566,20 @@ mod hostile {
         /// Moves the guest's memory to a new memfd holding a copy of it
         /// (rings included) and sends the new table (SET_MEM_TABLE, same
         /// guest address) while the queue runs. The old memory stays
-        /// mapped here: the returned pointer, to unmap with [`unmap`].
-        fn move_memory(&mut self) -> *mut u8 {
-            // SAFETY: plain syscall with a NUL-terminated name; checked below.
-            let fd = unsafe { libc::memfd_create(c"guest2".as_ptr(), libc::MFD_CLOEXEC) };
-            assert!(fd >= 0);
-            // SAFETY: a fresh descriptor we own.
-            let memfd = unsafe { File::from_raw_fd(fd) };
-            memfd.set_len(MEM as u64).unwrap();
+        /// mapped here as long as the returned mapping.
+        fn move_memory(&mut self) -> Mmap {
+            let memfd = memfd(c"guest2", MEM as u64);
             let mem = map_area(&memfd, MEM as u64);
             // SAFETY: two distinct live mappings of MEM bytes; nothing is
             // in flight (requests are waited for).
-            unsafe { std::ptr::copy_nonoverlapping(self.mem, mem, MEM) };
+            unsafe { std::ptr::copy_nonoverlapping(self.mem.as_ptr(), mem.as_ptr(), MEM) };
+            let userspace_addr = mem.as_ptr() as u64;
             let old = std::mem::replace(&mut self.mem, mem);
             self._memfd = memfd;
             let region = VhostUserMemoryRegionInfo {
                 guest_phys_addr: G,
                 memory_size: MEM as u64,
-                userspace_addr: mem as u64,
+                userspace_addr,
                 mmap_offset: 0,
                 mmap_handle: self._memfd.as_raw_fd(),
             };
@@ -610,14 +596,20 @@ mod hostile {
             assert!(off + bytes.len() <= MEM);
             // SAFETY: inside the mapping (checked above).
             unsafe {
-                std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.mem.add(off), bytes.len())
+                std::ptr::copy_nonoverlapping(
+                    bytes.as_ptr(),
+                    self.mem.as_ptr().add(off),
+                    bytes.len(),
+                )
             };
         }
 
         fn read(&self, off: usize, len: usize) -> Vec<u8> {
             let mut v = vec![0u8; len];
             // SAFETY: as in write.
-            unsafe { std::ptr::copy_nonoverlapping(self.mem.add(off), v.as_mut_ptr(), len) };
+            unsafe {
+                std::ptr::copy_nonoverlapping(self.mem.as_ptr().add(off), v.as_mut_ptr(), len)
+            };
             v
         }
 
@@ -698,7 +690,7 @@ mod hostile {
             let old = g.move_memory();
             // What the old memory holds from now on must not reach the
             // device, and the device's data must not land in it.
-            poke(old, 0x4000, &block(0xee));
+            poke(&old, 0x4000, &block(0xee));
             let seed = 2 + round;
             g.write(0x4000, &block(seed));
             let sector = 8 * (round as u64 + 1);
@@ -715,12 +707,11 @@ mod hostile {
                 "round {round}: the write took the new memory's data"
             );
             assert!(
-                peek::<4096>(old, 0x4000)[..] == block(0xee)[..],
+                peek::<4096>(&old, 0x4000)[..] == block(0xee)[..],
                 "round {round}: old memory untouched"
             );
-            // SAFETY: the old memory's mapping, made by map_area; udm has
-            // its own.
-            unsafe { libc::munmap(old.cast(), MEM) };
+            // Unmapped here; udm has its own mapping.
+            drop(old);
         }
         let (writes, fixed) = (
             dev.writes.load(Ordering::Relaxed),
@@ -824,36 +815,26 @@ mod hostile {
         assert!(got[512..512 + data.len()] == data[..]);
     }
 
-    /// A shared mapping of `len` bytes of `file`, for the test to look at
-    /// and write the inflight area as a crashed backend would have left it.
-    fn map_area(file: &File, len: u64) -> *mut u8 {
-        // SAFETY: a new shared mapping of a live file, checked below; the
-        // test keeps the file open while it uses the mapping.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        assert_ne!(p, libc::MAP_FAILED);
-        p.cast()
+    /// A shared read-write mapping of `len` bytes of `file`: the guest's
+    /// memory, or an inflight area for the test to look at and write as a
+    /// crashed backend would have left it.
+    fn map_area(file: &File, len: u64) -> Mmap {
+        let rw = libc::PROT_READ | libc::PROT_WRITE;
+        Mmap::fd(file.as_raw_fd(), 0, len as usize, rw, libc::MAP_SHARED).unwrap()
     }
 
-    fn peek<const N: usize>(p: *mut u8, off: usize) -> [u8; N] {
+    fn peek<const N: usize>(m: &Mmap, off: usize) -> [u8; N] {
+        assert!(off + N <= m.len());
         let mut b = [0u8; N];
-        // SAFETY: off + N lies inside the area (the test's offsets are in
-        // its header and first QSIZE descriptors).
-        unsafe { std::ptr::copy_nonoverlapping(p.add(off), b.as_mut_ptr(), N) };
+        // SAFETY: inside the live mapping (checked above).
+        unsafe { std::ptr::copy_nonoverlapping(m.as_ptr().add(off), b.as_mut_ptr(), N) };
         b
     }
 
-    fn poke(p: *mut u8, off: usize, bytes: &[u8]) {
+    fn poke(m: &Mmap, off: usize, bytes: &[u8]) {
+        assert!(off + bytes.len() <= m.len());
         // SAFETY: as in peek.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), p.add(off), bytes.len()) };
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), m.as_ptr().add(off), bytes.len()) };
     }
 
     /// Area offsets (QEMU's split layout): the header's used_idx and
@@ -878,10 +859,10 @@ mod hostile {
         // the area was stamped (version 1, desc_num) as the queue started.
         g.write(0x4000, &[0xa1; 512]);
         assert_eq!(g.request(1, 0, 512, 0), (0, 1));
-        assert_eq!(peek::<2>(a, 8), 1u16.to_le_bytes());
-        assert_eq!(peek::<2>(a, 10), QSIZE.to_le_bytes());
-        assert_eq!(peek::<1>(a, a_desc(0)), [0]);
-        assert_eq!(peek::<2>(a, A_USED_IDX), 1u16.to_le_bytes());
+        assert_eq!(peek::<2>(&a, 8), 1u16.to_le_bytes());
+        assert_eq!(peek::<2>(&a, 10), QSIZE.to_le_bytes());
+        assert_eq!(peek::<1>(&a, a_desc(0)), [0]);
+        assert_eq!(peek::<2>(&a, A_USED_IDX), 1u16.to_le_bytes());
 
         // The backend "dies" having taken three writes: heads 6, 9 and 3,
         // in that order (counters 7, 8, 9). 9 was put on the used ring
@@ -908,10 +889,10 @@ mod hostile {
         g.write(USED + 4 + 8, &[9, 0, 0, 0, 1, 0, 0, 0]);
         g.write(USED + 2, &2u16.to_le_bytes());
         for (head, counter) in [(6u16, 7u64), (9, 8), (3, 9)] {
-            poke(a, a_desc(head), &[1]);
-            poke(a, a_desc(head) + 8, &counter.to_le_bytes());
+            poke(&a, a_desc(head), &[1]);
+            poke(&a, a_desc(head) + 8, &counter.to_le_bytes());
         }
-        poke(a, A_LAST_BATCH_HEAD, &9u16.to_le_bytes());
+        poke(&a, A_LAST_BATCH_HEAD, &9u16.to_le_bytes());
 
         // Back, as QEMU comes back: the same area, the ring from its used
         // index. 6 and 3 are done (and answered), 9 is not done again.
@@ -928,9 +909,9 @@ mod hostile {
         assert_eq!(g.read(0x3b00, 1)[0], 0, "head 3 answered");
         assert_eq!(g.read(0x3a00, 1)[0], 0xff, "head 9 not done again");
         for h in [3, 6, 9] {
-            assert_eq!(peek::<1>(a, a_desc(h)), [0], "head {h} unmarked");
+            assert_eq!(peek::<1>(&a, a_desc(h)), [0], "head {h} unmarked");
         }
-        assert_eq!(peek::<2>(a, A_USED_IDX), 4u16.to_le_bytes());
+        assert_eq!(peek::<2>(&a, A_USED_IDX), 4u16.to_le_bytes());
         // New requests go on after them: sector 8 holds the later write,
         // sector 24 what it held (9 was never done).
         assert_eq!(g.request(0, 8, 512, F_WRITE), (0, 513));

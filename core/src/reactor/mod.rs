@@ -985,57 +985,44 @@ mod tests {
 
     mod fixed {
         use crate::bio::{Bio, BioPtr, Op, Status};
+        use crate::mmap::Mmap;
         use crate::reactor::{Reactor, ReactorConfig};
         use crate::ring::{RingFd, MAX_REGISTERED_BUFFER};
         use std::cell::Cell;
         use std::fs::File;
         use std::os::fd::AsRawFd;
 
-        /// Anonymous memory of `len` bytes, unmapped when dropped.
-        struct Mem {
-            p: *mut u8,
-            len: usize,
-        }
+        /// Anonymous memory the tests fill and read back.
+        struct Mem(Mmap);
 
         impl Mem {
             fn new(len: usize) -> Mem {
-                // SAFETY: a new private anonymous mapping, checked below.
-                let p = unsafe {
-                    libc::mmap(
-                        std::ptr::null_mut(),
-                        len,
-                        libc::PROT_READ | libc::PROT_WRITE,
-                        libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                        -1,
-                        0,
-                    )
-                };
-                assert_ne!(p, libc::MAP_FAILED);
-                Mem { p: p.cast(), len }
+                Mem(Mmap::anon(len).unwrap())
+            }
+
+            fn p(&self) -> *mut u8 {
+                self.0.as_ptr()
+            }
+
+            fn len(&self) -> usize {
+                self.0.len()
             }
 
             fn at(&self, off: usize) -> *mut u8 {
-                assert!(off < self.len);
-                self.p.wrapping_add(off)
+                assert!(off < self.len());
+                self.p().wrapping_add(off)
             }
 
             fn fill(&self, off: usize, len: usize, v: u8) {
-                assert!(off + len <= self.len);
+                assert!(off + len <= self.len());
                 // SAFETY: inside the mapping (checked), no I/O in flight.
-                unsafe { std::ptr::write_bytes(self.p.add(off), v, len) };
+                unsafe { std::ptr::write_bytes(self.p().add(off), v, len) };
             }
 
             fn bytes(&self, off: usize, len: usize) -> Vec<u8> {
-                assert!(off + len <= self.len);
+                assert!(off + len <= self.len());
                 // SAFETY: as in fill.
-                unsafe { std::slice::from_raw_parts(self.p.add(off), len) }.to_vec()
-            }
-        }
-
-        impl Drop for Mem {
-            fn drop(&mut self) {
-                // SAFETY: our own mapping; nothing in flight points at it.
-                unsafe { libc::munmap(self.p.cast(), self.len) };
+                unsafe { std::slice::from_raw_parts(self.p().add(off), len) }.to_vec()
             }
         }
 
@@ -1095,7 +1082,7 @@ mod tests {
             let (a, b) = (Mem::new(1 << 16), Mem::new(1 << 16));
             // SAFETY: `a` and `b` outlive the reactor's use: unregistered
             // (or the reactor dropped) before they are unmapped.
-            let ia = unsafe { r.try_register_buffer(a.p, a.len) }.unwrap();
+            let ia = unsafe { r.try_register_buffer(a.p(), a.len()) }.unwrap();
             a.fill(0, 4096, 0xa1);
             assert_eq!(io(&r, &f, Op::Write, 0, a.at(0), 4096, ia), Status::Ok);
             assert_eq!(r.fixed_ops(), 1, "the write went fixed");
@@ -1116,7 +1103,7 @@ mod tests {
             assert_eq!(a.bytes(4096, 4096), vec![0xa1; 4096]);
             // The freed slot is the next one handed out, now for `b`.
             // SAFETY: as above.
-            let ib = unsafe { r.try_register_buffer(b.p, b.len) }.unwrap();
+            let ib = unsafe { r.try_register_buffer(b.p(), b.len()) }.unwrap();
             assert_eq!(ib, ia, "the emptied slot is reused");
             let before = r.fixed_ops();
             assert_eq!(io(&r, &f, Op::Read, 0, b.at(8192), 4096, ib), Status::Ok);
@@ -1152,7 +1139,7 @@ mod tests {
             // 64 KiB chunks over 200 KiB: three whole and a 8 KiB tail.
             let m = Mem::new(200 << 10);
             // SAFETY: unregistered below, before `m` is unmapped.
-            let (mut reg, err) = unsafe { r.register_region_in(m.p, m.len, 16) };
+            let (mut reg, err) = unsafe { r.register_region_in(m.p(), m.len(), 16) };
             assert!(err.is_none(), "{err:?}");
             assert_eq!((reg.chunks(), reg.registered()), (4, 4));
             let idx: Vec<u16> = (0..4).map(|c| reg.index_of(m.at(c << 16), 4096)).collect();
@@ -1166,7 +1153,7 @@ mod tests {
             assert_eq!(reg.index_of(m.at((1 << 16) - 4096), 8192), Bio::NO_BUF);
             assert_eq!(reg.index_of(m.at(192 << 10), 8 << 10), idx[3]);
             assert_eq!(reg.index_of(m.at(192 << 10), 12 << 10), Bio::NO_BUF);
-            assert_eq!(reg.index_of(m.p.wrapping_sub(4096), 4096), Bio::NO_BUF);
+            assert_eq!(reg.index_of(m.p().wrapping_sub(4096), 4096), Bio::NO_BUF);
             assert_eq!(reg.index_of(m.at(0), 0), Bio::NO_BUF);
             // Each chunk is registered at its own place: a write from each
             // through its index lands, a read into each gets it back.
@@ -1188,7 +1175,7 @@ mod tests {
             assert_eq!(reg.index_of(m.at(0), 4096), Bio::NO_BUF);
             // The slots are free again: four more registrations fit in them.
             // SAFETY: as above.
-            let (mut again, err) = unsafe { r.register_region_in(m.p, m.len, 16) };
+            let (mut again, err) = unsafe { r.register_region_in(m.p(), m.len(), 16) };
             assert!(err.is_none());
             let mut now: Vec<u16> = (0..4).map(|c| again.index_of(m.at(c << 16), 1)).collect();
             now.sort();
@@ -1238,7 +1225,7 @@ mod tests {
                 let f = temp_file();
                 let m = Mem::new((2 * limit).max(1 << 20));
                 // SAFETY: refused, or unregistered below before `m` goes.
-                let (mut reg, err) = unsafe { r.register_region(m.p, m.len) };
+                let (mut reg, err) = unsafe { r.register_region(m.p(), m.len()) };
                 let e = err.expect("registration past RLIMIT_MEMLOCK refused");
                 assert_eq!(e.raw_os_error(), Some(libc::ENOMEM), "{e}");
                 assert_eq!(reg.registered(), 0);
@@ -1251,7 +1238,7 @@ mod tests {
                 assert_eq!(r.fixed_ops(), 0);
                 // Below the limit, the same thread registers.
                 // SAFETY: unregistered below, before `m` goes.
-                let (mut small, err) = unsafe { r.register_region(m.p, 64 << 10) };
+                let (mut small, err) = unsafe { r.register_region(m.p(), 64 << 10) };
                 assert!(err.is_none(), "{err:?}");
                 assert_eq!(small.registered(), 1);
                 r.unregister_region(&mut small);
@@ -1267,21 +1254,22 @@ mod tests {
             // Address space only: the refused registration pins nothing.
             let m = Mem::new(MAX_REGISTERED_BUFFER + (8 << 10));
             let whole = libc::iovec {
-                iov_base: m.p.cast(),
-                iov_len: m.len,
+                iov_base: m.p().cast(),
+                iov_len: m.len(),
             };
             // SAFETY: refused before anything is pinned (checked).
             let e = unsafe { r.ring().register_buffer(0, whole) }.unwrap_err();
             assert_eq!(e.raw_os_error(), Some(libc::EFAULT), "{e}");
             // Ours says so without asking the kernel.
             // SAFETY: refused at once.
-            assert!(unsafe { r.try_register_buffer(m.p, m.len) }.is_err());
+            assert!(unsafe { r.try_register_buffer(m.p(), m.len()) }.is_err());
             // Split: a GiB and the 8 KiB tail, each registered (huge pages
             // make pinning the GiB quick; it is given back at the end).
-            // SAFETY: advice on our own mapping.
-            unsafe { libc::madvise(m.p.cast(), m.len, libc::MADV_HUGEPAGE) };
+            // Advice only: without transparent huge pages it is refused,
+            // and pinning is slower but works.
+            let _ = m.0.advise(libc::MADV_HUGEPAGE);
             // SAFETY: unregistered below, before `m` is unmapped.
-            let (mut reg, err) = unsafe { r.register_region(m.p, m.len) };
+            let (mut reg, err) = unsafe { r.register_region(m.p(), m.len()) };
             assert!(err.is_none(), "{err:?}");
             assert_eq!((reg.chunks(), reg.registered()), (2, 2));
             let first = reg.index_of(m.at(0), 4096);

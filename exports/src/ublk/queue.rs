@@ -26,7 +26,7 @@ use std::os::fd::RawFd;
 use std::rc::Rc;
 
 use udm_core::io_uring::{opcode, types};
-use udm_core::{Dispatch, Error, ErrorKind, Poller, Ring, RingOp, WorkQueue};
+use udm_core::{Dispatch, Error, ErrorKind, Mmap, Poller, Ring, RingOp, WorkQueue};
 
 use super::sys::{self, IoCmd, IoDesc};
 use crate::front::{Done, Front, FrontError, FrontOp, ReqFlags, Request, Submitted};
@@ -62,30 +62,6 @@ struct Tag {
     tag: u16,
 }
 
-/// An anonymous mapping, unmapped on drop.
-struct Mapping {
-    ptr: *mut libc::c_void,
-    len: usize,
-}
-
-impl Mapping {
-    fn new(len: usize, prot: i32, flags: i32, fd: RawFd, off: i64) -> Result<Mapping, Error> {
-        // SAFETY: a fresh mapping chosen by the kernel; the result is checked.
-        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags, fd, off) };
-        if ptr == libc::MAP_FAILED {
-            return Err(Error::os("mmap", std::io::Error::last_os_error()));
-        }
-        Ok(Mapping { ptr, len })
-    }
-}
-
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        // SAFETY: unmapping what `new` mapped, once.
-        unsafe { libc::munmap(self.ptr, self.len) };
-    }
-}
-
 /// One queue on its reactor. Boxed: its tags point back at it.
 pub(crate) struct Queue {
     q_id: u16,
@@ -97,9 +73,9 @@ pub(crate) struct Queue {
     unplug: Option<(WorkQueue, Rc<Unplug>)>,
     read_only: bool,
     /// The kernel's descriptor array for this queue (read-only for us).
-    descs: Mapping,
+    descs: Mmap,
     /// One buffer of `buf_bytes` per tag.
-    bufs: Mapping,
+    bufs: Mmap,
     buf_bytes: u32,
     tags: Box<[Tag]>,
     /// Tags whose commands the kernel still holds (not aborted).
@@ -127,22 +103,16 @@ impl Queue {
                 "a ublk queue needs a reactor ring with 128-byte SQEs",
             ));
         }
-        let descs = Mapping::new(
+        let descs = Mmap::fd(
+            cdev,
+            sys::queue_desc_offset(q_id),
             sys::queue_desc_bytes(depth as u32),
             libc::PROT_READ,
             libc::MAP_SHARED | libc::MAP_POPULATE,
-            cdev,
-            sys::queue_desc_offset(q_id),
         )
         .map_err(|e| e.context(format_args!("queue {q_id}'s descriptors")))?;
-        let bufs = Mapping::new(
-            depth as usize * buf_bytes as usize,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-            -1,
-            0,
-        )
-        .map_err(|e| e.context(format_args!("queue {q_id}'s buffers")))?;
+        let bufs = Mmap::anon(depth as usize * buf_bytes as usize)
+            .map_err(|e| e.context(format_args!("queue {q_id}'s buffers")))?;
         let unplug = (front.dispatch() != Dispatch::Direct).then(|| {
             let u = Rc::new(Unplug {
                 front: front.clone(),
@@ -193,8 +163,7 @@ impl Queue {
         // SAFETY: `tag` < depth, so the offset lies inside the buffers' mapping.
         unsafe {
             self.bufs
-                .ptr
-                .cast::<u8>()
+                .as_ptr()
                 .add(tag as usize * self.buf_bytes as usize)
         }
     }
@@ -237,8 +206,9 @@ impl Queue {
         // SAFETY: the kernel wrote the tag's descriptor before completing
         // its fetch and leaves it alone until our commit; `tag` < depth,
         // inside the mapping. Read once, by value.
-        let d: IoDesc =
-            unsafe { std::ptr::read_volatile(self.descs.ptr.cast::<IoDesc>().add(tag as usize)) };
+        let d: IoDesc = unsafe {
+            std::ptr::read_volatile(self.descs.as_ptr().cast::<IoDesc>().add(tag as usize))
+        };
         let bytes = (d.nr_sectors as u64) << 9;
         let op = match d.op() {
             sys::UBLK_IO_OP_READ => FrontOp::Read,

@@ -36,7 +36,7 @@ pub const UBLK_IO_RES_OK: i32 = 0;
 pub const UBLK_IO_RES_ABORT: i32 = -libc::ENODEV;
 
 /// Offset of queue 0's descriptors in `/dev/ublkcN`'s mmap space.
-pub const UBLKSRV_CMD_BUF_OFFSET: i64 = 0;
+pub const UBLKSRV_CMD_BUF_OFFSET: u64 = 0;
 pub const UBLK_MAX_QUEUE_DEPTH: u32 = 4096;
 
 pub const UBLK_F_URING_CMD_COMP_IN_TASK: u64 = 1 << 1;
@@ -178,8 +178,8 @@ pub fn queue_desc_bytes(depth: u32) -> usize {
 
 /// The mmap offset of queue `q`'s descriptors in `/dev/ublkcN`: queues are
 /// spaced by the largest array (`UBLK_MAX_QUEUE_DEPTH` descriptors).
-pub fn queue_desc_offset(q: u16) -> i64 {
-    UBLKSRV_CMD_BUF_OFFSET + q as i64 * queue_desc_bytes(UBLK_MAX_QUEUE_DEPTH) as i64
+pub fn queue_desc_offset(q: u16) -> u64 {
+    UBLKSRV_CMD_BUF_OFFSET + q as u64 * queue_desc_bytes(UBLK_MAX_QUEUE_DEPTH) as u64
 }
 
 fn page_size() -> usize {

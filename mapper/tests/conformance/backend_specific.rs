@@ -1,6 +1,6 @@
-//! Behaviour particular to one backend: ram's allocation on write, sizes
-//! under a sector, null's untouched buffers, and the file backend's
-//! open-time errors, read-only mode and persistence.
+//! Behaviour particular to one backend: ram's allocation on write and
+//! preallocation, sizes under a sector, null's untouched buffers, and the
+//! file backend's open-time errors, read-only mode and persistence.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -41,6 +41,30 @@ fn ram_allocates_only_on_write() {
         dev.allocated_bytes(),
         8192,
         "a write across a page boundary: two pages"
+    );
+}
+
+#[test]
+fn ram_prealloc_backs_every_page_and_the_disk_still_reads_zero_first() {
+    let dev = Arc::new(RamDevice::new("ram", DEV_BYTES).unwrap());
+    dev.prealloc().unwrap();
+    assert_eq!(dev.allocated_bytes(), DEV_BYTES, "every page counted");
+    let h = Harness::new(
+        "ram prealloc",
+        Fixture::plain(dev.clone()),
+        ReactorConfig::default(),
+    );
+    let (st, got) = h.read(0, 1 << 20);
+    assert_eq!(st, Status::Ok);
+    assert!(got.iter().all(|&b| b == 0), "backed pages read as zeroes");
+    assert_eq!(h.write(9, &[3u8; 512]), Status::Ok);
+    let (st, got) = h.read(8, 1024);
+    assert_eq!(st, Status::Ok);
+    assert!(got[..512].iter().all(|&b| b == 0) && got[512..].iter().all(|&b| b == 3));
+    assert_eq!(
+        dev.allocated_bytes(),
+        DEV_BYTES,
+        "writes allocate nothing more"
     );
 }
 
