@@ -9,6 +9,8 @@
 //! - [`ReactorPool`]: reactor threads started, pinned, stopped and joined together.
 //! - [`Reactor`]: one per thread, run to completion, with its own io_uring
 //!   ([`Ring`]), descriptor cache and completion list.
+//! - `testing` (with the `test-util` feature only): what the test suites
+//!   share, such as a watchdog for waits on a reactor and temp directories.
 //!
 //! ```text
 //!   submitter ──BioPtr──▶ Channel::submit ──▶ … ──▶ backend (ring / memory)
@@ -30,6 +32,8 @@ pub mod mmap;
 pub mod pool;
 pub mod reactor;
 pub mod ring;
+#[cfg(feature = "test-util")]
+pub mod testing;
 
 pub use bio::{Bio, BioFlags, BioPtr, EndIo, Op, Seg, Status, SECTOR_SHIFT, SECTOR_SIZE};
 pub use buf::AlignedBuf;

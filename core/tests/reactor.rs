@@ -13,16 +13,15 @@ use std::any::Any;
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::fs::File;
-use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::fs::FileExt;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use udm_core::bio::MAX_STACK;
+use udm_core::testing::{self, Watchdog};
 use udm_core::{
     check_bio, BioPtr, BlockDevice, Caps, Channel, CompletionMode, EndIo, Error, Limits, Op,
     Poller, Reactor, ReactorConfig, ReactorHandle, RingFd, RingKind, Status, DEFAULT_CACHE_SIZE,
@@ -39,72 +38,14 @@ fn reactor(mode: CompletionMode, cache_size: usize) -> Reactor {
     .unwrap()
 }
 
-// ---------------------------------------------------------------------------
-// The watchdog.
-
-/// Wakes a reactor (repeatedly) once an armed deadline has passed, so that a
-/// reactor asleep waiting for something that never comes returns to its
-/// `run_until` check, which then fails. It never wakes it before the
-/// deadline, so it cannot hide a lost wake-up.
-struct Watchdog {
-    deadline: Arc<Mutex<Option<Instant>>>,
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+/// A watchdog giving each wait [`TIMEOUT`].
+fn watchdog(r: &Reactor) -> Watchdog {
+    Watchdog::new(r.handle(), TIMEOUT)
 }
 
-impl Watchdog {
-    fn new(handle: ReactorHandle) -> Watchdog {
-        let deadline = Arc::new(Mutex::new(None::<Instant>));
-        let stop = Arc::new(AtomicBool::new(false));
-        let (d, s) = (deadline.clone(), stop.clone());
-        let thread = std::thread::spawn(move || {
-            while !s.load(Ordering::Acquire) {
-                std::thread::park_timeout(Duration::from_millis(50));
-                let due = d.lock().unwrap().is_some_and(|t| Instant::now() >= t);
-                if due {
-                    handle.wake();
-                }
-            }
-        });
-        Watchdog {
-            deadline,
-            stop,
-            thread: Some(thread),
-        }
-    }
-
-    /// `reactor.run_until(done)`, failing the test if it takes too long.
-    /// The deadline is checked before `done`, so work that only finishes
-    /// because the watchdog woke the reactor still counts as a failure.
-    fn run_until(&self, reactor: &Reactor, what: &str, mut done: impl FnMut() -> bool) {
-        let deadline = Instant::now() + TIMEOUT;
-        *self.deadline.lock().unwrap() = Some(deadline);
-        reactor.run_until(|| {
-            if Instant::now() > deadline {
-                timed_out(what);
-            }
-            done()
-        });
-        *self.deadline.lock().unwrap() = None;
-    }
-}
-
-impl Drop for Watchdog {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        if let Some(t) = self.thread.take() {
-            t.thread().unpark();
-            let _ = t.join();
-        }
-    }
-}
-
-/// A wait timed out. I/O may still be in flight into buffers the unwinding
-/// stack would free, so abort rather than panic (writing to stderr directly,
-/// which the test harness does not capture).
+/// A wait outside the reactor timed out: aborts (see [`testing::timed_out`]).
 fn timed_out(what: &str) -> ! {
-    let _ = writeln!(std::io::stderr(), "TIMEOUT after {TIMEOUT:?}: {what}");
-    std::process::abort();
+    testing::timed_out(what, TIMEOUT)
 }
 
 // ---------------------------------------------------------------------------
@@ -701,7 +642,7 @@ fn remappable_means_a_read_or_write_without_preflush_with_a_free_frame() {
 #[test]
 fn send_runs_on_the_reactor_thread_and_wakes_a_sleeping_reactor() {
     let r = reactor(CompletionMode::Interrupt, DEFAULT_CACHE_SIZE);
-    let dog = Watchdog::new(r.handle());
+    let dog = watchdog(&r);
     let main = std::thread::current().id();
     let id = r.id();
     let h = r.handle();
@@ -801,7 +742,7 @@ fn message_bio_done(bio: BioPtr) {
 fn messages_can_use_the_reactor() {
     // A message stores a reactor-local and allocates and completes a bio.
     let r = reactor(CompletionMode::Interrupt, DEFAULT_CACHE_SIZE);
-    let dog = Watchdog::new(r.handle());
+    let dog = watchdog(&r);
     let h = r.handle();
     std::thread::spawn(move || {
         assert!(h.send(move |r| {
@@ -1053,7 +994,7 @@ fn all_of_a_mode(mode: CompletionMode) {
     })
     .unwrap();
     assert_eq!(r.config().mode, mode);
-    let dog = Watchdog::new(r.handle());
+    let dog = watchdog(&r);
     let dev = MemfdDev::new(8 << 20);
     let ch = dev.clone().open(&r).unwrap();
 
@@ -1139,7 +1080,7 @@ fn adaptive_mode_spins_across_short_gaps_and_sleeps_through_long_ones() {
         ..ReactorConfig::default()
     })
     .unwrap();
-    let dog = Watchdog::new(r.handle());
+    let dog = watchdog(&r);
     // Turns the reactor takes waiting for a message sent `gap` from now.
     let wait = |gap: Duration| turns_until_message(&r, &dog, gap, "a message");
     // Gaps of 2 ms: the window opens (5 ms, a quarter of the cap) and then
@@ -1182,7 +1123,7 @@ fn an_iopoll_ring_with_nothing_in_flight_is_not_polled() {
             })
             .unwrap();
         assert_eq!(ring.inflight(), 0);
-        let dog = Watchdog::new(r.handle());
+        let dog = watchdog(&r);
         let turns = turns_until_message(&r, &dog, Duration::from_millis(200), "a message");
         // A spinning reactor takes a turn every few microseconds; hybrid
         // spins its 50 us first.
@@ -1208,7 +1149,7 @@ fn small_rings_complete_more_io_than_they_hold() {
             ..ReactorConfig::default()
         })
         .unwrap();
-        let dog = Watchdog::new(r.handle());
+        let dog = watchdog(&r);
         let dev = MemfdDev::new(4 << 20);
         let ch = dev.clone().open(&r).unwrap();
         ring_io_round(&r, &dog, &ch, &dev, 512, 3);
@@ -1359,7 +1300,7 @@ fn a_sleeping_reactor_wakes_for_the_deadline_of_queued_work() {
     let chore = Chore::new(1, Some(start + Duration::from_millis(30)));
     r.work_queue().queue(chore.clone());
     assert!(r.busy(), "work with a deadline keeps the reactor busy");
-    let dog = Watchdog::new(r.handle());
+    let dog = watchdog(&r);
     dog.run_until(&r, "queued work's deadline", || chore.left.get() == 0);
     assert!(start.elapsed() >= Duration::from_millis(30));
     assert!(
