@@ -3,17 +3,16 @@
 //! completion records, and the shadow copy reads are checked against.
 
 use std::cell::Cell;
-use std::io::Write;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use udm_backends::{AlignedBuf, Power, PowerCut};
+use udm_core::testing::{self, Watchdog};
 use udm_core::{
-    Bio, BioFlags, BioPtr, BlockDevice, Caps, Channel, Op, Reactor, ReactorConfig, ReactorHandle,
-    Status, SECTOR_SIZE,
+    Bio, BioFlags, BioPtr, BlockDevice, Caps, Channel, Op, Reactor, ReactorConfig, Status,
+    SECTOR_SIZE,
 };
 
 /// Size of every device under test.
@@ -30,7 +29,7 @@ pub const TIMEOUT: Duration = Duration::from_secs(30);
 pub const SECTOR: usize = SECTOR_SIZE as usize;
 
 // ---------------------------------------------------------------------------
-// Temp files and the watchdog.
+// Temp files and timeouts.
 
 static TEMP_SEQ: AtomicUsize = AtomicUsize::new(0);
 /// Live temp files, for `timed_out` to remove before it aborts.
@@ -63,71 +62,15 @@ impl Drop for TempFile {
     }
 }
 
-/// Wakes a reactor (over and over) once an armed deadline has passed, so a
-/// reactor asleep waiting for a completion that never comes returns to its
-/// `run_until` check, which then fails the test. It never wakes the reactor
-/// before the deadline, so it cannot hide a lost wake-up.
-struct Watchdog {
-    deadline: Arc<Mutex<Option<Instant>>>,
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl Watchdog {
-    fn new(handle: ReactorHandle) -> Watchdog {
-        let deadline = Arc::new(Mutex::new(None::<Instant>));
-        let stop = Arc::new(AtomicBool::new(false));
-        let (d, s) = (deadline.clone(), stop.clone());
-        let thread = std::thread::spawn(move || {
-            while !s.load(Ordering::Acquire) {
-                std::thread::park_timeout(Duration::from_millis(50));
-                let due = d.lock().unwrap().is_some_and(|t| Instant::now() >= t);
-                if due {
-                    handle.wake();
-                }
-            }
-        });
-        Watchdog {
-            deadline,
-            stop,
-            thread: Some(thread),
-        }
-    }
-
-    fn arm(&self) -> Instant {
-        let t = Instant::now() + TIMEOUT;
-        *self.deadline.lock().unwrap() = Some(t);
-        t
-    }
-
-    fn disarm(&self) {
-        *self.deadline.lock().unwrap() = None;
-    }
-}
-
-impl Drop for Watchdog {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        if let Some(t) = self.thread.take() {
-            t.thread().unpark();
-            let _ = t.join();
-        }
-    }
-}
-
-/// A wait timed out. I/O may still be in flight into buffers the unwinding
-/// stack would free, so abort rather than panic (removing the temp files
-/// first, since no destructor will).
-/// (Written to stderr directly: the test harness does not capture that, and
-/// would lose what it captured when the process aborts.)
+/// A wait timed out: removes the temp files (no destructor will run) and
+/// aborts (see [`testing::timed_out`]).
 fn timed_out(what: &str) -> ! {
-    let _ = writeln!(std::io::stderr(), "TIMEOUT after {TIMEOUT:?}: {what}");
     if let Ok(live) = TEMP_LIVE.try_lock() {
         for p in live.iter() {
             let _ = std::fs::remove_file(p);
         }
     }
-    std::process::abort();
+    testing::timed_out(what, TIMEOUT)
 }
 
 // ---------------------------------------------------------------------------
@@ -363,7 +306,7 @@ impl Harness {
             }
         });
         let ch = fx.dev.clone().open(&reactor).unwrap();
-        let dog = Watchdog::new(reactor.handle());
+        let dog = Watchdog::new(reactor.handle(), TIMEOUT);
         Harness {
             label,
             ch,
@@ -397,21 +340,19 @@ impl Harness {
     /// more turns, and checks each completed exactly once and no descriptor
     /// is left allocated.
     pub fn wait(&self, dones: &[Done]) {
-        let deadline = self.dog.arm();
-        self.reactor.run_until(|| {
-            if Instant::now() > deadline {
-                let n = dones.iter().filter(|d| d.calls.get() == 0).count();
-                timed_out(&format!(
-                    "{} ({:?} mode, ring_entries {}): {n} of {} I/Os",
-                    self.label,
-                    self.reactor.config().mode,
-                    self.reactor.config().ring_entries,
-                    dones.len()
-                ));
-            }
-            dones.iter().all(|d| d.calls.get() > 0)
-        });
-        self.dog.disarm();
+        let waited = self
+            .dog
+            .try_run_until(&self.reactor, || dones.iter().all(|d| d.calls.get() > 0));
+        if waited.is_err() {
+            let n = dones.iter().filter(|d| d.calls.get() == 0).count();
+            timed_out(&format!(
+                "{} ({:?} mode, ring_entries {}): {n} of {} I/Os",
+                self.label,
+                self.reactor.config().mode,
+                self.reactor.config().ring_entries,
+                dones.len()
+            ));
+        }
         for _ in 0..3 {
             self.reactor.poll_once();
         }
