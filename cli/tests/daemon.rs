@@ -322,7 +322,7 @@ fn dump_config_then_restart_recreates_the_stack_and_its_data() {
     let img1 = dir.path("b.img");
     let sock = dir.path("nbd.sock");
     let cfg = dir.path("udm.toml");
-    let dir_path = dir.0.clone();
+    let dir_path = dir.dir().to_path_buf();
     let mut d = Daemon::start_in(dir, &[]);
     d.ok(&["create", "a", &format!("file:{},size=16M", img0.display())]);
     d.ok(&["create", "b", &format!("file:{},size=16M", img1.display())]);
@@ -347,7 +347,7 @@ fn dump_config_then_restart_recreates_the_stack_and_its_data() {
     let tables = d.ok(&["table"]);
     std::fs::write(&cfg, d.ok(&["dump-config"])).unwrap();
     assert_eq!(d.stop().code(), Some(0), "{}", d.log());
-    let dir = TempDir(dir_path.clone());
+    let dir = TempDir::adopt(dir_path.clone());
     std::mem::forget(d); // its TempDir is `dir` now
     let d = Daemon::start_in(dir, &["--config", cfg.to_str().unwrap()]);
     assert_eq!(d.ok(&["ls", "--tree"]), tree);

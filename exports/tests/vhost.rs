@@ -20,6 +20,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use blkio::{Blkio, Blkioq, Completion, MemoryRegion, ReqFlags};
+use udm_core::testing::TempDir;
 use udm_core::{
     check_bio, BioPtr, BlockDevice, Caps, Channel, Dispatch, Error, Limits, Op, Reactor,
     ReactorConfig, Ring, RingFd,
@@ -151,8 +152,8 @@ impl Served {
         budget: Budget,
         dispatch: Dispatch,
     ) -> Served {
-        let dir = TempDir::new();
-        let path = dir.0.join("vhost.sock");
+        let dir = TempDir::new("vhost");
+        let path = dir.path("vhost.sock");
         let srv = Server::bind(
             dev,
             ServerConfig {
@@ -184,24 +185,6 @@ impl Drop for Served {
             t.join().unwrap().unwrap();
         }
         assert!(!self.path.exists(), "the socket is removed on stop");
-    }
-}
-
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new() -> TempDir {
-        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let p = std::env::temp_dir().join(format!("udm-vhost-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 
@@ -988,7 +971,7 @@ mod fixed {
     impl Counted {
         /// A file of SIZE in a fresh directory, O_DIRECT unless `buffered`.
         fn new(dir: &TempDir, buffered: bool) -> Arc<Counted> {
-            let path = dir.0.join("disk.img");
+            let path = dir.path("disk.img");
             let opts = FileOpts {
                 buffered,
                 size: Some(SIZE),
@@ -1065,7 +1048,7 @@ mod fixed {
 
     fn guest_buffers_go_fixed_across_memory_table_changes(buffered: bool) {
         let mode = if buffered { "buffered" } else { "O_DIRECT" };
-        let dir = TempDir::new();
+        let dir = TempDir::new("vhost");
         let dev = Counted::new(&dir, buffered);
         let srv = serve(dev.clone(), 2);
         let mut c = Client::connect(&srv.path, 2);
@@ -1180,7 +1163,7 @@ mod fixed {
         };
         std::thread::spawn(move || {
             udm_core::memlock::drop_ipc_lock().expect("capset");
-            let dir = TempDir::new();
+            let dir = TempDir::new("vhost");
             let dev = Counted::new(&dir, false);
             let srv = serve(dev.clone(), 1);
             let mut c = Client::connect(&srv.path, 1);
