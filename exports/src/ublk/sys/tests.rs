@@ -6,6 +6,8 @@ use std::collections::BTreeMap;
 use std::mem::{offset_of, size_of};
 use std::process::Command;
 
+use udm_core::testing::TempDir;
+
 use super::*;
 
 /// `(key, value)` for everything checked: `struct.field` offsets,
@@ -200,9 +202,8 @@ fn every_struct_offset_and_command_matches_the_kernel_header() {
     if !std::path::Path::new("/usr/include/linux/ublk_cmd.h").exists() {
         panic!("no /usr/include/linux/ublk_cmd.h: install linux-libc-dev (scripts/setup.sh)");
     }
-    let dir = std::env::temp_dir().join(format!("udm-ublk-abi-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let (src, bin) = (dir.join("probe.c"), dir.join("probe"));
+    let dir = TempDir::new("ublk-abi");
+    let (src, bin) = (dir.path("probe.c"), dir.path("probe"));
     std::fs::write(&src, PROBE).unwrap();
     let cc = Command::new("cc")
         .arg("-o")
@@ -216,7 +217,6 @@ fn every_struct_offset_and_command_matches_the_kernel_header() {
         String::from_utf8_lossy(&cc.stderr)
     );
     let out = Command::new(&bin).output().unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
     let text = String::from_utf8(out.stdout).unwrap();
     let ours = ours();
     let mut checked = 0;
