@@ -23,6 +23,7 @@ use udm_exports::limits::{self, Limits};
 use udm_exports::nbd::server;
 
 use crate::serve::{parse_limits, signal_pipe, CompletionArgs};
+use running::Service;
 
 const AFTER_HELP: &str = "\
 The control socket: --control PATH, else $UDM_CONTROL, else
@@ -99,20 +100,24 @@ pub fn main(a: DaemonArgs) -> Result<i32, Error> {
     let exports = exports::Exports::new()
         .with(
             "nbd",
-            Box::new(nbd::NbdExports::new(
+            Box::new(Service::new(nbd::Nbd::new(
                 a.reactors as usize,
                 reactor,
                 limits,
                 pool.clone(),
-            )),
+            ))),
         )
         .with(
             "ublk",
-            Box::new(ublk::UblkExports::new(reactor, pool.clone())),
+            Box::new(Service::new(ublk::Ublk::new(reactor, pool.clone()))),
         )
         .with(
             "vhost-user-blk",
-            Box::new(vhost::VhostExports::new(a.reactors as usize, reactor, pool)),
+            Box::new(Service::new(vhost::Vhost::new(
+                a.reactors as usize,
+                reactor,
+                pool,
+            ))),
         );
     ctl.set_exports(Arc::new(exports));
     if let Some(c) = &config {

@@ -5,16 +5,16 @@
 
 use std::sync::Arc;
 
-use udm_control::{Devices, ExportInfo, ExportList, ExportService, ExportSpec, Holder};
+use udm_control::{Devices, ExportInfo, ExportSpec, Holder};
 use udm_core::{Error, ErrorKind, ReactorConfig};
 
 use udm_exports::limits::{Limits, Pool};
 use udm_exports::nbd::{Clients, Export, Listen, Server, ServerConfig};
 
-use super::running::{hold_device, Running, Served, ServerThread};
+use super::running::{hold_device, Protocol, Served, ServerThread};
 
 /// One export being served.
-struct NbdExport {
+pub(super) struct NbdExport {
     info: ExportInfo,
     /// The address bound (a TCP port 0 resolved).
     bound: Listen,
@@ -49,32 +49,26 @@ impl Served for NbdExport {
     }
 }
 
-/// The daemon's NBD exports (an [`ExportService`]).
-pub struct NbdExports {
+/// The daemon's NBD exports (the [`Protocol`] of its NBD
+/// [`Service`](super::running::Service)).
+pub struct Nbd {
     reactors: usize,
     reactor: ReactorConfig,
     limits: Limits,
     /// The connection cap and buffer budget all the exports share.
     pool: Arc<Pool>,
-    running: Running<NbdExport>,
 }
 
-impl NbdExports {
+impl Nbd {
     /// Exports served by `reactors` reactors each, built as `reactor` says,
     /// all the servers together under `limits` (one connection cap, one
     /// buffer budget).
-    pub fn new(
-        reactors: usize,
-        reactor: ReactorConfig,
-        limits: Limits,
-        pool: Arc<Pool>,
-    ) -> NbdExports {
-        NbdExports {
+    pub fn new(reactors: usize, reactor: ReactorConfig, limits: Limits, pool: Arc<Pool>) -> Nbd {
+        Nbd {
             reactors,
             reactor,
             pool,
             limits,
-            running: Running::new(),
         }
     }
 }
@@ -86,18 +80,23 @@ fn uri(name: &str, l: &Listen) -> String {
     }
 }
 
-impl ExportService for NbdExports {
-    fn add(&self, ctl: &dyn Devices, spec: ExportSpec) -> Result<ExportInfo, Error> {
+impl Protocol for Nbd {
+    type Export = NbdExport;
+
+    fn start(
+        &self,
+        ctl: &dyn Devices,
+        spec: ExportSpec,
+        name: String,
+        running: &[NbdExport],
+    ) -> Result<NbdExport, Error> {
         if !spec.opts.names().is_empty() {
             return Err(Error::invalid(format!(
                 "an NBD export takes no {}",
                 spec.opts.names().join(", ")
             )));
         }
-        let name = spec.name.clone().unwrap_or_else(|| spec.device.clone());
         let listen = Listen::parse(&spec.address)?;
-        let mut running = self.running.lock();
-        Running::<NbdExport>::check_name(&running, &name)?;
         if let Some(r) = running.iter().find(|r| r.bound == listen) {
             return Err(Error::new(
                 ErrorKind::Busy,
@@ -151,25 +150,12 @@ impl ExportService for NbdExports {
             dispatch,
         };
         tracing::info!("export '{name}' of '{}' at {}", info.device, info.uri);
-        running.push(NbdExport {
-            info: info.clone(),
+        Ok(NbdExport {
+            info,
             bound,
             holder,
             clients,
             server,
-        });
-        Ok(info)
-    }
-
-    fn remove(&self, ctl: &dyn Devices, name: &str, force: bool) -> Result<(), Error> {
-        self.running.remove(ctl, name, force)
-    }
-
-    fn list(&self) -> ExportList {
-        self.running.list()
-    }
-
-    fn stop_all(&self, ctl: &dyn Devices) {
-        self.running.stop_all(ctl)
+        })
     }
 }

@@ -1,7 +1,9 @@
-//! What the daemon's protocol services share: the exports each runs, found
-//! by name for `export remove`, listed for `export ls` and all stopped at
-//! the daemon's stop; and, for the servers that run on a thread of their
-//! own (NBD, vhost-user-blk), how that thread is stopped.
+//! What the daemon's protocol services share: each is a [`Service`] of
+//! its [`Protocol`], which starts exports; the service keeps the ones
+//! running, their names unique, finds them by name for `export remove`,
+//! lists them for `export ls` and stops them all at the daemon's stop.
+//! And, for the servers that run on a thread of their own (NBD,
+//! vhost-user-blk), how that thread is stopped.
 
 use std::io::Write;
 use std::os::fd::{AsRawFd, RawFd};
@@ -9,7 +11,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-use udm_control::{Devices, ExportInfo, ExportList, Holder};
+use udm_control::{Devices, ExportInfo, ExportList, ExportService, ExportSpec, Holder};
 use udm_core::{BlockDevice, Error, ErrorKind};
 
 /// One export a service runs.
@@ -27,34 +29,65 @@ pub(super) trait Served {
     fn stop(self, devs: &dyn Devices);
 }
 
-/// A service's running exports.
-pub(super) struct Running<R>(Mutex<Vec<R>>);
+/// How one protocol starts an export; its [`Service`] does the rest.
+pub(super) trait Protocol: Send + Sync {
+    /// One export while it runs.
+    type Export: Served + Send;
 
-impl<R: Served> Running<R> {
-    /// None yet.
-    pub(super) fn new() -> Running<R> {
-        Running(Mutex::new(Vec::new()))
+    /// Starts `spec` as export `name` (a name no export in `running` has),
+    /// or says why not, having released what it took. `running` stays
+    /// locked until the export joins it, so that two adds cannot both
+    /// claim an address.
+    fn start(
+        &self,
+        devs: &dyn Devices,
+        spec: ExportSpec,
+        name: String,
+        running: &[Self::Export],
+    ) -> Result<Self::Export, Error>;
+}
+
+/// One protocol's exports, started by `P` (an [`ExportService`]).
+pub(super) struct Service<P: Protocol> {
+    protocol: P,
+    running: Mutex<Vec<P::Export>>,
+}
+
+impl<P: Protocol> Service<P> {
+    /// No export yet.
+    pub(super) fn new(protocol: P) -> Service<P> {
+        Service {
+            protocol,
+            running: Mutex::new(Vec::new()),
+        }
     }
 
-    /// The list, locked (`add` holds it while it starts one).
-    pub(super) fn lock(&self) -> MutexGuard<'_, Vec<R>> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    /// The running exports, locked (`add` holds them while it starts one).
+    fn lock(&self) -> MutexGuard<'_, Vec<P::Export>> {
+        self.running.lock().unwrap_or_else(|p| p.into_inner())
     }
+}
 
-    /// Refuses a second export named `name` (checked under the lock `add`
-    /// holds while it starts one, so two adds cannot both pass).
-    pub(super) fn check_name(list: &[R], name: &str) -> Result<(), Error> {
-        if list.iter().any(|r| r.info().name == name) {
+impl<P: Protocol> ExportService for Service<P> {
+    /// Refuses a second export of the name (checked under the lock held
+    /// while the protocol starts it, so two adds cannot both pass).
+    fn add(&self, devs: &dyn Devices, spec: ExportSpec) -> Result<ExportInfo, Error> {
+        let name = spec.name.clone().unwrap_or_else(|| spec.device.clone());
+        let mut running = self.lock();
+        if running.iter().any(|r| r.info().name == name) {
             return Err(Error::new(
                 ErrorKind::Busy,
                 format!("an export named '{name}' exists"),
             ));
         }
-        Ok(())
+        let export = self.protocol.start(devs, spec, name, &running)?;
+        let info = export.info().clone();
+        running.push(export);
+        Ok(info)
     }
 
-    /// `export remove NAME`: refused while it has clients, unless `force`.
-    pub(super) fn remove(&self, devs: &dyn Devices, name: &str, force: bool) -> Result<(), Error> {
+    /// Refused while the export has clients, unless `force`.
+    fn remove(&self, devs: &dyn Devices, name: &str, force: bool) -> Result<(), Error> {
         let r = {
             let mut list = self.lock();
             let Some(i) = list.iter().position(|r| r.info().name == name) else {
@@ -73,8 +106,7 @@ impl<R: Served> Running<R> {
         Ok(())
     }
 
-    /// `export ls`.
-    pub(super) fn list(&self) -> ExportList {
+    fn list(&self) -> ExportList {
         let exports = self
             .lock()
             .iter()
@@ -86,9 +118,10 @@ impl<R: Served> Running<R> {
         ExportList { exports }
     }
 
-    /// Stops them all (the daemon's stop).
-    pub(super) fn stop_all(&self, devs: &dyn Devices) {
-        let all: Vec<R> = self.lock().drain(..).collect();
+    /// Asks each export to stop, then waits for each, so that they drain
+    /// together.
+    fn stop_all(&self, devs: &dyn Devices) {
+        let all: Vec<P::Export> = self.lock().drain(..).collect();
         for r in &all {
             r.begin_stop();
         }

@@ -5,15 +5,15 @@
 
 use std::sync::Arc;
 
-use udm_control::{Devices, ExportInfo, ExportList, ExportService, ExportSpec, Holder};
+use udm_control::{Devices, ExportInfo, ExportSpec, Holder};
 use udm_core::{Error, ErrorKind, ReactorConfig};
 use udm_exports::limits::Pool;
 use udm_exports::ublk::{UblkConfig, UblkDevice};
 
-use super::running::{hold_device, Running, Served};
+use super::running::{hold_device, Protocol, Served};
 
 /// One export being served.
-struct UblkExport {
+pub(super) struct UblkExport {
     info: ExportInfo,
     holder: Holder,
     dev: UblkDevice,
@@ -46,28 +46,32 @@ impl Served for UblkExport {
     }
 }
 
-/// The daemon's ublk exports (an [`ExportService`]).
-pub struct UblkExports {
+/// The daemon's ublk exports (the [`Protocol`] of its ublk
+/// [`Service`](super::running::Service)).
+pub struct Ublk {
     reactor: ReactorConfig,
     /// The daemon's pool: each device's buffers are reserved from it.
     pool: Arc<Pool>,
-    running: Running<UblkExport>,
 }
 
-impl UblkExports {
+impl Ublk {
     /// Exports whose queues' reactors are built as `reactor` says, their
     /// buffers reserved from `pool`.
-    pub fn new(reactor: ReactorConfig, pool: Arc<Pool>) -> UblkExports {
-        UblkExports {
-            reactor,
-            pool,
-            running: Running::new(),
-        }
+    pub fn new(reactor: ReactorConfig, pool: Arc<Pool>) -> Ublk {
+        Ublk { reactor, pool }
     }
 }
 
-impl ExportService for UblkExports {
-    fn add(&self, ctl: &dyn Devices, spec: ExportSpec) -> Result<ExportInfo, Error> {
+impl Protocol for Ublk {
+    type Export = UblkExport;
+
+    fn start(
+        &self,
+        ctl: &dyn Devices,
+        spec: ExportSpec,
+        name: String,
+        running: &[UblkExport],
+    ) -> Result<UblkExport, Error> {
         if !spec.address.is_empty() {
             return Err(Error::invalid(format!(
                 "a ublk export takes no address (got '{}')",
@@ -75,9 +79,6 @@ impl ExportService for UblkExports {
             )));
         }
         let dispatch = spec.opts.dispatch()?;
-        let name = spec.name.clone().unwrap_or_else(|| spec.device.clone());
-        let mut running = self.running.lock();
-        Running::<UblkExport>::check_name(&running, &name)?;
         if let Some(r) = running.iter().find(|r| Some(r.dev.id()) == spec.opts.id) {
             return Err(Error::new(
                 ErrorKind::Busy,
@@ -119,23 +120,6 @@ impl ExportService for UblkExports {
             dispatch: format!("{dispatch} ({why})"),
         };
         tracing::info!("export '{name}' of '{}' at {}", info.device, info.uri);
-        running.push(UblkExport {
-            info: info.clone(),
-            holder,
-            dev,
-        });
-        Ok(info)
-    }
-
-    fn remove(&self, ctl: &dyn Devices, name: &str, force: bool) -> Result<(), Error> {
-        self.running.remove(ctl, name, force)
-    }
-
-    fn list(&self) -> ExportList {
-        self.running.list()
-    }
-
-    fn stop_all(&self, ctl: &dyn Devices) {
-        self.running.stop_all(ctl)
+        Ok(UblkExport { info, holder, dev })
     }
 }

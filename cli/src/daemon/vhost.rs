@@ -8,15 +8,15 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use udm_control::{Devices, ExportInfo, ExportList, ExportService, ExportSpec, Holder};
+use udm_control::{Devices, ExportInfo, ExportSpec, Holder};
 use udm_core::{Error, ErrorKind, ReactorConfig};
 use udm_exports::limits::Pool;
 use udm_exports::vhost::{Clients, Server, ServerConfig};
 
-use super::running::{hold_device, Running, Served, ServerThread};
+use super::running::{hold_device, Protocol, Served, ServerThread};
 
 /// One export being served.
-struct VhostExport {
+pub(super) struct VhostExport {
     info: ExportInfo,
     path: PathBuf,
     holder: Holder,
@@ -48,30 +48,37 @@ impl Served for VhostExport {
     }
 }
 
-/// The daemon's vhost-user-blk exports (an [`ExportService`]).
-pub struct VhostExports {
+/// The daemon's vhost-user-blk exports (the [`Protocol`] of its
+/// vhost-user-blk [`Service`](super::running::Service)).
+pub struct Vhost {
     reactors: usize,
     reactor: ReactorConfig,
     /// The daemon's pool: bounce buffers are charged to its budget.
     pool: Arc<Pool>,
-    running: Running<VhostExport>,
 }
 
-impl VhostExports {
+impl Vhost {
     /// Exports of `reactors` queues unless told otherwise, each queue on
     /// its own reactor built as `reactor` says, drawing on `pool`.
-    pub fn new(reactors: usize, reactor: ReactorConfig, pool: Arc<Pool>) -> VhostExports {
-        VhostExports {
+    pub fn new(reactors: usize, reactor: ReactorConfig, pool: Arc<Pool>) -> Vhost {
+        Vhost {
             reactors: reactors.max(1),
             reactor,
             pool,
-            running: Running::new(),
         }
     }
 }
 
-impl ExportService for VhostExports {
-    fn add(&self, ctl: &dyn Devices, spec: ExportSpec) -> Result<ExportInfo, Error> {
+impl Protocol for Vhost {
+    type Export = VhostExport;
+
+    fn start(
+        &self,
+        ctl: &dyn Devices,
+        spec: ExportSpec,
+        name: String,
+        running: &[VhostExport],
+    ) -> Result<VhostExport, Error> {
         let o = &spec.opts;
         let dispatch = o.dispatch()?;
         let mut refused = Vec::new();
@@ -98,10 +105,7 @@ impl ExportService for VhostExports {
         if spec.address.is_empty() {
             return Err(Error::invalid("vhost-user-blk: no socket path"));
         }
-        let name = spec.name.clone().unwrap_or_else(|| spec.device.clone());
         let path = PathBuf::from(&spec.address);
-        let mut running = self.running.lock();
-        Running::<VhostExport>::check_name(&running, &name)?;
         if let Some(r) = running.iter().find(|r| r.path == path) {
             return Err(Error::new(
                 ErrorKind::Busy,
@@ -150,25 +154,12 @@ impl ExportService for VhostExports {
             info.device,
             info.uri
         );
-        running.push(VhostExport {
-            info: info.clone(),
+        Ok(VhostExport {
+            info,
             path,
             holder,
             clients,
             server,
-        });
-        Ok(info)
-    }
-
-    fn remove(&self, ctl: &dyn Devices, name: &str, force: bool) -> Result<(), Error> {
-        self.running.remove(ctl, name, force)
-    }
-
-    fn list(&self) -> ExportList {
-        self.running.list()
-    }
-
-    fn stop_all(&self, ctl: &dyn Devices) {
-        self.running.stop_all(ctl)
+        })
     }
 }
