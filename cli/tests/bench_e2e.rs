@@ -5,36 +5,23 @@
 mod common;
 
 use common::udm;
-
-/// A temp file path under /dev/shm (O_DIRECT works there on this kernel),
-/// removed on drop.
-struct Shm(String);
-impl Shm {
-    fn new(tag: &str) -> Shm {
-        Shm(format!("/dev/shm/udm-e2e-{}-{tag}", std::process::id()))
-    }
-}
-impl Drop for Shm {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
+use udm_core::testing::TempFile;
 
 /// The backend specs every target is verified over (two devices each).
-fn backends(tag: &str) -> Vec<(String, [String; 2], Vec<Shm>)> {
+fn backends(tag: &str) -> Vec<(String, [String; 2], Vec<TempFile>)> {
     let mut v = vec![(
         "ram".to_string(),
         ["ram:64M".to_string(), "ram:64M".to_string()],
         Vec::new(),
     )];
     for (kind, opt) in [("direct", ""), ("buffered", ",buffered")] {
-        let a = Shm::new(&format!("{tag}-{kind}-a"));
-        let b = Shm::new(&format!("{tag}-{kind}-b"));
+        let a = TempFile::new(&format!("{tag}-{kind}-a"));
+        let b = TempFile::new(&format!("{tag}-{kind}-b"));
         v.push((
             format!("file-{kind}"),
             [
-                format!("file:{},size=64M{opt}", a.0),
-                format!("file:{},size=64M{opt}", b.0),
+                format!("file:{},size=64M{opt}", a.path),
+                format!("file:{},size=64M{opt}", b.path),
             ],
             vec![a, b],
         ));

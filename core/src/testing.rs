@@ -6,6 +6,8 @@
 //!   a completion or a wake-up is lost.
 //! - [`TempDir`]: a fresh directory under the system's temp dir, removed on
 //!   drop.
+//! - [`TempFile`]: a fresh path under /dev/shm, removed on drop or, when a
+//!   wait times out, by [`timed_out`] before it aborts.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -121,9 +123,52 @@ fn lock(m: &Mutex<Option<Instant>>) -> std::sync::MutexGuard<'_, Option<Instant>
 /// would free, so this aborts rather than panics. It writes to stderr
 /// directly: the test harness does not capture that, and would lose what it
 /// captured when the process aborts.
+///
+/// The live [`TempFile`]s are removed first, since no destructor will run.
 pub fn timed_out(what: &str, after: Duration) -> ! {
     let _ = writeln!(std::io::stderr(), "TIMEOUT after {after:?}: {what}");
+    if let Ok(live) = TEMP_FILES.try_lock() {
+        for p in live.iter() {
+            let _ = std::fs::remove_file(p);
+        }
+    }
     std::process::abort();
+}
+
+/// The live [`TempFile`]s' paths, for [`timed_out`] to remove.
+static TEMP_FILES: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// A fresh path `/dev/shm/udm-test-PID-N-TAG` (in memory, and O_DIRECT
+/// works there on this host's kernel, so a file device tested there does
+/// real I/O without wearing a disk), not created: a
+/// stale file of the name is removed. The file, if made, is removed on drop,
+/// or by [`timed_out`].
+pub struct TempFile {
+    /// The path.
+    pub path: String,
+}
+
+impl TempFile {
+    /// A new path tagged `tag`.
+    pub fn new(tag: &str) -> TempFile {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let n = N.fetch_add(1, Ordering::Relaxed);
+        let path = format!("/dev/shm/udm-test-{}-{n}-{tag}", std::process::id());
+        let _ = std::fs::remove_file(&path);
+        TEMP_FILES
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(path.clone());
+        TempFile { path }
+    }
+}
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+        let mut live = TEMP_FILES.lock().unwrap_or_else(PoisonError::into_inner);
+        live.retain(|p| *p != self.path);
+    }
 }
 
 /// A fresh directory `udm-test-TAG-PID-N` under [`std::env::temp_dir`],
@@ -197,5 +242,16 @@ mod tests {
         assert_eq!(std::fs::read(keep.join("f")).unwrap(), b"x");
         drop(d);
         assert!(!keep.exists());
+    }
+
+    #[test]
+    fn a_temp_file_is_a_fresh_path_removed_on_drop() {
+        let (a, b) = (TempFile::new("t"), TempFile::new("t"));
+        assert_ne!(a.path, b.path);
+        assert!(!Path::new(&a.path).exists(), "not created");
+        std::fs::write(&a.path, b"x").unwrap();
+        let keep = a.path.clone();
+        drop(a);
+        assert!(!Path::new(&keep).exists());
     }
 }

@@ -4,11 +4,11 @@
 
 use std::cell::Cell;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use udm_backends::{AlignedBuf, Power, PowerCut};
+pub use udm_core::testing::TempFile;
 use udm_core::testing::{self, Watchdog};
 use udm_core::{
     Bio, BioFlags, BioPtr, BlockDevice, Caps, Channel, Op, Reactor, ReactorConfig, Status,
@@ -31,45 +31,9 @@ pub const SECTOR: usize = SECTOR_SIZE as usize;
 // ---------------------------------------------------------------------------
 // Temp files and timeouts.
 
-static TEMP_SEQ: AtomicUsize = AtomicUsize::new(0);
-/// Live temp files, for `timed_out` to remove before it aborts.
-static TEMP_LIVE: Mutex<Vec<String>> = Mutex::new(Vec::new());
-
-/// A unique path under /dev/shm, removed (if it exists) on drop.
-pub struct TempFile {
-    pub path: String,
-}
-
-impl TempFile {
-    pub fn new(tag: &str) -> TempFile {
-        let path = format!(
-            "/dev/shm/udm-conformance-{}-{}-{tag}",
-            std::process::id(),
-            TEMP_SEQ.fetch_add(1, Ordering::Relaxed)
-        );
-        let _ = std::fs::remove_file(&path);
-        TEMP_LIVE.lock().unwrap().push(path.clone());
-        TempFile { path }
-    }
-}
-
-impl Drop for TempFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
-        if let Ok(mut live) = TEMP_LIVE.lock() {
-            live.retain(|p| *p != self.path);
-        }
-    }
-}
-
-/// A wait timed out: removes the temp files (no destructor will run) and
-/// aborts (see [`testing::timed_out`]).
+/// A wait timed out: aborts (see [`testing::timed_out`], which removes the
+/// temp files first).
 fn timed_out(what: &str) -> ! {
-    if let Ok(live) = TEMP_LIVE.try_lock() {
-        for p in live.iter() {
-            let _ = std::fs::remove_file(p);
-        }
-    }
     testing::timed_out(what, TIMEOUT)
 }
 
