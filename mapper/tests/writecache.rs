@@ -940,3 +940,67 @@ fn a_cache_that_takes_only_small_ios_is_formatted_and_loaded_in_pieces() {
         assert_sectors_eq(&t.read(&dev, s, n), &pattern(5, s, n), "after a restart");
     }
 }
+
+/// A write and a discard of one block in flight together leave the block
+/// with the write's data or with the discard's (zeroes on RAM), never the
+/// data from before the write: here the block's older copy is taken for
+/// writeback (watermark) while the discard is at the slow origin, the
+/// write supersedes it meanwhile, and that older copy lands on the origin
+/// after the discard — which must then not drop the newer copy from the
+/// cache.
+#[test]
+fn a_write_racing_a_discard_never_brings_back_the_data_before_it() {
+    use std::time::{Duration, Instant};
+    let mut d = Devices::new();
+    d.ram("origin", 16384);
+    d.ram("cache", 4096);
+    // Writes, discards and flushes reach the origin 600 ms late.
+    let slow = d.mapped("slow", "0 16384 delay origin 0 0 origin 0 600");
+    d.add(as_dev(&slow));
+    // Writeback starts above 6 of the 509 blocks and keeps the newest 5.
+    let md = d.mapped(
+        "wc",
+        "0 16384 writecache s slow cache 4096 4 high_watermark 1 low_watermark 1",
+    );
+    let dev = as_dev(&md);
+    let t = Tester::new();
+    let (old, new) = (pattern(1, 0, 8), pattern(2, 0, 8));
+    t.write(&dev, 0, old.clone());
+    assert_eq!(t.run(&dev, Req::flush()).status, Status::Ok, "committed");
+    let ch = t.open(&dev);
+    let discard = submit(&t.reactor, &*ch, Req::discard(0, 8));
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_millis(100) {
+        t.reactor.poll_once();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(status(&md)[WB], 0, "nothing under writeback yet");
+    // Past the high watermark: writeback takes the oldest committed
+    // block, block 0's.
+    t.write(&dev, 64, pattern(3, 64, 64));
+    while status(&md)[WB] == 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "writeback never took the block: {:?}",
+            status(&md)
+        );
+        t.reactor.poll_once();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let write = submit(&t.reactor, &*ch, Req::write(0, new.clone()));
+    let f = vec![discard, write];
+    t.wait_all(&f);
+    for r in f.into_iter().map(InFlight::finish) {
+        assert_eq!(r.status, Status::Ok);
+    }
+    let got = t.read(&dev, 0, 8);
+    assert!(
+        got == new || got.iter().all(|&b| b == 0),
+        "block 0 holds {} after a write and a discard in flight together",
+        if got == old {
+            "the data from before the write".to_string()
+        } else {
+            describe(&got)
+        }
+    );
+}

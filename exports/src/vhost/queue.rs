@@ -157,9 +157,17 @@ impl VQueue {
         self.arm_kick();
     }
 
+    /// Takes every available chain, then sends what the front holds of
+    /// them: also when the ring breaks mid-batch, since the chains taken
+    /// before are in flight and must complete (a stop waits for them).
+    fn process(&mut self) {
+        self.take_all();
+        self.front.unplug();
+    }
+
     /// Takes every available chain (the EVENT_IDX loop: notifications off
     /// while draining, on again, and drain again if more came meanwhile).
-    fn process(&mut self) {
+    fn take_all(&mut self) {
         let mem = self.mem.clone();
         loop {
             if self.queue.disable_notification(&mem.guest).is_err() {
@@ -196,7 +204,6 @@ impl VQueue {
                 Err(_) => return self.fail_ring("its used ring is outside guest memory"),
             }
         }
-        self.front.unplug();
     }
 
     /// Starts the request of the chain at `head`, made of `descs`.

@@ -118,7 +118,7 @@ impl Worker {
                         take(st, cb, o, &mut out, &mut runs);
                     }
                     over_low = over_low.saturating_sub((out.len() - before) as u64);
-                } else {
+                } else if !st.discarding(e.ob as u64) {
                     need_commit = true;
                 }
             }
@@ -303,8 +303,11 @@ impl Worker {
 }
 
 /// Whether live cache block `b` may be written back now: committed (its
-/// entry durable), not being written, not already under writeback, and
-/// no older entry of its origin block has a free marker still pending.
+/// entry durable), not being written, not already under writeback, no
+/// older entry of its origin block has a free marker still pending, and
+/// no discard of its origin block is in flight (its data, landing on the
+/// origin after the discard, would be what a newer write's copy uncovers
+/// when the discard drops that copy).
 fn may_go_back(st: &State, b: u32) -> bool {
     let e = &st.entries[b as usize];
     e.st == St::Live
@@ -313,6 +316,7 @@ fn may_go_back(st: &State, b: u32) -> bool {
         && e.seq != 0
         && e.seq <= st.committed
         && !st.shadowed(e.ob as u64)
+        && !st.discarding(e.ob as u64)
 }
 
 /// Whether origin block `ob` is cached in a block that may go back now.

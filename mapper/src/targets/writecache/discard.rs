@@ -89,7 +89,10 @@ impl Discarder {
     /// Sends the discard on to the origin — once no writeback of the range
     /// is in flight: a block superseded while under writeback still writes
     /// its (older) data to the origin, which must not land on top of the
-    /// discard (the newer copy, dropped, would then uncover it).
+    /// discard (the newer copy, dropped, would then uncover it). For the
+    /// same reason, with cached blocks to drop, the range is marked
+    /// discarding until the discard completes: writeback takes none of its
+    /// blocks meanwhile.
     fn start_discard(&self, mut bio: BioPtr) {
         let sh = &*self.shared;
         let bs = sh.cfg.bs_sectors();
@@ -109,7 +112,11 @@ impl Discarder {
                 return;
             }
             let map = &st.map[ob0..ob0 + n];
-            unmapped_prefix(map) < map.len()
+            let cached = unmapped_prefix(map) < map.len();
+            if cached {
+                st.discarding.push((ob0 as u64, (ob0 + n) as u64));
+            }
+            cached
         };
         bio.set_ctx(if cached { 0 } else { DISCARD_PASS });
         // The target maps sector for sector onto the origin.
@@ -148,12 +155,30 @@ impl Discarder {
             return;
         }
         sh.poke();
+        self.done_discarding(&bio);
         bio.pop_end_io();
         if in_completion {
             bio.endio();
         } else {
             let s = bio.status();
             bio.complete(s);
+        }
+    }
+
+    /// A discard with cached blocks (marked discarding by start_discard)
+    /// ends: writeback may take its range's blocks again.
+    fn done_discarding(&self, bio: &BioPtr) {
+        if bio.ctx() & (DISCARD_PASS | DISCARD_WAIT_WB) != 0 {
+            return;
+        }
+        let sh = &*self.shared;
+        let bs = sh.cfg.bs_sectors();
+        let range = (bio.sector / bs, (bio.sector + bio.sectors()) / bs);
+        let mut st = sh.lock();
+        if let Some(i) = st.discarding.iter().position(|&r| r == range) {
+            st.discarding.swap_remove(i);
+            drop(st);
+            sh.poke();
         }
     }
 }
@@ -200,6 +225,7 @@ fn discard_origin_done(mut bio: BioPtr) {
     // in flight.
     let d = unsafe { &*(bio.private() as *const Discarder) };
     if !bio.status().is_ok() || bio.ctx() & DISCARD_PASS != 0 {
+        d.done_discarding(&bio);
         bio.pop_end_io();
         return bio.endio();
     }
@@ -225,6 +251,7 @@ fn discard_flush_done(f: BioPtr) {
     let d = unsafe { &*(bio.private() as *const Discarder) };
     if !s.is_ok() {
         bio.set_status(s);
+        d.done_discarding(&bio);
         bio.pop_end_io();
         return bio.endio();
     }

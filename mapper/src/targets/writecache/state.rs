@@ -147,6 +147,10 @@ pub(crate) struct State {
     pub discard_waiters: u64,
     /// Per origin block: blocks of it under writeback (see start_discard).
     pub wb_ob: Vec<u8>,
+    /// Origin block ranges `[start, end)` of discards gone to the origin
+    /// with cached blocks to drop after: writeback takes none of their
+    /// blocks until the discard completes (see start_discard).
+    pub discarding: Vec<(u64, u64)>,
     pub stats: Stats,
     pub error: i32,
     pub ready: bool,
@@ -186,6 +190,7 @@ impl State {
             read_waiters: 0,
             discard_waiters: 0,
             wb_ob: touched(origin_blocks as usize, 0),
+            discarding: Vec::new(),
             stats: Stats::default(),
             error: 0,
             ready: false,
@@ -400,6 +405,13 @@ impl State {
     #[inline]
     pub fn shadowed(&self, ob: u64) -> bool {
         self.shadows[ob as usize] != 0
+    }
+
+    /// Whether origin block `ob` lies in a discard in flight (see
+    /// [`State::discarding`]).
+    #[inline]
+    pub fn discarding(&self, ob: u64) -> bool {
+        self.discarding.iter().any(|&(s, e)| s <= ob && ob < e)
     }
 
     /// Blocks in use (not in the free extents).
