@@ -560,28 +560,17 @@ mod hostile {
             // SAFETY: two distinct live mappings of MEM bytes; nothing is
             // in flight (requests are waited for).
             unsafe { std::ptr::copy_nonoverlapping(self.mem.as_ptr(), mem.as_ptr(), MEM) };
-            let userspace_addr = mem.as_ptr() as u64;
             let old = std::mem::replace(&mut self.mem, mem);
             self._memfd = memfd;
-            let region = VhostUserMemoryRegionInfo {
-                guest_phys_addr: G,
-                memory_size: MEM as u64,
-                userspace_addr,
-                mmap_offset: 0,
-                mmap_handle: self._memfd.as_raw_fd(),
-            };
-            // Answered (REPLY_ACK) once udm's reactors took it, as QEMU
-            // asks: requests made after use the new memory.
-            let fe = self.fe.as_mut().unwrap();
-            fe.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
-            fe.set_mem_table(&[region]).unwrap();
-            fe.set_hdr_flags(VhostUserHeaderFlag::empty());
+            self.send_mem_table(MEM as u64);
             old
         }
 
-        /// Sends a memory table of the first `len` bytes of the guest's
-        /// memory only (the same memfd and addresses), while the queue runs.
-        fn shrink_memory(&mut self, len: u64) {
+        /// Sends a one-region table: the first `len` bytes of the guest's
+        /// memfd and mapping at guest address G. Answered (REPLY_ACK) once
+        /// udm's reactors took it, as QEMU asks: requests made after use
+        /// the new table.
+        fn send_mem_table(&mut self, len: u64) {
             let region = VhostUserMemoryRegionInfo {
                 guest_phys_addr: G,
                 memory_size: len,
@@ -651,12 +640,7 @@ mod hostile {
         /// Makes the chain at `head` available, kicks, and waits for it in
         /// the used ring; its used element's (id, len).
         fn submit(&mut self, head: u16) -> (u32, u32) {
-            let slot = AVAIL + 4 + (self.avail % QSIZE) as usize * 2;
-            self.write(slot, &head.to_le_bytes());
-            self.avail = self.avail.wrapping_add(1);
-            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-            self.write(AVAIL + 2, &self.avail.to_le_bytes());
-            self.kick.write(1).unwrap();
+            self.make_available(head);
             let t0 = Instant::now();
             while self.used_idx() != self.avail {
                 assert!(
@@ -749,7 +733,7 @@ mod hostile {
         g.attach(&srv.path, None, 0);
         // Descriptors and avail ring stay in the table, the used ring
         // (at USED = 0x2000) does not.
-        g.shrink_memory(USED as u64);
+        g.send_mem_table(USED as u64);
         let data = pattern(9, 512);
         g.header(0x1100, 1, 8);
         g.write(0x1200, &[0xff]);
