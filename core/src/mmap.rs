@@ -92,11 +92,13 @@ impl Mmap {
     /// The first byte. Valid for [`len`](Mmap::len) bytes while the Mmap
     /// lives; what may be read or written there, and when, is the
     /// protection's and the users' business.
+    #[inline]
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }
 
     /// Bytes mapped.
+    #[inline]
     pub fn len(&self) -> usize {
         self.len
     }
