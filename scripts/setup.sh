@@ -3,10 +3,16 @@
 # Idempotent: installs only what is missing. Run as root (or with sudo).
 set -euo pipefail
 
+# librbd1, librados2: the rbd backend loads them at run time (building needs
+# neither); the Ceph daemons boot the rbd tests' one-node cluster.
 # libclang-dev: bindgen, for scripts/bench/ublk-null-ref (libublk); strace: the
 # guest's system-call counts (docs/benchmarks.md, dm-compare).
+# thin-provisioning-tools: thin_check/thin_dump/thin_restore check thin pools'
+# metadata; cryptsetup-bin and python3-cryptography: LUKS volumes and
+# independent AES-XTS answers for the crypt tests.
 APT_PACKAGES=(build-essential pkg-config valgrind bc fio e2fsprogs nbdkit libnbd-bin python3-libnbd zstd xz-utils
-    librbd-dev librados-dev ceph-mon ceph-osd ceph-common libclang-dev strace)
+    librbd1 librados2 ceph-mon ceph-osd ceph-common libclang-dev strace
+    thin-provisioning-tools cryptsetup-bin python3-cryptography openssl)
 # QEMU from Debian 12's backports (10.x: qemu-img, qemu-io, qemu-nbd,
 # qemu-storage-daemon, and qemu-system-x86_64 for the test guest): the two
 # packages must come from the same release, or apt removes one for the other.

@@ -37,8 +37,16 @@ for b in ${GUEST_BINS:-}; do
     "$HERE/libs.sh" "$T/r" "$b" "/bin/$(basename "$b")"
 done
 install -m755 "$SCRIPT" "$T/r/test.sh"
-(cd "$T/r" && find . | "$W/busybox" cpio -o -H newc 2>/dev/null | gzip -1 >"$T/test.cpio.gz")
-cat "$W/base.cpio.gz" "$T/test.cpio.gz" >"$T/initrd.gz"
+# The base image is copied under a shared lock on the cache, so a rebuild
+# (which holds it exclusively) never swaps it halfway through a copy.
+exec 9>>"$W/.lock"
+flock -s 9
+cp "$W/busybox" "$W/vmlinuz" "$T/"
+cat "$W/base.cpio.gz" >"$T/initrd.gz"
+flock -u 9
+exec 9>&-
+(cd "$T/r" && find . | "$T/busybox" cpio -o -H newc 2>/dev/null | gzip -1 >"$T/test.cpio.gz")
+cat "$T/test.cpio.gz" >>"$T/initrd.gz"
 DRIVES=()
 i=0
 for d in "$@"; do
@@ -51,7 +59,7 @@ NO_REBOOT=-no-reboot
 timeout "${GUEST_TIMEOUT:-300}" qemu-system-x86_64 -accel tcg,thread=multi -cpu max -smp 2 \
     -m "${GUEST_MEM:-1G}" -object "memory-backend-memfd,id=mem,size=${GUEST_MEM:-1G},share=on" \
     -machine q35,memory-backend=mem -nographic $NO_REBOOT -nic none \
-    -kernel "$W/vmlinuz" -initrd "$T/initrd.gz" \
+    -kernel "$T/vmlinuz" -initrd "$T/initrd.gz" \
     -append "console=ttyS0 quiet panic=-1" "${DRIVES[@]}" ${GUEST_QEMU_ARGS:-} </dev/null >"$LOG" 2>&1 || true
 tr -d '\r' <"$LOG" | grep -v '^\s*$' | sed 's/^/guest: /'
 rc=$(tr -d '\r' <"$LOG" | sed -n 's/^GUEST_RC=\([0-9]*\)$/\1/p' | tail -1)

@@ -68,6 +68,7 @@ impl Cluster {
         conf: Option<&str>,
         t: Timeouts,
     ) -> Result<Cluster, Error> {
+        ffi::load()?;
         let client = format!("client.{id}");
         let c_cluster = cstr("cluster name", cluster)?;
         let c_client = cstr("client id", &client)?;
@@ -494,10 +495,11 @@ pub unsafe fn finish(c: ffi::rbd_completion_t) -> isize {
     r
 }
 
-/// librbd's version, `major.minor.extra`.
-pub fn version() -> String {
+/// librbd's version, `major.minor.extra` (loading the library if needed).
+pub fn version() -> Result<String, Error> {
+    ffi::load()?;
     let (mut a, mut b, mut c) = (0, 0, 0);
-    // SAFETY: three live out-pointers.
+    // SAFETY: the library is loaded; three live out-pointers.
     unsafe { ffi::rbd_version(&mut a, &mut b, &mut c) };
-    format!("{a}.{b}.{c}")
+    Ok(format!("{a}.{b}.{c}"))
 }
