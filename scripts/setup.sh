@@ -39,10 +39,10 @@ if [ ${#missing[@]} -gt 0 ] || [ ${#qemu_missing[@]} -gt 0 ]; then
     echo "setup: installing ${missing[*]} ${qemu_missing[*]}"
     $SUDO apt-get update -qq
     if [ ${#missing[@]} -gt 0 ]; then
-        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -o DPkg::Lock::Timeout=600 -y -qq --no-install-recommends "${missing[@]}"
     fi
     if [ ${#qemu_missing[@]} -gt 0 ]; then
-        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -o DPkg::Lock::Timeout=600 -y -qq --no-install-recommends \
             "${QEMU_FROM[@]}" "${QEMU_PACKAGES[@]}"
     fi
 fi
