@@ -14,6 +14,10 @@
 # run.sh's (GUEST_MEM, GUEST_TIMEOUT, GUEST_LOG). A scenario with the line
 # `# guest.sh: nvme` gets a 1 GiB QEMU NVMe disk, /dev/nvme0n1 (its
 # driver loaded without poll queues: the scenario reloads it as it needs).
+# A scenario NAME.sh with a NAME.host.sh beside it has that sourced on the
+# host first, with $T a scratch folder: it may make disk images and append
+# them to DISKS (attached in order as /dev/vda, /dev/vdb, ...) and export
+# SCN_* variables (e.g. keys) for the guest.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/.." && pwd)
@@ -26,7 +30,7 @@ for a in "$@"; do
     -*) echo "guest.sh: unknown option $a" >&2; exit 2 ;;
     *)
         [ -f "$HERE/guest/scenarios/$a.sh" ] || {
-            echo "guest.sh: unknown scenario '$a' (known: $(cd "$HERE/guest/scenarios" && ls | sed 's/\.sh$//' | tr '\n' ' '))" >&2
+            echo "guest.sh: unknown scenario '$a' (known: $(cd "$HERE/guest/scenarios" && ls | grep -v '\.host\.sh$' | sed 's/\.sh$//' | tr '\n' ' '))" >&2
             exit 2
         }
         SCEN+=("$a")
@@ -40,6 +44,13 @@ if [ -z "${UDM:-}" ]; then
 fi
 T=$(mktemp -d)
 trap 'rm -rf "$T"' EXIT
+DISKS=()
+for s in "${SCEN[@]}"; do
+    if [ -f "$HERE/guest/scenarios/$s.host.sh" ]; then
+        # shellcheck source=/dev/null
+        . "$HERE/guest/scenarios/$s.host.sh"
+    fi
+done
 for s in "${SCEN[@]}"; do
     if grep -q '^# guest.sh: nvme$' "$HERE/guest/scenarios/$s.sh"; then
         truncate -s 1G "$T/nvme.img"
@@ -76,7 +87,7 @@ SH
     echo '[ "$FAILED" = 0 ]'
 } >"$T/test.sh"
 set +e
-"$HERE/guest/run.sh" "$T/test.sh" | tee "$T/out"
+"$HERE/guest/run.sh" "$T/test.sh" ${DISKS[@]+"${DISKS[@]}"} | tee "$T/out"
 rc=${PIPESTATUS[0]}
 set -e
 grep -q '^guest: RESULT ' "$T/out" || { echo "guest.sh: no results (rc $rc)" >&2; exit 3; }
