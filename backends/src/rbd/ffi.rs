@@ -28,6 +28,10 @@ pub type rbd_completion_t = *mut c_void;
 /// `rbd_callback_t`: called on one of librbd's threads when an I/O completes.
 pub type rbd_callback_t = Option<unsafe extern "C" fn(cb: rbd_completion_t, arg: *mut c_void)>;
 
+/// The callback of `rbd_diff_iterate2`: an extent, whether it exists.
+pub type rbd_diff_callback_t =
+    Option<unsafe extern "C" fn(off: u64, len: usize, exists: c_int, arg: *mut c_void) -> c_int>;
+
 /// `RBD_MAX_BLOCK_NAME_SIZE`.
 pub const RBD_MAX_BLOCK_NAME_SIZE: usize = 24;
 /// `RBD_MAX_IMAGE_NAME_SIZE`.
@@ -105,6 +109,7 @@ macro_rules! api {
             /// the safe layer makes proves it: [`super::sys::Cluster::connect`]
             /// loads first).
             #[inline]
+            #[allow(clippy::too_many_arguments)] // the C function's
             pub unsafe fn $name($($arg: $ty),*) $(-> $ret)? {
                 // SAFETY: the caller's promise, as the C function's.
                 unsafe { (loaded().$name)($($arg),*) }
@@ -138,6 +143,7 @@ api! {
     rbd: fn rbd_aio_writev(image: rbd_image_t, iov: *const libc::iovec, iovcnt: c_int, off: u64, c: rbd_completion_t) -> c_int;
     rbd: fn rbd_aio_flush(image: rbd_image_t, c: rbd_completion_t) -> c_int;
     rbd: fn rbd_aio_discard(image: rbd_image_t, off: u64, len: u64, c: rbd_completion_t) -> c_int;
+    rbd: fn rbd_diff_iterate2(image: rbd_image_t, fromsnapname: *const c_char, ofs: u64, len: u64, include_parent: u8, whole_object: u8, cb: rbd_diff_callback_t, arg: *mut c_void) -> c_int;
     rbd: fn rbd_aio_write_zeroes(image: rbd_image_t, off: u64, len: usize, c: rbd_completion_t, zero_flags: c_int, op_flags: c_int) -> c_int;
 }
 
