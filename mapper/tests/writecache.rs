@@ -137,11 +137,23 @@ fn writeback_starts_above_the_high_watermark_and_stops_at_the_low() {
     let t = Tester::new();
     let n = status(&md)[BLOCKS];
     let low = n * 10 / 100;
-    // Fill 40% of the cache, oldest first, and commit it.
+    // Fill 40% of the cache, oldest first, and commit it: 10% a block a
+    // write, below the high watermark, then the rest in one write, which
+    // crosses it. (Crossed in small writes, the fill races the pass: a
+    // worker that catches up with them ends its pass at the low watermark,
+    // and the writes after that leave the cache between the watermarks,
+    // where no pass starts; see the next test.)
     let blocks = n * 40 / 100;
-    for b in 0..blocks {
+    let below_high = n * 10 / 100;
+    for b in 0..below_high {
         t.write(&dev, b * 8, pattern(5, b * 8, 8));
     }
+    let rest = below_high * 8..blocks * 8;
+    t.write(
+        &dev,
+        rest.start,
+        pattern(5, rest.start, rest.end - rest.start),
+    );
     assert_eq!(t.run(&dev, Req::flush()).status, Status::Ok);
     wait_for("writeback down to the low watermark", || {
         let s = status(&md);
@@ -173,6 +185,71 @@ fn writeback_starts_above_the_high_watermark_and_stops_at_the_low() {
         &pattern(5, 0, blocks * 8),
         "data",
     );
+}
+
+/// A pass ends at the low watermark; the blocks written after it stay
+/// cached while the cache stays below the high watermark, and crossing it
+/// again starts the next pass (dm's hysteresis). The writes after the pass
+/// are what a fill in small writes meets when the worker catches up with
+/// it: here they wait for the pass to end instead of racing it.
+#[test]
+fn blocks_written_after_a_pass_stay_cached_until_the_high_watermark_again() {
+    let d = setup();
+    let md = wc(&d, "4 high_watermark 20 low_watermark 10");
+    let dev = as_dev(&md);
+    let t = Tester::new();
+    let n = status(&md)[BLOCKS];
+    let (low, mid) = (n * 10 / 100, n * 15 / 100);
+    let used = || {
+        let s = status(&md);
+        s[BLOCKS] - s[FREE]
+    };
+    let origin = d.get("origin");
+    // Which of the first `upto` origin blocks the origin holds.
+    let went_back = |upto: u64| -> Vec<bool> {
+        let o = t.read(&origin, 0, upto * 8);
+        o.chunks(4096).map(|c| c.iter().any(|&b| b != 0)).collect()
+    };
+    // 30% in one write: over the high watermark, a pass to the low one.
+    let a = n * 30 / 100;
+    t.write(&dev, 0, pattern(7, 0, a * 8));
+    assert_eq!(t.run(&dev, Req::flush()).status, Status::Ok);
+    wait_for("the first pass to end", || used() <= low);
+    assert_eq!(used(), low, "the first pass stopped at the low watermark");
+    // The pass is over: a block a write up to 15%, between the watermarks.
+    let b = a + (mid - low);
+    for blk in a..b {
+        t.write(&dev, blk * 8, pattern(7, blk * 8, 8));
+    }
+    assert_eq!(t.run(&dev, Req::flush()).status, Status::Ok);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let s = status(&md);
+    assert_eq!(
+        s[BLOCKS] - s[FREE],
+        mid,
+        "no pass below the high watermark: {s:?}"
+    );
+    assert_eq!(s[WB], 0, "nothing under writeback: {s:?}");
+    let back = went_back(b);
+    assert!(
+        back[..(a - low) as usize].iter().all(|&x| x)
+            && back[(a - low) as usize..].iter().all(|&x| !x),
+        "only the first pass's blocks went back"
+    );
+    // Over the high watermark again (25%, in one write): the next pass
+    // takes the oldest blocks, the first pass's newest among them.
+    let c = b + n * 10 / 100;
+    t.write(&dev, b * 8, pattern(7, b * 8, (c - b) * 8));
+    assert_eq!(t.run(&dev, Req::flush()).status, Status::Ok);
+    wait_for("the second pass to end", || used() <= low);
+    assert_eq!(used(), low, "the second pass stopped at the low watermark");
+    let back = went_back(c);
+    let oldest = (c - low) as usize;
+    assert!(
+        back[..oldest].iter().all(|&x| x) && back[oldest..].iter().all(|&x| !x),
+        "the {oldest} oldest blocks went back, the {low} newest stayed"
+    );
+    assert_sectors_eq(&t.read(&dev, 0, c * 8), &pattern(7, 0, c * 8), "data");
 }
 
 #[test]

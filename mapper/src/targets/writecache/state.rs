@@ -132,6 +132,10 @@ pub(crate) struct State {
     /// disk, nor may a write to it go around the cache. (An array, not a
     /// hash: an overwrite of a committed block bumps it once per block.)
     pub shadows: Vec<u16>,
+    /// A watermark pass is on: set when the cache reaches the high
+    /// watermark, cleared when it is down to the low one. Between them a
+    /// pass goes on but none starts (dm's hysteresis), so blocks written
+    /// after a pass ended stay cached until the high watermark again.
     pub wb_active: bool,
     pub wb_inflight: u64,
     pub writeback_all: u32,
