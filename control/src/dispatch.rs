@@ -21,7 +21,7 @@ pub fn execute(ctl: &Control, op: Op) -> Result<Value, Error> {
         Op::Targets {} => value(Ok(ctl.targets())),
         Op::Info { name } => value(ctl.info(&name)),
         Op::Status { names } => value(ctl.status(&names)),
-        Op::Table { names } => value(ctl.table(&names)),
+        Op::Table { names, show_keys } => value(ctl.table_shown(&names, show_keys)),
         Op::Deps { name } => value(ctl.deps(&name)),
         Op::Message { name, sector, argv } => {
             if argv.is_empty() {

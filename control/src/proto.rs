@@ -56,6 +56,9 @@ pub enum Op {
         /// The devices.
         #[serde(default)]
         names: Vec<String>,
+        /// Show the keys in crypt table lines (hidden as `-` otherwise).
+        #[serde(default)]
+        show_keys: bool,
     },
     /// The devices a mapped device's tables use.
     Deps {

@@ -102,9 +102,15 @@ impl Entry {
     pub fn mapped(&self) -> Option<&MappedDevice> {
         self.dev.as_any().downcast_ref::<MappedDevice>()
     }
-    /// The inactive table's lines, if one is loaded.
+    /// The inactive table's lines, if one is loaded (keys hidden).
     pub fn inactive_lines(&self) -> Option<&[String]> {
         self.inactive.as_ref().map(|i| i.lines.as_slice())
+    }
+    /// The inactive table's lines with their keys shown, if one is loaded.
+    pub fn inactive_lines_with_keys(&self) -> Option<Vec<String>> {
+        self.inactive
+            .as_ref()
+            .map(|i| i.table.table_lines_with_keys())
     }
     /// The device's event counter (dm's `event_nr`): table swaps, and the
     /// events its live table's targets raised.

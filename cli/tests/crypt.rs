@@ -1,0 +1,68 @@
+//! The crypt target from the command line: a key given in a table line
+//! appears in no output or log of `udm table`, `udm status` or an error
+//! unless `--show-keys` asks for it.
+
+#![allow(clippy::unwrap_used)] // helpers too: allow-unwrap-in-tests only covers #[test] fns
+
+mod common;
+
+use std::process::Command;
+
+const KEY: &str = "8c1b7f0e9a2d4c6b5e3f1a0d9c8b7a6f5e4d3c2b1a0f9e8d7c6b5a4f3e2d1c0b\
+                   11223344556677889900aabbccddeeff00112233445566778899aabbccddeeff";
+
+/// `udm ARGS` with every log level on; (exit code, stdout, stderr).
+fn udm_logged(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_udm"))
+        .args(args)
+        .env("RUST_LOG", "trace")
+        .output()
+        .expect("run udm");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// No 16 hex digits in a row of the key anywhere in `text`.
+fn assert_no_key(text: &str, what: &str) {
+    for w in (0..KEY.len() - 16).step_by(8) {
+        assert!(
+            !text.contains(&KEY[w..w + 16]),
+            "{what} shows the key:\n{text}"
+        );
+    }
+}
+
+#[test]
+fn the_key_is_in_no_output_or_log_unless_shown() {
+    let table = format!("c=0 16384 crypt aes-xts-plain64 {KEY} 0 r 0 1 sector_size:4096");
+    let devs = ["--dev", "r=ram:8M", "--dev", &table];
+    let (code, out, err) = udm_logged(&[&["table"], &devs[..]].concat());
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("0 16384 crypt aes-xts-plain64 - 0 r 0 1 sector_size:4096"),
+        "{out}"
+    );
+    assert_no_key(&out, "udm table");
+    assert_no_key(&err, "udm table's log");
+
+    let (code, out, err) = udm_logged(&[&["status"], &devs[..]].concat());
+    assert_eq!(code, 0, "{err}");
+    assert_no_key(&format!("{out}{err}"), "udm status");
+
+    let (code, out, err) = udm_logged(&[&["table", "--show-keys"], &devs[..]].concat());
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains(&format!("crypt aes-xts-plain64 {KEY} 0 r 0")),
+        "{out}"
+    );
+
+    // A bad table: one line, exit 2, and still no key.
+    let bad = format!("c=0 16384 crypt aes-xts-plain64 {KEY} 0 r 0 1 sector_size:3000");
+    let (code, out, err) = udm_logged(&["table", "--dev", "r=ram:8M", "--dev", &bad]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(err.contains("invalid sector_size '3000'"), "{err}");
+    assert_no_key(&format!("{out}{err}"), "the error");
+}
