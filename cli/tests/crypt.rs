@@ -8,6 +8,8 @@ mod common;
 
 use std::process::Command;
 
+use common::udm;
+
 const KEY: &str = "8c1b7f0e9a2d4c6b5e3f1a0d9c8b7a6f5e4d3c2b1a0f9e8d7c6b5a4f3e2d1c0b\
                    11223344556677889900aabbccddeeff00112233445566778899aabbccddeeff";
 
@@ -65,4 +67,55 @@ fn the_key_is_in_no_output_or_log_unless_shown() {
     assert_eq!(code, 2, "{out}{err}");
     assert!(err.contains("invalid sector_size '3000'"), "{err}");
     assert_no_key(&format!("{out}{err}"), "the error");
+}
+
+/// A LUKS2 volume made by cryptsetup opens from `--dev NAME=luks:…`; a
+/// wrong passphrase exits 2 with one line and makes no device.
+#[test]
+fn luks_volumes_open_from_the_command_line() {
+    if !Command::new("cryptsetup")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
+        eprintln!("skipped: cryptsetup is not installed");
+        return;
+    }
+    let d = common::TempDir::new("luks-cli");
+    let img = d.path("v.img");
+    let pass = d.path("pass");
+    let bad = d.path("bad");
+    std::fs::write(&pass, "pass phrase").unwrap();
+    std::fs::write(&bad, "wrong").unwrap();
+    std::fs::File::create(&img)
+        .unwrap()
+        .set_len(20 << 20)
+        .unwrap();
+    let ok = Command::new("cryptsetup")
+        .args(["luksFormat", "-q", "--type", "luks2", "--pbkdf", "pbkdf2"])
+        .args(["--pbkdf-force-iterations", "1000", "--key-file"])
+        .arg(&pass)
+        .arg(&img)
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    let (img, pass, bad) = (
+        img.to_str().unwrap(),
+        pass.to_str().unwrap(),
+        bad.to_str().unwrap(),
+    );
+    let (code, out, err) =
+        udm_logged(&["table", "--dev", &format!("v=luks:{img},key-file={pass}")]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("0 8192 crypt aes-xts-plain64 - 0 ")
+            && out.contains(" 32768 1 sector_size:4096"),
+        "{out}"
+    );
+    let (code, out, err) = udm(&["table", "--dev", &format!("v=luks:{img},key-file={bad}")]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert_eq!(
+        err.trim_end(),
+        "udm: device 'v': luks: wrong passphrase (no keyslot opens with it)"
+    );
 }

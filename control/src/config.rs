@@ -292,9 +292,13 @@ impl Config {
         {
             let r = ctl.registry();
             for e in r.entries() {
+                // A LUKS volume is dumped as its spec (the key file's
+                // path), which opens it again; its table would hide the key.
                 let (spec, table) = match e.mapped() {
-                    Some(m) => (None, Some(m.table().table_lines().join("\n"))),
-                    None => (Some(e.spec().to_string()), None),
+                    Some(m) if e.kind() != "luks" => {
+                        (None, Some(m.table().table_lines().join("\n")))
+                    }
+                    _ => (Some(e.spec().to_string()), None),
                 };
                 c.devices.push(DeviceDef {
                     name: e.name().to_string(),

@@ -17,6 +17,8 @@ use udm_core::{BlockDevice, Error, ErrorKind};
 use udm_mapper::{MappedDevice, Table};
 
 use crate::backend::{backend_kind, is_backend_spec, open_backend, open_path};
+use crate::luks::LuksSpec;
+use udm_backends::{FileDevice, FileOpts};
 
 /// Something that uses a device and keeps it from being removed.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -182,7 +184,9 @@ impl Registry {
             ));
         }
         let spec = spec.trim();
-        let dev = if is_backend_spec(spec) {
+        let dev = if let Some(rest) = spec.strip_prefix("luks:") {
+            self.open_luks(name, rest)?
+        } else if is_backend_spec(spec) {
             open_backend(name, spec)?
         } else {
             let table = self.build_table(None, name, spec)?;
@@ -198,6 +202,59 @@ impl Registry {
             deferred: false,
         });
         Ok(dev)
+    }
+
+    /// Opens a `luks:` spec (see [`crate::luks`]): unlocks the volume on
+    /// its device (a udm device or a path) and maps a crypt table over its
+    /// data segment. The table's text, which holds the volume key, is built
+    /// here and wiped once the target has the key.
+    fn open_luks(&self, name: &str, rest: &str) -> Result<Arc<dyn BlockDevice>, Error> {
+        let s = LuksSpec::parse(rest)?;
+        let dev: Arc<dyn BlockDevice> = if s.dev.starts_with('/') || s.dev.starts_with("./") {
+            let o = FileOpts {
+                read_only: s.ro,
+                ..FileOpts::default()
+            };
+            Arc::new(FileDevice::open(s.dev.as_str(), &s.dev, o)?)
+        } else if s.ro {
+            return Err(Error::invalid(format!(
+                "luks: 'ro' applies to a path; '{}' is a udm device",
+                s.dev
+            )));
+        } else {
+            self.get(&s.dev).ok_or_else(|| {
+                Error::new(
+                    ErrorKind::NotFound,
+                    format!(
+                        "luks: unknown device '{}' (create it first, or give a path)",
+                        s.dev
+                    ),
+                )
+            })?
+        };
+        let vol = {
+            let pass = s.passphrase()?;
+            let reader = crate::luks::Reader::new(&dev)?;
+            crate::luks::unlock(&reader, &pass, s.keyslot)?
+        };
+        let args = vol.crypt_args(dev.name());
+        let mut spec = udm_mapper::TargetSpec {
+            start: 0,
+            len: vol.sectors,
+            ty: "crypt".into(),
+            args: args.iter().map(|a| a.to_string()).collect(),
+        };
+        drop(args);
+        let resolve = |n: &str| -> Result<Arc<dyn BlockDevice>, Error> {
+            if n == dev.name() {
+                Ok(dev.clone())
+            } else {
+                Err(Error::invalid(format!("luks: unexpected device '{n}'")))
+            }
+        };
+        let table = Table::build(std::slice::from_ref(&spec), &self.targets, &resolve);
+        spec.args.iter_mut().for_each(zeroize::Zeroize::zeroize);
+        Ok(MappedDevice::new(name, table.map_err(|e| e.context("luks"))?) as Arc<dyn BlockDevice>)
     }
 
     /// Builds table `text` for device `name`: for an existing device
