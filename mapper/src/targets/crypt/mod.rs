@@ -216,13 +216,25 @@ impl Crypt {
         // SAFETY: the buffer from `take` holds at least `len` bytes and is
         // ours until given back in `write_done`.
         let dst = unsafe { std::slice::from_raw_parts_mut(b.ptr.as_ptr(), len) };
-        bio.copy_out(0, dst);
         let unit = self.opts.sector_size as usize;
         let rel = bio.sector;
         let step = 1u64 << self.shift;
-        for (i, s) in dst.chunks_exact_mut(unit).enumerate() {
-            self.cipher
-                .encrypt(self.iv_number(rel + i as u64 * step), s);
+        let mut cur = Cursor::default();
+        for (i, d) in dst.chunks_exact_mut(unit).enumerate() {
+            let n = self.iv_number(rel + i as u64 * step);
+            match cur.next(&bio, unit) {
+                Some(p) => {
+                    // SAFETY: the segment is the caller's buffer, readable
+                    // until the bio completes (add_seg's contract); the unit
+                    // lies in it.
+                    let src = unsafe { std::slice::from_raw_parts(p, unit) };
+                    self.cipher.encrypt_to(n, src, d)
+                }
+                None => {
+                    bio.copy_out(i * unit, d);
+                    self.cipher.encrypt(n, d);
+                }
+            }
         }
         let mut w = bio.alloc_clone();
         w.sector = rel + self.devs[0].start;
@@ -242,44 +254,67 @@ impl Crypt {
         let unit = self.opts.sector_size as usize;
         let step = 1u64 << self.shift;
         let rel = bio.per_io[0];
-        let total = bio.len() as usize;
-        // The cursor: segment `si`, byte `at` in it.
-        let (mut si, mut at) = (0usize, 0usize);
+        let mut cur = Cursor::default();
         let mut tmp = [0u8; 4096];
-        for (i, off) in (0..total).step_by(unit).enumerate() {
-            let iv = self.iv_number(rel + i as u64 * step);
-            let s = bio.segs()[si];
-            if s.len - at >= unit {
-                // SAFETY: the segment is the caller's buffer, writable until
-                // the bio completes (add_seg's contract); the range lies in it.
-                let d = unsafe { std::slice::from_raw_parts_mut(s.base.add(at), unit) };
-                self.cipher.decrypt(iv, d);
-                at += unit;
-            } else {
-                let t = &mut tmp[..unit];
-                bio.copy_out(off, t);
-                self.cipher.decrypt(iv, t);
-                bio.copy_in(off, t);
-                let mut left = unit;
-                while left > 0 {
-                    let take = (bio.segs()[si].len - at).min(left);
-                    if take == 0 {
-                        break; // the bio's length is its segments': never
-                    }
-                    left -= take;
-                    at += take;
-                    if at == bio.segs()[si].len && si + 1 < bio.segs().len() {
-                        si += 1;
-                        at = 0;
-                    }
+        for i in 0..bio.len() as usize / unit {
+            let n = self.iv_number(rel + i as u64 * step);
+            match cur.next(bio, unit) {
+                Some(p) => {
+                    // SAFETY: the segment is the caller's buffer, writable
+                    // until the bio completes (add_seg's contract); the unit
+                    // lies in it.
+                    self.cipher
+                        .decrypt(n, unsafe { std::slice::from_raw_parts_mut(p, unit) })
                 }
-            }
-            if at == bio.segs()[si].len && si + 1 < bio.segs().len() {
-                si += 1;
-                at = 0;
+                None => {
+                    let t = &mut tmp[..unit];
+                    bio.copy_out(i * unit, t);
+                    self.cipher.decrypt(n, t);
+                    bio.copy_in(i * unit, t);
+                }
             }
         }
         zeroize::Zeroize::zeroize(&mut tmp);
+    }
+}
+
+/// Walks a bio's segments a unit at a time.
+#[derive(Default)]
+struct Cursor {
+    /// The segment the next unit starts in, and the byte there.
+    seg: usize,
+    at: usize,
+}
+
+impl Cursor {
+    /// Moves past the next `unit` bytes; returns where they are when they
+    /// lie in one segment (`None`: they straddle segments).
+    #[inline]
+    fn next(&mut self, bio: &Bio, unit: usize) -> Option<*mut u8> {
+        let segs = bio.segs();
+        let s = segs.get(self.seg)?;
+        if s.len - self.at >= unit {
+            // In bounds: `at + unit <= len` of this segment.
+            let p = s.base.wrapping_add(self.at);
+            self.at += unit;
+            if self.at == s.len {
+                self.seg += 1;
+                self.at = 0;
+            }
+            return Some(p);
+        }
+        let mut left = unit;
+        while left > 0 {
+            let Some(s) = segs.get(self.seg) else { break };
+            let take = (s.len - self.at).min(left);
+            left -= take;
+            self.at += take;
+            if self.at == s.len {
+                self.seg += 1;
+                self.at = 0;
+            }
+        }
+        None
     }
 }
 
