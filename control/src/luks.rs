@@ -173,15 +173,18 @@ impl Reader {
     /// device's alignment).
     pub fn read(&self, off: u64, len: usize) -> Result<Vec<u8>, Error> {
         let a = 4096u64;
-        let start = off / a * a;
-        let end = (off + len as u64).div_ceil(a) * a;
-        if off + len as u64 > self.bytes {
-            return Err(damaged(format!(
-                "it points past the device's end ({} bytes at {off}, device {} bytes)",
-                len, self.bytes
-            )));
+        let past = || {
+            damaged(format!(
+                "it points past the device's end ({len} bytes at {off}, device {} bytes)",
+                self.bytes
+            ))
+        };
+        let last = off.checked_add(len as u64).ok_or_else(past)?;
+        if last > self.bytes || len > MAX_READ {
+            return Err(past());
         }
-        let end = end.min(self.bytes);
+        let start = off / a * a;
+        let end = last.div_ceil(a).saturating_mul(a).min(self.bytes);
         let mut buf = AlignedBuf::new((end - start) as usize);
         let cell: Cell<Option<Status>> = Cell::new(None);
         let mut bio = self.reactor.alloc_bio();
@@ -214,6 +217,14 @@ impl Reader {
         self.bytes
     }
 }
+
+/// The most one read of header or keyslot may ask for (a LUKS2 header is
+/// at most 4 MiB, a keyslot's material 128 bytes x 100 000 stripes).
+const MAX_READ: usize = 16 << 20;
+
+/// Argon2's memory cost, at most (cryptsetup's own limit, 4 GiB, in KiB):
+/// a hostile header must not make udm allocate more.
+const MAX_ARGON2_KIB: u64 = 4 << 20;
 
 const MAGIC1: &[u8; 6] = b"LUKS\xba\xbe";
 const MAGIC2: &[u8; 6] = b"SKUL\xba\xbe";
@@ -292,6 +303,8 @@ impl Hash {
     }
 
     fn pbkdf2(self, pass: &[u8], salt: &[u8], iters: u32, out: &mut [u8]) {
+        // A header's 0 means what 1 does (one round): never no KDF at all.
+        let iters = iters.max(1);
         match self {
             Hash::Sha1 => pbkdf2::pbkdf2_hmac::<Sha1>(pass, salt, iters, out),
             Hash::Sha256 => pbkdf2::pbkdf2_hmac::<Sha256>(pass, salt, iters, out),
@@ -515,15 +528,19 @@ fn unlock2_at(r: &Reader, at: u64, pass: &[u8], want: Option<usize>) -> Result<V
     }
     let cipher = data_cipher(seg["encryption"].as_str().unwrap_or(""))?;
     let offset = json_u64(&seg["offset"], "segment offset")?;
-    let sector_size = json_u64(&seg["sector_size"], "sector_size")? as u32;
+    let sector_size = json_u64(&seg["sector_size"], "sector_size")?;
+    if !sector_size.is_power_of_two() || !(512..=4096).contains(&sector_size) {
+        return Err(damaged(format!("sector_size {sector_size}")));
+    }
+    let sector_size = sector_size as u32;
     let iv_offset = json_u64(&seg["iv_tweak"], "iv_tweak")?;
     let size = match &seg["size"] {
         Value::String(s) if s == "dynamic" => r.bytes().checked_sub(offset),
         v => Some(json_u64(v, "segment size")?),
     }
-    .filter(|s| *s > 0 && offset + s <= r.bytes())
+    .filter(|s| *s > 0 && offset.checked_add(*s).is_some_and(|e| e <= r.bytes()))
     .ok_or_else(|| damaged("the data segment lies past the device's end"))?;
-    if offset % 512 != 0 || size % sector_size.max(512) as u64 != 0 {
+    if offset % 512 != 0 || size % sector_size as u64 != 0 {
         return Err(damaged(
             "the data segment is not aligned to its sector size",
         ));
@@ -599,7 +616,8 @@ fn open_keyslot2(r: &Reader, ks: &Value, pass: &[u8]) -> Result<Option<Zeroizing
     match kdf["type"].as_str().unwrap_or("") {
         "pbkdf2" => {
             let h = Hash::parse(kdf["hash"].as_str().unwrap_or(""))?;
-            let it = json_u64(&kdf["iterations"], "iterations")? as u32;
+            let it = u32::try_from(json_u64(&kdf["iterations"], "iterations")?)
+                .map_err(|_| damaged("pbkdf2 iterations out of range"))?;
             h.pbkdf2(pass, &salt, it, &mut pk);
         }
         t @ ("argon2i" | "argon2id") => {
@@ -608,13 +626,18 @@ fn open_keyslot2(r: &Reader, ks: &Value, pass: &[u8]) -> Result<Option<Zeroizing
             } else {
                 argon2::Algorithm::Argon2id
             };
-            let p = argon2::Params::new(
-                json_u64(&kdf["memory"], "memory")? as u32,
-                json_u64(&kdf["time"], "time")? as u32,
-                json_u64(&kdf["cpus"], "cpus")? as u32,
-                Some(area_key_len),
-            )
-            .map_err(|e| damaged(format!("argon2 parameters: {e}")))?;
+            let (mem, time, cpus) = (
+                json_u64(&kdf["memory"], "memory")?,
+                json_u64(&kdf["time"], "time")?,
+                json_u64(&kdf["cpus"], "cpus")?,
+            );
+            if mem > MAX_ARGON2_KIB || time > u32::MAX as u64 || cpus > 64 {
+                return Err(damaged(format!(
+                    "argon2 costs out of range (memory {mem} KiB, time {time}, cpus {cpus})"
+                )));
+            }
+            let p = argon2::Params::new(mem as u32, time as u32, cpus as u32, Some(area_key_len))
+                .map_err(|e| damaged(format!("argon2 parameters: {e}")))?;
             argon2::Argon2::new(alg, argon2::Version::V0x13, p)
                 .hash_password_into(pass, &salt, &mut pk)
                 .map_err(|e| Error::invalid(format!("luks: argon2: {e}")))?;
@@ -639,7 +662,8 @@ fn digest2_matches(d: &Value, mk: &[u8]) -> Result<bool, Error> {
     let h = Hash::parse(d["hash"].as_str().unwrap_or(""))?;
     let salt = json_b64(&d["salt"], "digest salt")?;
     let want = json_b64(&d["digest"], "digest")?;
-    let it = json_u64(&d["iterations"], "digest iterations")? as u32;
+    let it = u32::try_from(json_u64(&d["iterations"], "digest iterations")?)
+        .map_err(|_| damaged("digest iterations out of range"))?;
     let mut got = Zeroizing::new(vec![0u8; want.len()]);
     h.pbkdf2(mk, &salt, it, &mut got);
     Ok(*got == want)
@@ -681,5 +705,97 @@ mod tests {
         let mut want = [0u8; 32];
         Hash::Sha256.digest(&[&0u32.to_be_bytes(), &s0], &mut want);
         assert_eq!(&af_merge(&m, 32, 2, Hash::Sha256)[..], &want[..]);
+    }
+}
+
+#[cfg(test)]
+mod hostile {
+    //! Headers written to attack the parser: each is refused with an error,
+    //! none panics or makes udm allocate what the header asks for.
+
+    use super::*;
+    use udm_backends::{FileDevice, FileOpts};
+
+    /// A LUKS2 image of 32 MiB whose primary header carries `json` with a
+    /// valid checksum (no secondary header).
+    fn image(json: &str) -> Vec<u8> {
+        let mut img = vec![0u8; 32 << 20];
+        let hdr = &mut img[..16384];
+        hdr[..6].copy_from_slice(MAGIC1);
+        hdr[6..8].copy_from_slice(&2u16.to_be_bytes());
+        hdr[8..16].copy_from_slice(&16384u64.to_be_bytes());
+        hdr[72..78].copy_from_slice(b"sha256");
+        hdr[4096..4096 + json.len()].copy_from_slice(json.as_bytes());
+        let sum: [u8; 32] = Sha256::digest(&*hdr).into();
+        hdr[448..480].copy_from_slice(&sum);
+        img
+    }
+
+    fn open(json: &str) -> String {
+        let path = format!("/dev/shm/udm-luks-hostile-{}", std::process::id());
+        std::fs::write(&path, image(json)).unwrap();
+        let dev: Arc<dyn BlockDevice> =
+            Arc::new(FileDevice::open("h", &path, FileOpts::default()).unwrap());
+        let r = Reader::new(&dev).unwrap();
+        let e = unlock(&r, b"pass", None).err().unwrap().to_string();
+        drop(r);
+        let _ = std::fs::remove_file(&path);
+        e
+    }
+
+    const SEG: &str = r#""segments":{"0":{"type":"crypt","offset":"16777216","size":"dynamic","iv_tweak":"0","encryption":"aes-xts-plain64","sector_size":512}}"#;
+    const DIG: &str = r#""digests":{"0":{"type":"pbkdf2","keyslots":["0"],"segments":["0"],"hash":"sha256","iterations":1,"salt":"AAAA","digest":"AAAA"}}"#;
+
+    fn slot(kdf: &str, area: &str) -> String {
+        format!(
+            r#"{{"keyslots":{{"0":{{"type":"luks2","key_size":64,"af":{{"type":"luks1","stripes":4000,"hash":"sha256"}},"area":{area},"kdf":{kdf}}}}},{SEG},{DIG}}}"#
+        )
+    }
+
+    const AREA: &str = r#"{"type":"raw","offset":"32768","size":"258048","encryption":"aes-xts-plain64","key_size":64}"#;
+
+    #[test]
+    fn hostile_headers_are_refused_without_panics() {
+        let e = open("{not json");
+        assert!(e.contains("JSON area"), "{e}");
+        let e = open(r#"{"keyslots":{}}"#);
+        assert!(e.contains("no segments"), "{e}");
+        // Argon2 asking for 1 TiB of memory.
+        let e = open(&slot(
+            r#"{"type":"argon2id","time":1,"memory":1073741824,"cpus":1,"salt":"AAAAAAAAAAAAAAAAAAAAAA=="}"#,
+            AREA,
+        ));
+        assert!(e.contains("argon2 costs out of range"), "{e}");
+        // Key material past the device's end, and at an offset that would
+        // overflow.
+        let far = AREA.replace("32768", "18446744073709551000");
+        let e = open(&slot(
+            r#"{"type":"pbkdf2","hash":"sha256","iterations":1,"salt":"AAAA"}"#,
+            &far,
+        ));
+        assert!(e.contains("past the device's end"), "{e}");
+        // A data segment past the end, and a bad sector size.
+        let e = open(&format!(
+            "{{{},{DIG},\"keyslots\":{{}}}}",
+            SEG.replace("\"dynamic\"", "\"18446744073709551000\"")
+        ));
+        assert!(e.contains("past the device's end"), "{e}");
+        let e = open(&format!(
+            "{{{},{DIG},\"keyslots\":{{}}}}",
+            SEG.replace("512}", "3000}")
+        ));
+        assert!(e.contains("sector_size 3000"), "{e}");
+        // Well-formed, but no keyslot opens: the passphrase is wrong.
+        let e = open(&slot(
+            r#"{"type":"pbkdf2","hash":"sha256","iterations":0,"salt":"AAAA"}"#,
+            AREA,
+        ));
+        assert!(e.contains("wrong passphrase"), "{e}");
+        // An unknown data cipher.
+        let e = open(&format!(
+            "{{{},{DIG},\"keyslots\":{{}}}}",
+            SEG.replace("aes-xts", "serpent-xts")
+        ));
+        assert!(e.contains("unknown cipher 'serpent'"), "{e}");
     }
 }
