@@ -8,6 +8,7 @@ mod common;
 
 use std::process::Command;
 
+use common::daemon::Daemon;
 use common::udm;
 
 const KEY: &str = "8c1b7f0e9a2d4c6b5e3f1a0d9c8b7a6f5e4d3c2b1a0f9e8d7c6b5a4f3e2d1c0b\
@@ -118,4 +119,31 @@ fn luks_volumes_open_from_the_command_line() {
         err.trim_end(),
         "udm: device 'v': luks: wrong passphrase (no keyslot opens with it)"
     );
+}
+
+/// Through the daemon: the key given to `udm create` is in no answer of
+/// ls, info, table, status or dump-config, nor in the daemon's log (at
+/// its default level); only
+/// `udm table --show-keys` prints it.
+#[test]
+fn the_daemon_keeps_the_key_out_of_every_answer_and_its_log() {
+    let d = Daemon::start(&[]);
+    d.ok(&["create", "r", "ram:8M"]);
+    let table = format!("0 16384 crypt aes-xts-plain64 {KEY} 0 r 0");
+    d.ok(&["create", "c", "--table", &table]);
+    let mut all = String::new();
+    for args in [
+        &["ls", "--tree"][..],
+        &["info", "c"],
+        &["info", "--json", "c"],
+        &["table"],
+        &["table", "--json"],
+        &["status"],
+        &["dump-config"],
+    ] {
+        all.push_str(&d.ok(args));
+    }
+    all.push_str(&d.log());
+    assert_no_key(&all, "the daemon's answers and log");
+    assert!(d.ok(&["table", "--show-keys", "c"]).contains(KEY));
 }
