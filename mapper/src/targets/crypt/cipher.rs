@@ -263,11 +263,27 @@ impl Cipher {
         let iv = self.iv(n);
         match (self.chain, &self.k2) {
             (Chain::Xts, Some(k2)) => {
-                with_aes!(&self.k1, c => xts_to(c, k2, iv, src, dst))
+                with_aes!(&self.k1, c => xts_to::<_, true>(c, k2, iv, src, dst))
             }
             _ => {
                 dst.copy_from_slice(src);
                 with_aes!(&self.k1, c => cbc_encrypt(c, iv, dst))
+            }
+        }
+    }
+
+    /// Decrypts one sector from `src` into `dst` (of the same length), the
+    /// match of [`Cipher::encrypt_to`].
+    pub fn decrypt_to(&self, n: u64, src: &[u8], dst: &mut [u8]) {
+        debug_assert_eq!(src.len(), dst.len());
+        let iv = self.iv(n);
+        match (self.chain, &self.k2) {
+            (Chain::Xts, Some(k2)) => {
+                with_aes!(&self.k1, c => xts_to::<_, false>(c, k2, iv, src, dst))
+            }
+            _ => {
+                dst.copy_from_slice(src);
+                with_aes!(&self.k1, c => cbc_decrypt(c, iv, dst))
             }
         }
     }
@@ -338,8 +354,9 @@ fn xts<C: BlockEncrypt + BlockDecrypt + BlockSizeUser<BlockSize = U16>, const EN
     }
 }
 
-/// XTS encryption of `src` into `dst` (see [`xts`]).
-fn xts_to<C: BlockEncrypt + BlockSizeUser<BlockSize = U16>>(
+/// XTS from `src` into `dst`: encrypt when `ENC`, else decrypt (see
+/// [`xts`]).
+fn xts_to<C: BlockEncrypt + BlockDecrypt + BlockSizeUser<BlockSize = U16>, const ENC: bool>(
     k1: &C,
     k2: &Aes,
     iv: Block,
@@ -361,7 +378,11 @@ fn xts_to<C: BlockEncrypt + BlockSizeUser<BlockSize = U16>>(
             store(b, v ^ tw);
             tw = mul_alpha(tw);
         }
-        k1.encrypt_blocks(batch);
+        if ENC {
+            k1.encrypt_blocks(batch);
+        } else {
+            k1.decrypt_blocks(batch);
+        }
         for (b, &tw) in batch.iter_mut().zip(tweaks.iter()) {
             store(b, load(b) ^ tw);
         }
@@ -529,8 +550,9 @@ mod tests {
         assert_eq!(a, plain);
         let mut out = vec![0u8; 4096];
         c.encrypt_to(9, &plain, &mut out);
-        c.decrypt(9, &mut out);
-        assert_eq!(out, plain);
+        let mut back = vec![0u8; 4096];
+        c.decrypt_to(9, &out, &mut back);
+        assert_eq!(back, plain);
     }
 
     /// Encrypting into another buffer gives what encrypting in place does.
@@ -543,5 +565,8 @@ mod tests {
         let mut b = vec![0u8; 4096];
         c.encrypt_to(77, &plain, &mut b);
         assert_eq!(a, b);
+        let mut d = vec![0u8; 4096];
+        c.decrypt_to(77, &b, &mut d);
+        assert_eq!(d, plain);
     }
 }

@@ -43,7 +43,9 @@
 //! the keyring is printed by name, as dm does.
 //!
 //! The data path: a read is remapped and goes down into the caller's
-//! buffer, then is decrypted there in place by [`Target::end_io`]. A write
+//! buffer, then is decrypted there in place by [`Target::end_io`] — or,
+//! when the device lends its memory (a one-segment read of a RAM disk),
+//! decrypted from that memory straight into the caller's buffer. A write
 //! is encrypted into a bounce buffer (`bounce.rs`, a pool per reactor)
 //! which goes down in its place in a descriptor of its own; the caller's
 //! buffer is never changed. The cipher is in `cipher.rs`, the key and the
@@ -55,7 +57,7 @@ pub mod key;
 
 use std::ptr::NonNull;
 
-use udm_core::{Bio, BioPtr, Caps, Error, Limits, Op, Status, SECTOR_SHIFT};
+use udm_core::{Bio, BioFlags, BioPtr, Caps, Error, Limits, Op, Status, SECTOR_SHIFT};
 
 use crate::target::{
     parse_sector, CtrCtx, DevArea, EndIoWhen, Map, MapCtx, StatusType, Target, TargetType,
@@ -247,6 +249,30 @@ impl Crypt {
         Map::Submitted
     }
 
+    /// Decrypts a read the device lent its memory for, from that memory into
+    /// the caller's buffer (saved in `map`).
+    fn decrypt_lent(&self, bio: &mut Bio) {
+        let unit = self.opts.sector_size as usize;
+        let step = 1u64 << self.shift;
+        let rel = bio.per_io[0];
+        let len = bio.len() as usize;
+        // SAFETY: a lent read's one segment is the device's memory, readable
+        // (and not written through) until this end_io returns (Bio::lend).
+        let src = unsafe { std::slice::from_raw_parts(bio.segs()[0].base, len) };
+        // SAFETY: per_io[1] is the caller's one segment of `len` bytes, saved
+        // in `map`; it is the caller's buffer, writable until the bio
+        // completes (add_seg's contract), and not the lent memory.
+        let dst = unsafe { std::slice::from_raw_parts_mut(bio.per_io[1] as *mut u8, len) };
+        for (i, (s, d)) in src
+            .chunks_exact(unit)
+            .zip(dst.chunks_exact_mut(unit))
+            .enumerate()
+        {
+            self.cipher
+                .decrypt_to(self.iv_number(rel + i as u64 * step), s, d);
+        }
+    }
+
     /// Decrypts a completed read in the caller's buffers, unit by unit: a
     /// unit inside one segment where it is, one that straddles segments
     /// (a caller's odd iovec) through a copy on the stack.
@@ -342,6 +368,15 @@ impl Target for Crypt {
         match bio.op {
             Op::Read => {
                 bio.per_io[0] = bio.sector;
+                // A one-segment read lets the device lend its memory: end_io
+                // then decrypts from there into the caller's buffer, which
+                // saves the device's copy (a RAM disk lends). The lent memory
+                // is valid until end_io returns, and end_io runs for every
+                // read of this target.
+                if bio.nr_segs() == 1 {
+                    bio.per_io[1] = bio.segs()[0].base as u64;
+                    bio.flags.insert(BioFlags::MAY_LEND);
+                }
                 bio.sector += self.devs[0].start;
                 Map::Remapped(bio, 0)
             }
@@ -374,7 +409,11 @@ impl Target for Crypt {
 
     fn end_io(&self, bio: &mut Bio, _dev: usize) {
         if bio.op == Op::Read && bio.status().is_ok() {
-            self.decrypt(bio);
+            if bio.flags.contains(BioFlags::LENT) {
+                self.decrypt_lent(bio);
+            } else {
+                self.decrypt(bio);
+            }
         }
     }
 
@@ -383,7 +422,7 @@ impl Target for Crypt {
     }
 
     fn per_io_data_size(&self) -> usize {
-        8
+        16
     }
 
     fn caps(&self, stacked: Caps) -> Caps {
