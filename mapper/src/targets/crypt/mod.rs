@@ -111,6 +111,7 @@ fn bad(m: impl std::fmt::Display) -> Error {
 }
 
 fn crypt_ctr(ctx: &CtrCtx<'_>, argv: &[&str]) -> Result<Box<dyn Target>, Error> {
+    // At least five arguments: the core checked the count (CRYPT.min_args).
     let spec = CipherSpec::parse(argv[0]).map_err(bad)?;
     let key = Key::parse(argv[1]).map_err(bad)?;
     let iv_offset = argv[2].parse::<u64>().map_err(|_| {
