@@ -102,7 +102,7 @@ enum Cmd {
     #[command(subcommand)]
     Export(cmds::export::ExportCmd),
     /// Print the daemon's devices and exports as a config file.
-    DumpConfig(cmds::CtlArgs),
+    DumpConfig(cmds::dev::DumpConfigArgs),
     /// Replay a dm-log-writes log onto a device, checking at flush points.
     LogReplay(replay::ReplayArgs),
     /// A mapped device's I/O statistics (and latency histograms).

@@ -123,8 +123,8 @@ fn luks_volumes_open_from_the_command_line() {
 
 /// Through the daemon: the key given to `udm create` is in no answer of
 /// ls, info, table, status or dump-config, nor in the daemon's log (at
-/// its default level); only
-/// `udm table --show-keys` prints it.
+/// its default level); only `udm table --show-keys` and
+/// `udm dump-config --show-keys` print it.
 #[test]
 fn the_daemon_keeps_the_key_out_of_every_answer_and_its_log() {
     let d = Daemon::start(&[]);
@@ -146,4 +146,13 @@ fn the_daemon_keeps_the_key_out_of_every_answer_and_its_log() {
     all.push_str(&d.log());
     assert_no_key(&all, "the daemon's answers and log");
     assert!(d.ok(&["table", "--show-keys", "c"]).contains(KEY));
+
+    // Asked for, the keys go into the dump, which recreates the device.
+    let cfg = d.ok(&["dump-config", "--show-keys"]);
+    assert!(cfg.contains(KEY), "{cfg}");
+    let dir = common::TempDir::new("crypt-cfg");
+    let path = dir.path("udm.toml");
+    std::fs::write(&path, cfg).unwrap();
+    let d2 = Daemon::start(&["--config", path.to_str().unwrap()]);
+    assert!(d2.ok(&["table", "--show-keys", "c"]).contains(&table));
 }

@@ -36,7 +36,7 @@ pub fn execute(ctl: &Control, op: Op) -> Result<Value, Error> {
         Op::ExportAdd(spec) => value(ctl.export_add(spec)),
         Op::ExportRemove { name, force } => value(ctl.export_remove(&name, force)),
         Op::ExportLs {} => value(ctl.export_ls()),
-        Op::DumpConfig {} => value(Config::dump(ctl)),
+        Op::DumpConfig { show_keys } => value(Config::dump_shown(ctl, show_keys)),
         Op::Wait {
             name,
             event_nr,
