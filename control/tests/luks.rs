@@ -325,6 +325,27 @@ fn wrong_passphrases_damaged_headers_and_unknown_ciphers_are_refused() {
     let e = create_err(&format!("luks:{z},key-file={pass}"));
     assert!(e.contains("not a LUKS volume"), "{e}");
 
+    // A udm device by name: read through a reactor of udm's own.
+    let ctl = Control::default();
+    ctl.create("r", "ram:4M").unwrap();
+    let e = ctl
+        .create("v", &format!("luks:r,key-file={pass}"))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("not a LUKS volume"), "{e}");
+    let e = ctl
+        .create("v", &format!("luks:r,key-file={pass},ro"))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("'ro' applies to a path; 'r' is a udm device"),
+        "{e}"
+    );
+    let e = create_err(&format!("luks:nosuch,key-file={pass}"));
+    assert!(e.contains("unknown device 'nosuch'"), "{e}");
+
     // A LUKS1 header naming a cipher udm lacks (LUKS1 has no checksum).
     let (v1, pass1, _) = format(
         &dir,
@@ -373,4 +394,44 @@ fn the_volume_key_stays_out_of_tables_and_configuration_dumps() {
     let dump = udm_control::Config::dump(&ctl).unwrap().to_toml().unwrap();
     assert!(!dump.contains(&hex[..16]), "{dump}");
     assert!(dump.contains(&spec), "{dump}");
+}
+
+/// A volume on another udm device, named in the spec: a RAM disk holding
+/// a LUKS2 image (Argon2id) opens, and its table maps onto that device.
+#[test]
+fn a_volume_on_a_udm_device_opens_by_name() {
+    if !have_tools() {
+        return;
+    }
+    let dir = TempDir::new("luks-dev");
+    let (img, pass, _) = format(
+        &dir,
+        "v.img",
+        20,
+        &[
+            "--type",
+            "luks2",
+            "--pbkdf",
+            "argon2id",
+            "--pbkdf-memory",
+            "32768",
+            "--pbkdf-force-iterations",
+            "4",
+        ],
+    );
+    let ctl = Control::default();
+    ctl.create("r", "ram:20M").unwrap();
+    let ram = ctl.registry().get("r").unwrap();
+    let bytes = std::fs::read(&img).unwrap();
+    let mut b = AlignedBuf::new(bytes.len());
+    b.copy_from_slice(&bytes);
+    assert_eq!(io(&ram, Op::Write, 0, &mut b), Status::Ok);
+    ctl.create("v", &format!("luks:r,key-file={pass}")).unwrap();
+    let t = ctl.table(&["v".into()]).unwrap().to_string();
+    assert!(
+        t.contains("crypt aes-xts-plain64 - 0 r 32768 1 sector_size:4096"),
+        "{t}"
+    );
+    // The RAM disk is held by the volume's table.
+    assert!(ctl.registry().holders("r").len() == 1);
 }
