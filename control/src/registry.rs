@@ -92,7 +92,8 @@ impl Entry {
     pub fn device(&self) -> &Arc<dyn BlockDevice> {
         &self.dev
     }
-    /// The spec it was created from (a backend spec or table text).
+    /// The spec it was created from: a backend spec, or the table as
+    /// [`Table::table_lines`] prints it (crypt keys hidden).
     pub fn spec(&self) -> &str {
         &self.spec
     }
@@ -184,18 +185,21 @@ impl Registry {
             ));
         }
         let spec = spec.trim();
-        let dev = if let Some(rest) = spec.strip_prefix("luks:") {
-            self.open_luks(name, rest)?
+        let (dev, spec) = if let Some(rest) = spec.strip_prefix("luks:") {
+            (self.open_luks(name, rest)?, spec.to_string())
         } else if is_backend_spec(spec) {
-            open_backend(name, spec)?
+            (open_backend(name, spec)?, spec.to_string())
         } else {
             let table = self.build_table(None, name, spec)?;
-            MappedDevice::new(name, table) as Arc<dyn BlockDevice>
+            // Kept as the table prints, so that a crypt key given in the
+            // text is not kept here too.
+            let text = table.table_lines().join("\n");
+            (MappedDevice::new(name, table) as Arc<dyn BlockDevice>, text)
         };
         self.entries.push(Entry {
             name: name.to_string(),
             dev: dev.clone(),
-            spec: spec.to_string(),
+            spec,
             holds: Vec::new(),
             inactive: None,
             events: 0,
@@ -262,7 +266,7 @@ impl Registry {
     /// new one, any device. Exclusive claims are checked against every
     /// table, live or inactive, including the device's own.
     fn build_table(&self, pos: Option<usize>, name: &str, text: &str) -> Result<Table, Error> {
-        let specs = udm_mapper::parse(text)?;
+        let mut specs = udm_mapper::parse(text)?;
         let mut claimed: Vec<&str> = Vec::new();
         for s in &specs {
             let Some(tt) = self.targets.get(&s.ty) else {
@@ -306,7 +310,13 @@ impl Registry {
                 )),
             }
         };
-        Table::build(&specs, &self.targets, &resolve)
+        let table = Table::build(&specs, &self.targets, &resolve);
+        // The arguments may hold a crypt key, which the target now keeps
+        // on locked pages: wipe udm's copy of the text.
+        for s in &mut specs {
+            s.args.iter_mut().for_each(zeroize::Zeroize::zeroize);
+        }
+        table
     }
 
     /// The mapped device whose live or inactive table claims `dev`
