@@ -45,6 +45,8 @@ Devices (--dev NAME=SPEC, repeatable, later ones may use earlier ones):
                                       a file or block device through io_uring
   rbd:<pool>/<image>[@<snap>][,conf=<path>][,id=<client>][,ro]
                                       a Ceph RBD image through librbd
+  luks:<device or path>[,key-file=<path>][,keyslot=<n>][,ro]
+                                      a LUKS1/LUKS2 volume, as a crypt table
   '<start> <len> <type> <args>;...'   a device-mapper table over earlier devices
                                       or paths (see 'udm targets')
 
@@ -100,7 +102,7 @@ enum Cmd {
     #[command(subcommand)]
     Export(cmds::export::ExportCmd),
     /// Print the daemon's devices and exports as a config file.
-    DumpConfig(cmds::CtlArgs),
+    DumpConfig(cmds::dev::DumpConfigArgs),
     /// Replay a dm-log-writes log onto a device, checking at flush points.
     LogReplay(replay::ReplayArgs),
     /// A mapped device's I/O statistics (and latency histograms).

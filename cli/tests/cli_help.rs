@@ -74,6 +74,7 @@ fn targets_and_version_print_text_or_json() {
         "delay",
         "dust",
         "log-writes",
+        "crypt",
     ] {
         assert!(out.lines().any(|l| l.starts_with(t)), "{t}: {out}");
     }
@@ -84,6 +85,7 @@ fn targets_and_version_print_text_or_json() {
     assert_eq!(
         names,
         [
+            "crypt",
             "delay",
             "dust",
             "error",
@@ -95,15 +97,15 @@ fn targets_and_version_print_text_or_json() {
             "zero"
         ]
     );
-    let linear = &types[4];
+    let linear = &types[5];
     assert_eq!(linear["version"].as_array().unwrap().len(), 3);
     assert_eq!(linear["usage"], "<dev> <offset>");
     assert_eq!(
         (linear["min_args"].as_u64(), linear["max_args"].as_u64()),
         (Some(2), Some(2))
     );
-    assert_eq!(types[7]["exclusive_args"], serde_json::json!([2]));
-    assert_eq!(types[5]["exclusive_args"], serde_json::json!([1]));
+    assert_eq!(types[8]["exclusive_args"], serde_json::json!([2]));
+    assert_eq!(types[6]["exclusive_args"], serde_json::json!([1]));
     let (_, out, _) = udm(&["version", "--json"]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["protocol"], 1);

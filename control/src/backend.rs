@@ -5,7 +5,11 @@
 //! - `file:<path>[,size=<size>][,buffered][,direct][,sqpoll][,iopoll][,ro]`
 //!   — a file or block device through io_uring;
 //! - `rbd:<pool>/<image>[@<snap>][,conf=<path>][,id=<client>][,cluster=<name>][,ro][,timeout=<s>]`
-//!   — a Ceph RBD image through librbd (feature `rbd`).
+//!   — a Ceph RBD image through librbd (feature `rbd`);
+//! - `luks:<device or path>[,key-file=PATH][,keyslot=N][,ro]` — a LUKS
+//!   volume, opened by the registry as a crypt table over its device (it
+//!   may name another udm device, which a backend factory cannot see; see
+//!   [`crate::luks`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,7 +20,7 @@ use udm_core::{BlockDevice, Error};
 use crate::size::parse_size;
 
 /// The backend kinds a spec may name, as `kind:` prefixes.
-pub const KINDS: &[&str] = &["ram", "null", "file", "rbd"];
+pub const KINDS: &[&str] = &["ram", "null", "file", "rbd", "luks"];
 
 /// Whether `spec` names a backend (`kind:…`) rather than a table. A table
 /// line starts with a sector number, so a word of letters before the first
@@ -105,7 +109,7 @@ pub fn open_backend(name: &str, spec: &str) -> Result<Arc<dyn BlockDevice>, Erro
     }
     let kind = backend_kind(spec).unwrap_or(spec);
     Err(Error::invalid(format!(
-        "unknown backend '{kind}:' (known: ram:, null:, file:, rbd:; or a table)"
+        "unknown backend '{kind}:' (known: ram:, null:, file:, rbd:, luks:; or a table)"
     )))
 }
 

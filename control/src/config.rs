@@ -285,6 +285,13 @@ impl Config {
     /// The running state of `ctl` as a configuration: every device (a
     /// mapped one with its live table), then every export.
     pub fn dump(ctl: &Control) -> Result<Config, Error> {
+        Config::dump_shown(ctl, false)
+    }
+
+    /// [`Config::dump`], with crypt keys written into the tables when
+    /// `show_keys` (otherwise they are `-`, and a crypt table given by a
+    /// hex key is dumped in a form that does not load again).
+    pub fn dump_shown(ctl: &Control, show_keys: bool) -> Result<Config, Error> {
         let mut c = Config {
             limits: ctl.limits(),
             ..Config::default()
@@ -292,9 +299,19 @@ impl Config {
         {
             let r = ctl.registry();
             for e in r.entries() {
+                // A LUKS volume is dumped as its spec (the key file's
+                // path), which opens it again; its table would hide the key.
                 let (spec, table) = match e.mapped() {
-                    Some(m) => (None, Some(m.table().table_lines().join("\n"))),
-                    None => (Some(e.spec().to_string()), None),
+                    Some(m) if e.kind() != "luks" => {
+                        let t = m.table();
+                        let lines = if show_keys {
+                            t.table_lines_with_keys()
+                        } else {
+                            t.table_lines()
+                        };
+                        (None, Some(lines.join("\n")))
+                    }
+                    _ => (Some(e.spec().to_string()), None),
                 };
                 c.devices.push(DeviceDef {
                     name: e.name().to_string(),

@@ -21,7 +21,7 @@ pub fn execute(ctl: &Control, op: Op) -> Result<Value, Error> {
         Op::Targets {} => value(Ok(ctl.targets())),
         Op::Info { name } => value(ctl.info(&name)),
         Op::Status { names } => value(ctl.status(&names)),
-        Op::Table { names } => value(ctl.table(&names)),
+        Op::Table { names, show_keys } => value(ctl.table_shown(&names, show_keys)),
         Op::Deps { name } => value(ctl.deps(&name)),
         Op::Message { name, sector, argv } => {
             if argv.is_empty() {
@@ -36,7 +36,7 @@ pub fn execute(ctl: &Control, op: Op) -> Result<Value, Error> {
         Op::ExportAdd(spec) => value(ctl.export_add(spec)),
         Op::ExportRemove { name, force } => value(ctl.export_remove(&name, force)),
         Op::ExportLs {} => value(ctl.export_ls()),
-        Op::DumpConfig {} => value(Config::dump(ctl)),
+        Op::DumpConfig { show_keys } => value(Config::dump_shown(ctl, show_keys)),
         Op::Wait {
             name,
             event_nr,

@@ -22,6 +22,7 @@ mod client;
 mod config;
 mod dispatch;
 mod exports;
+pub mod luks;
 pub mod metrics;
 mod paths;
 pub mod proto;

@@ -56,6 +56,9 @@ pub enum Op {
         /// The devices.
         #[serde(default)]
         names: Vec<String>,
+        /// Show the keys in crypt table lines (hidden as `-` otherwise).
+        #[serde(default)]
+        show_keys: bool,
     },
     /// The devices a mapped device's tables use.
     Deps {
@@ -106,7 +109,12 @@ pub enum Op {
     /// The exports.
     ExportLs {},
     /// The running state as a configuration (see [`crate::Config`]).
-    DumpConfig {},
+    DumpConfig {
+        /// Write crypt keys into the tables (hidden as `-` otherwise, and
+        /// such a table does not load again).
+        #[serde(default)]
+        show_keys: bool,
+    },
     /// Waits until a device's event counter passes `event_nr`.
     Wait {
         /// The device.

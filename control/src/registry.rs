@@ -17,6 +17,8 @@ use udm_core::{BlockDevice, Error, ErrorKind};
 use udm_mapper::{MappedDevice, Table};
 
 use crate::backend::{backend_kind, is_backend_spec, open_backend, open_path};
+use crate::luks::LuksSpec;
+use udm_backends::{FileDevice, FileOpts};
 
 /// Something that uses a device and keeps it from being removed.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -90,7 +92,8 @@ impl Entry {
     pub fn device(&self) -> &Arc<dyn BlockDevice> {
         &self.dev
     }
-    /// The spec it was created from (a backend spec or table text).
+    /// The spec it was created from: a backend spec, or the table as
+    /// [`Table::table_lines`] prints it (crypt keys hidden).
     pub fn spec(&self) -> &str {
         &self.spec
     }
@@ -102,9 +105,15 @@ impl Entry {
     pub fn mapped(&self) -> Option<&MappedDevice> {
         self.dev.as_any().downcast_ref::<MappedDevice>()
     }
-    /// The inactive table's lines, if one is loaded.
+    /// The inactive table's lines, if one is loaded (keys hidden).
     pub fn inactive_lines(&self) -> Option<&[String]> {
         self.inactive.as_ref().map(|i| i.lines.as_slice())
+    }
+    /// The inactive table's lines with their keys shown, if one is loaded.
+    pub fn inactive_lines_with_keys(&self) -> Option<Vec<String>> {
+        self.inactive
+            .as_ref()
+            .map(|i| i.table.table_lines_with_keys())
     }
     /// The device's event counter (dm's `event_nr`): table swaps, and the
     /// events its live table's targets raised.
@@ -176,16 +185,21 @@ impl Registry {
             ));
         }
         let spec = spec.trim();
-        let dev = if is_backend_spec(spec) {
-            open_backend(name, spec)?
+        let (dev, spec) = if let Some(rest) = spec.strip_prefix("luks:") {
+            (self.open_luks(name, rest)?, spec.to_string())
+        } else if is_backend_spec(spec) {
+            (open_backend(name, spec)?, spec.to_string())
         } else {
             let table = self.build_table(None, name, spec)?;
-            MappedDevice::new(name, table) as Arc<dyn BlockDevice>
+            // Kept as the table prints, so that a crypt key given in the
+            // text is not kept here too.
+            let text = table.table_lines().join("\n");
+            (MappedDevice::new(name, table) as Arc<dyn BlockDevice>, text)
         };
         self.entries.push(Entry {
             name: name.to_string(),
             dev: dev.clone(),
-            spec: spec.to_string(),
+            spec,
             holds: Vec::new(),
             inactive: None,
             events: 0,
@@ -194,12 +208,65 @@ impl Registry {
         Ok(dev)
     }
 
+    /// Opens a `luks:` spec (see [`crate::luks`]): unlocks the volume on
+    /// its device (a udm device or a path) and maps a crypt table over its
+    /// data segment. The table's text, which holds the volume key, is built
+    /// here and wiped once the target has the key.
+    fn open_luks(&self, name: &str, rest: &str) -> Result<Arc<dyn BlockDevice>, Error> {
+        let s = LuksSpec::parse(rest)?;
+        let dev: Arc<dyn BlockDevice> = if s.dev.starts_with('/') || s.dev.starts_with("./") {
+            let o = FileOpts {
+                read_only: s.ro,
+                ..FileOpts::default()
+            };
+            Arc::new(FileDevice::open(s.dev.as_str(), &s.dev, o)?)
+        } else if s.ro {
+            return Err(Error::invalid(format!(
+                "luks: 'ro' applies to a path; '{}' is a udm device",
+                s.dev
+            )));
+        } else {
+            self.get(&s.dev).ok_or_else(|| {
+                Error::new(
+                    ErrorKind::NotFound,
+                    format!(
+                        "luks: unknown device '{}' (create it first, or give a path)",
+                        s.dev
+                    ),
+                )
+            })?
+        };
+        let vol = {
+            let pass = s.passphrase()?;
+            let reader = crate::luks::Reader::new(&dev)?;
+            crate::luks::unlock(&reader, &pass, s.keyslot)?
+        };
+        let args = vol.crypt_args(dev.name());
+        let mut spec = udm_mapper::TargetSpec {
+            start: 0,
+            len: vol.sectors,
+            ty: "crypt".into(),
+            args: args.iter().map(|a| a.to_string()).collect(),
+        };
+        drop(args);
+        let resolve = |n: &str| -> Result<Arc<dyn BlockDevice>, Error> {
+            if n == dev.name() {
+                Ok(dev.clone())
+            } else {
+                Err(Error::invalid(format!("luks: unexpected device '{n}'")))
+            }
+        };
+        let table = Table::build(std::slice::from_ref(&spec), &self.targets, &resolve);
+        spec.args.iter_mut().for_each(zeroize::Zeroize::zeroize);
+        Ok(MappedDevice::new(name, table.map_err(|e| e.context("luks"))?) as Arc<dyn BlockDevice>)
+    }
+
     /// Builds table `text` for device `name`: for an existing device
     /// (`Some(position)`) it may use only devices created before it; for a
     /// new one, any device. Exclusive claims are checked against every
     /// table, live or inactive, including the device's own.
     fn build_table(&self, pos: Option<usize>, name: &str, text: &str) -> Result<Table, Error> {
-        let specs = udm_mapper::parse(text)?;
+        let mut specs = udm_mapper::parse(text)?;
         let mut claimed: Vec<&str> = Vec::new();
         for s in &specs {
             let Some(tt) = self.targets.get(&s.ty) else {
@@ -243,7 +310,13 @@ impl Registry {
                 )),
             }
         };
-        Table::build(&specs, &self.targets, &resolve)
+        let table = Table::build(&specs, &self.targets, &resolve);
+        // The arguments may hold a crypt key, which the target now keeps
+        // on locked pages: wipe udm's copy of the text.
+        for s in &mut specs {
+            s.args.iter_mut().for_each(zeroize::Zeroize::zeroize);
+        }
+        table
     }
 
     /// The mapped device whose live or inactive table claims `dev`

@@ -54,6 +54,7 @@ fn every_verb_runs_over_the_socket() {
     let t: Tables = c
         .call_as(Op::Table {
             names: vec!["l".into()],
+            show_keys: false,
         })
         .unwrap();
     assert_eq!(t.devices[0].inactive.as_ref().unwrap().len(), 2);

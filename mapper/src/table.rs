@@ -56,6 +56,16 @@ pub fn parse(text: &str) -> Result<Vec<TargetSpec>, Error> {
     Ok(specs)
 }
 
+/// `<start> <length> <type>` and the target's arguments, as one line.
+fn join_line(t: &TableTarget, args: &str) -> String {
+    let mut l = format!("{} {} {}", t.begin, t.len, t.ty);
+    if !args.is_empty() {
+        l.push(' ');
+        l.push_str(args);
+    }
+    l
+}
+
 /// The target types udm knows, by name.
 pub struct Registry {
     types: Vec<TargetType>,
@@ -75,6 +85,7 @@ impl Registry {
                 targets::delay::DELAY,
                 targets::dust::DUST,
                 targets::log_writes::LOG_WRITES,
+                targets::crypt::CRYPT,
             ],
         }
     }
@@ -345,9 +356,24 @@ impl Table {
             .min(self.targets.len() - 1)
     }
 
-    /// The table as `dmsetup table` prints it, one line per target.
+    /// The table as `dmsetup table` prints it, one line per target, with
+    /// secrets (crypt keys) hidden: what listings, configuration dumps and
+    /// logs show.
     pub fn table_lines(&self) -> Vec<String> {
         self.lines(StatusType::Table)
+    }
+
+    /// The table with its secrets shown (`dmsetup table --showkeys`): lines
+    /// that construct the same targets again.
+    pub fn table_lines_with_keys(&self) -> Vec<String> {
+        self.targets
+            .iter()
+            .map(|t| {
+                let mut args = String::new();
+                t.target.table_with_secrets(&mut args);
+                join_line(t, &args)
+            })
+            .collect()
     }
 
     /// Events raised by the table's targets ([`crate::Target::events`]).
@@ -366,12 +392,7 @@ impl Table {
             .map(|t| {
                 let mut args = String::new();
                 t.target.status(ty, &mut args);
-                let mut l = format!("{} {} {}", t.begin, t.len, t.ty);
-                if !args.is_empty() {
-                    l.push(' ');
-                    l.push_str(&args);
-                }
-                l
+                join_line(t, &args)
             })
             .collect()
     }

@@ -103,6 +103,14 @@ pub trait Target: Send + Sync {
     /// type name, which the core prints) to `out`.
     fn status(&self, ty: StatusType, out: &mut String);
 
+    /// Appends the table line's arguments as [`Target::status`] of
+    /// [`StatusType::Table`] does, but with the secrets it hides shown (a
+    /// crypt key; `dmsetup table --showkeys`). Only a target that holds
+    /// secrets overrides it.
+    fn table_with_secrets(&self, out: &mut String) {
+        self.status(StatusType::Table, out)
+    }
+
     /// When [`Target::end_io`] must run.
     fn wants_end_io(&self) -> EndIoWhen {
         EndIoWhen::Never

@@ -1,7 +1,7 @@
 //! The conformance suite every block device in udm must pass: the backends
 //! (ram, null, file in each of its modes, powercut) and the targets over
 //! them (linear, striped, zero, error, writecache, flakey, delay, dust,
-//! log-writes). [`conformance`] takes a
+//! log-writes, crypt). [`conformance`] takes a
 //! device factory and what the device promises ([`Expect`]: whether reads
 //! return data, zeroes, nothing or errors; its exact caps; its logical block
 //! size; whether discard leaves zeroes) and runs each check against a fresh
@@ -398,6 +398,47 @@ fn error_conforms() {
         Expect {
             reads: Reads::Fail,
             ..Expect::data("error", ram_caps())
+        },
+    );
+}
+
+/// A crypt device (aes-xts-plain64, `opts`) over a fresh RAM disk, 64
+/// sectors in, whose every sector was first written with zeroes through
+/// the target (as a new encrypted volume is wiped): never-written space
+/// then reads as zeroes, as every device's does.
+fn crypt_over_ram(opts: &str) -> Fixture {
+    const KEY: &str = "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f\
+                       f0e0d0c0b0a090807060504030201000ffeeddccbbaa99887766554433221100";
+    let mut devs = Devices::new();
+    devs.ram("r", DEV_SECTORS + 64);
+    let line = format!("0 {DEV_SECTORS} crypt aes-xts-plain64 {KEY} 0 r 64 {opts}");
+    {
+        let fill = mapped(&devs, "wipe", &line);
+        let t = common::Tester::new();
+        for s in (0..DEV_SECTORS).step_by(2048) {
+            t.write(&fill, s, vec![0; 1 << 20]);
+        }
+    }
+    Fixture::plain(mapped(&devs, "crypt", &line))
+}
+
+/// Crypt passes flush and FUA down; discards only with `allow_discards`,
+/// and write-zeroes never (zeroes below would not read back as zeroes).
+#[test]
+fn crypt_over_ram_conforms() {
+    conformance(
+        || crypt_over_ram(""),
+        Expect::data("crypt over ram", Caps::FLUSH | Caps::FUA),
+    );
+}
+
+#[test]
+fn crypt_4096_byte_sectors_over_ram_conforms() {
+    conformance(
+        || crypt_over_ram("2 sector_size:4096 iv_large_sectors"),
+        Expect {
+            lbs: 4096,
+            ..Expect::data("crypt sector_size:4096 over ram", Caps::FLUSH | Caps::FUA)
         },
     );
 }

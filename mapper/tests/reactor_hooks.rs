@@ -227,6 +227,7 @@ fn the_registry_lists_every_type_described() {
     assert_eq!(
         names,
         [
+            "crypt",
             "delay",
             "dust",
             "error",

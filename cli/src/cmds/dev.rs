@@ -251,11 +251,25 @@ pub fn wait(a: WaitArgs) -> Result<i32, Error> {
     }
 }
 
-/// `udm dump-config`: the daemon's devices and exports as a configuration
-/// file (TOML; JSON with --json) that `udm daemon --config` recreates.
-pub fn dump_config(a: CtlArgs) -> Result<i32, Error> {
-    let c: Config = a.call(Op::DumpConfig {})?;
-    if a.json {
+/// `udm dump-config`.
+#[derive(clap::Args, Debug)]
+pub struct DumpConfigArgs {
+    #[command(flatten)]
+    ctl: CtlArgs,
+    /// Write crypt keys into the tables, so that the file recreates crypt
+    /// devices given by a hex key (without it they are `-`).
+    #[arg(long)]
+    show_keys: bool,
+}
+
+/// `udm dump-config [--show-keys]`: the daemon's devices and exports as a
+/// configuration file (TOML; JSON with --json) that `udm daemon --config`
+/// recreates.
+pub fn dump_config(a: DumpConfigArgs) -> Result<i32, Error> {
+    let c: Config = a.ctl.call(Op::DumpConfig {
+        show_keys: a.show_keys,
+    })?;
+    if a.ctl.json {
         let s =
             serde_json::to_string(&c).map_err(|e| Error::invalid(format!("encoding JSON: {e}")))?;
         println!("{s}");

@@ -130,13 +130,20 @@ pub struct TableArgs {
     /// The inactive tables (loaded, not yet resumed) instead.
     #[arg(long)]
     inactive: bool,
+    /// Print crypt keys in hex (`dmsetup table --showkeys`); without it a
+    /// key given in hex is printed as `-`.
+    #[arg(long)]
+    show_keys: bool,
     /// Devices to report (default: every device).
     devices: Vec<String>,
 }
 
-/// `udm table [--control PATH | --dev …] [--inactive] [DEVICE]...`
+/// `udm table [--control PATH | --dev …] [--inactive] [--show-keys] [DEVICE]...`
 pub fn table(a: TableArgs) -> Result<i32, Error> {
-    let r: Tables = On::new(&a.on)?.call(Op::Table { names: a.devices })?;
+    let r: Tables = On::new(&a.on)?.call(Op::Table {
+        names: a.devices,
+        show_keys: a.show_keys,
+    })?;
     if !a.inactive {
         return print(&r, a.on.json);
     }

@@ -508,6 +508,12 @@ impl Control {
     /// The entries named (all when `names` is empty), or an error naming
     /// the first unknown one: (name, device, inactive lines).
     fn select(&self, names: &[String]) -> Result<Vec<Selected>, Error> {
+        self.select_shown(names, false)
+    }
+
+    /// [`Control::select`], with the inactive tables' keys shown when
+    /// `show_keys`.
+    fn select_shown(&self, names: &[String], show_keys: bool) -> Result<Vec<Selected>, Error> {
         let r = self.registry();
         for n in names {
             r.entry(n)?;
@@ -518,7 +524,11 @@ impl Control {
             .map(|e| Selected {
                 name: e.name().to_string(),
                 dev: e.device().clone(),
-                inactive: e.inactive_lines().map(<[String]>::to_vec),
+                inactive: if show_keys {
+                    e.inactive_lines_with_keys()
+                } else {
+                    e.inactive_lines().map(<[String]>::to_vec)
+                },
             })
             .collect())
     }
@@ -539,10 +549,17 @@ impl Control {
         Ok(Status { devices })
     }
 
-    /// `table [NAME…]`: size, capabilities, and table and status lines.
+    /// `table [NAME…]`: size, capabilities, and table and status lines,
+    /// with keys (crypt's) hidden.
     pub fn table(&self, names: &[String]) -> Result<Tables, Error> {
+        self.table_shown(names, false)
+    }
+
+    /// `table [--show-keys] [NAME…]`: [`Control::table`], with the keys in
+    /// the table lines shown when `show_keys` (`dmsetup table --showkeys`).
+    pub fn table_shown(&self, names: &[String], show_keys: bool) -> Result<Tables, Error> {
         let devices = self
-            .select(names)?
+            .select_shown(names, show_keys)?
             .into_iter()
             .map(|s| {
                 let l = s.dev.limits();
@@ -550,7 +567,12 @@ impl Control {
                 let targets = match m {
                     Some(m) => {
                         let t = m.table();
-                        t.table_lines()
+                        let lines = if show_keys {
+                            t.table_lines_with_keys()
+                        } else {
+                            t.table_lines()
+                        };
+                        lines
                             .into_iter()
                             .zip(t.status_lines())
                             .map(|(table, status)| TargetLines { table, status })

@@ -1,5 +1,6 @@
 //! The built-in targets, one file (or folder) each.
 
+pub mod crypt;
 pub mod delay;
 pub mod dust;
 pub mod error;

@@ -1,0 +1,481 @@
+//! `crypt`: transparent encryption, sector for sector dm-crypt's.
+//!
+//! Table line (dm-crypt's syntax):
+//!
+//! ```text
+//! <start> <length> crypt <cipher> <key> <iv_offset> <dev> <offset> [<#opt_params> <opt_params>...]
+//! ```
+//!
+//! - `cipher`: `<cipher>-<chainmode>-<ivmode>` or the crypto-API form
+//!   `capi:<chainmode>(<cipher>)-<ivmode>`; here the cipher is `aes`, the
+//!   chain mode `xts` or `cbc`, the IV mode `plain64`, `plain` or
+//!   `essiv:sha256` (e.g. `aes-xts-plain64`, `capi:xts(aes)-plain64`,
+//!   `aes-cbc-essiv:sha256`);
+//! - `key`: the key in hex (XTS: 256, 384 or 512 bits, two AES keys; CBC:
+//!   128, 192 or 256 bits), or `:<key_size>:<user|logon>:<description>`
+//!   from the kernel keyring (see `key.rs`);
+//! - `iv_offset`: added to the sector number (in 512-byte sectors) that
+//!   makes each sector's IV;
+//! - `dev`, `offset`: where the ciphertext lies, as `linear`;
+//! - options (`#opt_params` counts them):
+//!   - `allow_discards`: pass discards down (off by default: a discard
+//!     shows which areas are unused);
+//!   - `sector_size:<bytes>`: the encryption unit, a power of two from 512
+//!     to 4096; it becomes the device's logical block size, and the table
+//!     line's start and length must be multiples of it;
+//!   - `iv_large_sectors`: IVs count sectors of `sector_size`, not of 512
+//!     bytes (what cryptsetup sets for LUKS2 with 4 KiB sectors);
+//!   - `same_cpu_crypt`, `submit_from_crypt_cpus`, `no_read_workqueue`,
+//!     `no_write_workqueue`: accepted and shown in the table line, and
+//!     change nothing: they tune where dm-crypt's workqueues run, and udm
+//!     has none. Every I/O is encrypted (a write, before it goes down) or
+//!     decrypted (a read, as it completes) on the reactor thread that
+//!     serves it, which is what the four of them ask for together.
+//!
+//! What is written, for the same key, sector size and IV mode, is what
+//! dm-crypt writes: sector n of the target (its IV number n + iv_offset,
+//! divided by sector_size/512 with `iv_large_sectors`) is encrypted alone.
+//!
+//! Status: `dmsetup status` prints nothing for crypt; the table line is
+//! dm's, but a key given in hex is printed as `-` unless keys are asked for
+//! ([`crate::Table::table_lines_with_keys`], `udm table --show-keys`), so
+//! that keys stay out of listings, configuration dumps and logs. A key from
+//! the keyring is printed by name, as dm does.
+//!
+//! The data path: a read is remapped and goes down into the caller's
+//! buffer, then is decrypted there in place by [`Target::end_io`] — or,
+//! when the device lends its memory (a one-segment read of a RAM disk),
+//! decrypted from that memory straight into the caller's buffer. A write
+//! is encrypted into a bounce buffer (`bounce.rs`, a pool per reactor)
+//! which goes down in its place in a descriptor of its own; the caller's
+//! buffer is never changed. The cipher is in `cipher.rs`, the key and the
+//! memory that keeps it secret in `key.rs`.
+
+mod bounce;
+pub mod cipher;
+pub mod key;
+
+use std::ptr::NonNull;
+
+use udm_core::{Bio, BioFlags, BioPtr, Caps, Error, Limits, Op, Status, SECTOR_SHIFT};
+
+use crate::target::{
+    parse_sector, CtrCtx, DevArea, EndIoWhen, Map, MapCtx, StatusType, Target, TargetType,
+};
+use bounce::Bounce;
+use cipher::{Cipher, CipherSpec};
+use key::{Key, Secret};
+
+/// The `crypt` target type.
+pub const CRYPT: TargetType = TargetType {
+    name: "crypt",
+    version: [1, 27, 0],
+    summary: "encrypts the range onto another device, as dm-crypt",
+    usage: "<cipher> <key> <iv_offset> <dev> <offset> [<#opt_params> <opt_params>...]",
+    min_args: 5,
+    max_args: None,
+    splits: true,
+    exclusive_args: &[],
+    ctr: crypt_ctr,
+};
+
+/// I/O is split at this many sectors (1 MiB, the largest bounce buffer).
+pub const MAX_IO_SECTORS: u64 = (bounce::MAX_BOUNCE >> SECTOR_SHIFT) as u64;
+
+/// The options, as parsed (and printed back in dm's order).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Opts {
+    allow_discards: bool,
+    same_cpu_crypt: bool,
+    submit_from_crypt_cpus: bool,
+    no_read_workqueue: bool,
+    no_write_workqueue: bool,
+    /// Bytes per encryption unit.
+    sector_size: u32,
+    iv_large_sectors: bool,
+}
+
+struct Crypt {
+    devs: [DevArea; 1],
+    spec: CipherSpec,
+    key: Key,
+    cipher: Secret<Cipher>,
+    iv_offset: u64,
+    opts: Opts,
+    /// log2 of sector_size / 512.
+    shift: u32,
+}
+
+fn bad(m: impl std::fmt::Display) -> Error {
+    Error::invalid(format!("crypt: {m}"))
+}
+
+fn crypt_ctr(ctx: &CtrCtx<'_>, argv: &[&str]) -> Result<Box<dyn Target>, Error> {
+    // At least five arguments: the core checked the count (CRYPT.min_args).
+    let spec = CipherSpec::parse(argv[0]).map_err(bad)?;
+    let key = Key::parse(argv[1]).map_err(bad)?;
+    let iv_offset = argv[2].parse::<u64>().map_err(|_| {
+        bad(format!(
+            "invalid iv_offset '{}': expected a number",
+            argv[2]
+        ))
+    })?;
+    let start = parse_sector("device sector", argv[4]).map_err(bad)?;
+    let opts = parse_opts(&argv[5..])?;
+    let shift = (opts.sector_size >> SECTOR_SHIFT).trailing_zeros();
+    let unit = 1u64 << shift;
+    if !ctx.len.is_multiple_of(unit) || !ctx.begin.is_multiple_of(unit) {
+        return Err(bad(format!(
+            "the target ({} sectors at {}) is not a multiple of sector_size {}",
+            ctx.len, ctx.begin, opts.sector_size
+        )));
+    }
+    let cipher = Secret::new(Cipher::new(&spec, key.bytes()).map_err(bad)?)?;
+    let dev = ctx.get_device(argv[3]).map_err(|e| e.context("crypt"))?;
+    Ok(Box::new(Crypt {
+        devs: [DevArea {
+            dev,
+            start,
+            len: ctx.len,
+        }],
+        spec,
+        key,
+        cipher,
+        iv_offset,
+        opts,
+        shift,
+    }))
+}
+
+fn parse_opts(args: &[&str]) -> Result<Opts, Error> {
+    let mut o = Opts {
+        sector_size: 512,
+        ..Opts::default()
+    };
+    let Some((n, rest)) = args.split_first() else {
+        return Ok(o);
+    };
+    let n: usize = n
+        .parse()
+        .map_err(|_| bad(format!("invalid number of optional parameters '{n}'")))?;
+    if n != rest.len() {
+        return Err(bad(format!(
+            "number of optional parameters is {n} but {} follow",
+            rest.len()
+        )));
+    }
+    for &a in rest {
+        match a {
+            "allow_discards" => o.allow_discards = true,
+            "same_cpu_crypt" => o.same_cpu_crypt = true,
+            "submit_from_crypt_cpus" => o.submit_from_crypt_cpus = true,
+            "no_read_workqueue" => o.no_read_workqueue = true,
+            "no_write_workqueue" => o.no_write_workqueue = true,
+            "iv_large_sectors" => o.iv_large_sectors = true,
+            _ => {
+                if let Some(v) = a.strip_prefix("sector_size:") {
+                    o.sector_size = v
+                        .parse::<u32>()
+                        .ok()
+                        .filter(|s| s.is_power_of_two() && (512..=4096).contains(s))
+                        .ok_or_else(|| {
+                            bad(format!(
+                                "invalid sector_size '{v}': expected a power of two from 512 to 4096"
+                            ))
+                        })?;
+                } else if a.starts_with("integrity:") {
+                    return Err(bad(format!(
+                        "'{a}': authenticated encryption (dm-integrity) is not supported"
+                    )));
+                } else {
+                    return Err(bad(format!("unknown optional parameter '{a}'")));
+                }
+            }
+        }
+    }
+    Ok(o)
+}
+
+impl Crypt {
+    /// The IV number of the unit at target-relative 512-byte sector `rel`.
+    #[inline]
+    fn iv_number(&self, rel: u64) -> u64 {
+        let n = rel.wrapping_add(self.iv_offset);
+        if self.opts.iv_large_sectors {
+            n >> self.shift
+        } else {
+            n
+        }
+    }
+
+    /// Encrypts a write into a bounce buffer and sends that down instead.
+    fn write(&self, bio: BioPtr, ctx: &MapCtx<'_>) -> Map {
+        let len = bio.len() as usize;
+        if len > bounce::MAX_BOUNCE {
+            // Split at MAX_IO_SECTORS by the core; never larger.
+            return Map::Kill(bio, Status::Inval);
+        }
+        let b = bounce::take(len);
+        // SAFETY: the buffer from `take` holds at least `len` bytes and is
+        // ours until given back in `write_done`.
+        let dst = unsafe { std::slice::from_raw_parts_mut(b.ptr.as_ptr(), len) };
+        let unit = self.opts.sector_size as usize;
+        let rel = bio.sector;
+        let step = 1u64 << self.shift;
+        let mut cur = Cursor::default();
+        for (i, d) in dst.chunks_exact_mut(unit).enumerate() {
+            let n = self.iv_number(rel + i as u64 * step);
+            match cur.next(&bio, unit) {
+                Some(p) => {
+                    // SAFETY: the segment is the caller's buffer, readable
+                    // until the bio completes (add_seg's contract); the unit
+                    // lies in it.
+                    let src = unsafe { std::slice::from_raw_parts(p, unit) };
+                    self.cipher.encrypt_to(n, src, d)
+                }
+                None => {
+                    bio.copy_out(i * unit, d);
+                    self.cipher.encrypt(n, d);
+                }
+            }
+        }
+        let mut w = bio.alloc_clone();
+        w.sector = rel + self.devs[0].start;
+        // SAFETY: the buffer stays ours (not reused, not freed) until
+        // `write_done` runs, after the device completed `w`.
+        unsafe { w.add_seg(b.ptr.as_ptr(), len) };
+        w.per_io[0] = b.class as u64;
+        w.set_end_io(write_done, bio.into_raw().cast());
+        ctx.devs[0].submit(w);
+        Map::Submitted
+    }
+
+    /// Decrypts a read the device lent its memory for, from that memory into
+    /// the caller's buffer (saved in `map`).
+    fn decrypt_lent(&self, bio: &mut Bio) {
+        let unit = self.opts.sector_size as usize;
+        let step = 1u64 << self.shift;
+        let rel = bio.per_io[0];
+        let len = bio.len() as usize;
+        // SAFETY: a lent read's one segment is the device's memory, readable
+        // (and not written through) until this end_io returns (Bio::lend).
+        let src = unsafe { std::slice::from_raw_parts(bio.segs()[0].base, len) };
+        // SAFETY: per_io[1] is the caller's one segment of `len` bytes, saved
+        // in `map`; it is the caller's buffer, writable until the bio
+        // completes (add_seg's contract), and not the lent memory.
+        let dst = unsafe { std::slice::from_raw_parts_mut(bio.per_io[1] as *mut u8, len) };
+        for (i, (s, d)) in src
+            .chunks_exact(unit)
+            .zip(dst.chunks_exact_mut(unit))
+            .enumerate()
+        {
+            self.cipher
+                .decrypt_to(self.iv_number(rel + i as u64 * step), s, d);
+        }
+    }
+
+    /// Decrypts a completed read in the caller's buffers, unit by unit: a
+    /// unit inside one segment where it is, one that straddles segments
+    /// (a caller's odd iovec) through a copy on the stack.
+    fn decrypt(&self, bio: &mut Bio) {
+        let unit = self.opts.sector_size as usize;
+        let step = 1u64 << self.shift;
+        let rel = bio.per_io[0];
+        let mut cur = Cursor::default();
+        let mut tmp = [0u8; 4096];
+        for i in 0..bio.len() as usize / unit {
+            let n = self.iv_number(rel + i as u64 * step);
+            match cur.next(bio, unit) {
+                Some(p) => {
+                    // SAFETY: the segment is the caller's buffer, writable
+                    // until the bio completes (add_seg's contract); the unit
+                    // lies in it.
+                    self.cipher
+                        .decrypt(n, unsafe { std::slice::from_raw_parts_mut(p, unit) })
+                }
+                None => {
+                    let t = &mut tmp[..unit];
+                    bio.copy_out(i * unit, t);
+                    self.cipher.decrypt(n, t);
+                    bio.copy_in(i * unit, t);
+                }
+            }
+        }
+        zeroize::Zeroize::zeroize(&mut tmp);
+    }
+}
+
+/// Walks a bio's segments a unit at a time.
+#[derive(Default)]
+struct Cursor {
+    /// The segment the next unit starts in, and the byte there.
+    seg: usize,
+    at: usize,
+}
+
+impl Cursor {
+    /// Moves past the next `unit` bytes; returns where they are when they
+    /// lie in one segment (`None`: they straddle segments).
+    #[inline]
+    fn next(&mut self, bio: &Bio, unit: usize) -> Option<*mut u8> {
+        let segs = bio.segs();
+        let s = segs.get(self.seg)?;
+        if s.len - self.at >= unit {
+            // In bounds: `at + unit <= len` of this segment.
+            let p = s.base.wrapping_add(self.at);
+            self.at += unit;
+            if self.at == s.len {
+                self.seg += 1;
+                self.at = 0;
+            }
+            return Some(p);
+        }
+        let mut left = unit;
+        while left > 0 {
+            let Some(s) = segs.get(self.seg) else { break };
+            let take = (s.len - self.at).min(left);
+            left -= take;
+            self.at += take;
+            if self.at == s.len {
+                self.seg += 1;
+                self.at = 0;
+            }
+        }
+        None
+    }
+}
+
+/// A bounce write completed: the buffer goes back to the pool and the
+/// clone it stood in for completes with its status.
+fn write_done(w: BioPtr) {
+    let status = w.status();
+    let b = Bounce {
+        // A one-segment bio from `write`; the device does not move a
+        // write's segment.
+        ptr: NonNull::new(w.segs()[0].base).unwrap_or(NonNull::dangling()),
+        class: w.per_io[0] as u8,
+    };
+    // SAFETY: `private` is the bio given up with into_raw in `write`, taken
+    // back only here, once.
+    let mut bio = unsafe { BioPtr::from_raw(w.private().cast()) };
+    drop(w);
+    bounce::give(b);
+    bio.set_status(status);
+    bio.endio();
+}
+
+impl Target for Crypt {
+    fn map(&self, mut bio: BioPtr, ctx: &MapCtx<'_>) -> Map {
+        match bio.op {
+            Op::Read => {
+                bio.per_io[0] = bio.sector;
+                // A one-segment read lets the device lend its memory: end_io
+                // then decrypts from there into the caller's buffer, which
+                // saves the device's copy (a RAM disk lends). The lent memory
+                // is valid until end_io returns, and end_io runs for every
+                // read of this target.
+                if bio.nr_segs() == 1 {
+                    bio.per_io[1] = bio.segs()[0].base as u64;
+                    bio.flags.insert(BioFlags::MAY_LEND);
+                }
+                bio.sector += self.devs[0].start;
+                Map::Remapped(bio, 0)
+            }
+            Op::Write => self.write(bio, ctx),
+            Op::Discard if self.opts.allow_discards => {
+                bio.sector += self.devs[0].start;
+                Map::Remapped(bio, 0)
+            }
+            _ => Map::Kill(bio, Status::NotSupp),
+        }
+    }
+
+    fn devices(&self) -> &[DevArea] {
+        &self.devs
+    }
+
+    fn status(&self, ty: StatusType, out: &mut String) {
+        if ty == StatusType::Table {
+            self.table_line(false, out);
+        }
+    }
+
+    fn table_with_secrets(&self, out: &mut String) {
+        self.table_line(true, out);
+    }
+
+    fn wants_end_io(&self) -> EndIoWhen {
+        EndIoWhen::Always
+    }
+
+    fn end_io(&self, bio: &mut Bio, _dev: usize) {
+        if bio.op == Op::Read && bio.status().is_ok() {
+            if bio.flags.contains(BioFlags::LENT) {
+                self.decrypt_lent(bio);
+            } else {
+                self.decrypt(bio);
+            }
+        }
+    }
+
+    fn max_io_len(&self) -> u64 {
+        MAX_IO_SECTORS
+    }
+
+    fn per_io_data_size(&self) -> usize {
+        16
+    }
+
+    fn caps(&self, stacked: Caps) -> Caps {
+        let mut c = stacked;
+        // Zeroes written below would not read back as zeroes.
+        c.remove(Caps::WRITE_ZEROES);
+        if !self.opts.allow_discards {
+            c.remove(Caps::DISCARD);
+        }
+        c
+    }
+
+    fn io_hints(&self, limits: &mut Limits) {
+        let ss = self.opts.sector_size;
+        limits.logical_block_size = limits.logical_block_size.max(ss);
+        limits.physical_block_size = limits.physical_block_size.max(ss);
+    }
+}
+
+impl Crypt {
+    fn table_line(&self, show_key: bool, out: &mut String) {
+        use std::fmt::Write as _;
+        out.push_str(&self.spec.text);
+        out.push(' ');
+        self.key.write_table(show_key, out);
+        let _ = write!(
+            out,
+            " {} {} {}",
+            self.iv_offset,
+            self.devs[0].dev.name(),
+            self.devs[0].start
+        );
+        let o = &self.opts;
+        let mut v: Vec<String> = [
+            (o.allow_discards, "allow_discards"),
+            (o.same_cpu_crypt, "same_cpu_crypt"),
+            (o.submit_from_crypt_cpus, "submit_from_crypt_cpus"),
+            (o.no_read_workqueue, "no_read_workqueue"),
+            (o.no_write_workqueue, "no_write_workqueue"),
+        ]
+        .iter()
+        .filter(|(on, _)| *on)
+        .map(|(_, n)| n.to_string())
+        .collect();
+        if o.sector_size != 512 {
+            v.push(format!("sector_size:{}", o.sector_size));
+        }
+        if o.iv_large_sectors {
+            v.push("iv_large_sectors".into());
+        }
+        if !v.is_empty() {
+            let _ = write!(out, " {} {}", v.len(), v.join(" "));
+        }
+    }
+}
