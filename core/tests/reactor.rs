@@ -941,19 +941,32 @@ fn ring_io_round(
 /// Turns `r` takes until a message that another thread sends `gap` from
 /// now has run (`what` names the wait for the watchdog).
 fn turns_until_message(r: &Reactor, dog: &Watchdog, gap: Duration, what: &str) -> usize {
+    turns_and_gap_until_message(r, dog, gap, what).0
+}
+
+/// As [`turns_until_message`], with the gap the sender really left (at
+/// least `gap`; longer when it was not scheduled in time).
+fn turns_and_gap_until_message(
+    r: &Reactor,
+    dog: &Watchdog,
+    gap: Duration,
+    what: &str,
+) -> (usize, Duration) {
     let flag = Arc::new(AtomicBool::new(false));
     let (h, f2) = (r.handle(), flag.clone());
     let t = std::thread::spawn(move || {
+        let t0 = Instant::now();
         std::thread::sleep(gap);
+        let real = t0.elapsed();
         assert!(h.send(move |_| f2.store(true, Ordering::SeqCst)));
+        real
     });
     let mut turns = 0;
     dog.run_until(r, what, || {
         turns += 1;
         flag.load(Ordering::SeqCst)
     });
-    t.join().unwrap();
-    turns
+    (turns, t.join().unwrap())
 }
 
 fn timer_round(r: &Reactor, dog: &Watchdog, delay: Duration, n: usize) -> usize {
@@ -1084,15 +1097,36 @@ fn adaptive_mode_spins_across_short_gaps_and_sleeps_through_long_ones() {
     // Turns the reactor takes waiting for a message sent `gap` from now.
     let wait = |gap: Duration| turns_until_message(&r, &dog, gap, "a message");
     // Gaps of 2 ms: the window opens (5 ms, a quarter of the cap) and then
-    // covers them, so the reactor spins through each.
-    for _ in 0..3 {
-        wait(Duration::from_millis(2));
+    // covers them, so the reactor spins through each. The window follows
+    // the gaps the reactor saw: on a loaded machine a sender scheduled late
+    // leaves a longer one, which rightly narrows it. So a round counts only
+    // when every gap in it (three to open the window, five measured) stayed
+    // under the window; rounds where the machine could not keep 2 ms gaps
+    // are taken again.
+    let mut judged = None;
+    for _ in 0..20 {
+        let mut longest = Duration::ZERO;
+        let mut turns = Vec::new();
+        for i in 0..8 {
+            let (t, real) =
+                turns_and_gap_until_message(&r, &dog, Duration::from_millis(2), "a message");
+            longest = longest.max(real);
+            if i >= 3 {
+                turns.push(t);
+            }
+        }
+        if longest < Duration::from_millis(4) {
+            judged = Some(turns);
+            break;
+        }
     }
-    let spun: Vec<usize> = (0..5).map(|_| wait(Duration::from_millis(2))).collect();
-    assert!(
-        spun.iter().filter(|&&t| t > 100).count() >= 3,
-        "turns per 2 ms gap {spun:?}: adaptive mode slept through gaps its window covers"
-    );
+    match judged {
+        Some(spun) => assert!(
+            spun.iter().filter(|&&t| t > 100).count() >= 3,
+            "turns per 2 ms gap {spun:?}: adaptive mode slept through gaps its window covers"
+        ),
+        None => eprintln!("skipped the 2 ms rounds: no round of 8 gaps under 4 ms on this machine"),
+    }
     // Gaps of 60 ms, beyond the cap: the window halves on each and closes
     // after three, then the reactor sleeps at once.
     for _ in 0..3 {

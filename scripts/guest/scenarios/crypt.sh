@@ -84,4 +84,36 @@ if [ -n "${SCN_LUKS_VK:-}" ]; then
 fi
 udm remove cr0
 udm remove cr1
+
+# SCN_CRYPT_BENCH=1: udm's crypt over a RAM disk of its own, exported over
+# ublk, against Linux's dm-crypt over brd (aes-xts-plain64, 4 KiB sectors),
+# the same fio jobs, SCN_CRYPT_ROUNDS (default 3) interleaved rounds;
+# RESULT lines give each side's median IOPS and udm's ratio to Linux's.
+if [ "${SCN_CRYPT_BENCH:-0}" = 1 ]; then
+    udm create bram ram:64M
+    cr_export bcr "0 131072 crypt aes-xts-plain64 $K512 0 bram 0 1 sector_size:4096"
+    dmsetup create kb --table "0 32768 crypt aes-xts-plain64 $K512 0 /dev/ram0 0 1 sector_size:4096"
+    dd if=/dev/zero of=/dev/ublkb7 bs=1M count=64 oflag=direct 2>/dev/null
+    dd if=/dev/zero of=/dev/mapper/kb bs=1M count=16 oflag=direct 2>/dev/null
+    cr_fio() { # DEV RW BS QD -> IOPS
+        fio --name=b --filename="$1" --rw="$2" --bs="$3" --iodepth="$4" --numjobs=1 \
+            --ioengine=io_uring --direct=1 --size=16M --runtime="${SCN_CRYPT_SECS:-4}" --time_based \
+            --output-format=terse 2>/dev/null |
+            awk -F';' '{ r = $8 + $49; printf "%d", r }'
+    }
+    median() { tr ' ' '\n' | grep . | sort -n | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }'; }
+    for job in "randread 4k 32" "randwrite 4k 32" "read 128k 4" "write 128k 4"; do
+        set -- $job
+        u=""; k=""
+        for r in $(seq 1 "${SCN_CRYPT_ROUNDS:-3}"); do
+            u="$u $(cr_fio /dev/ublkb7 "$1" "$2" "$3")"
+            k="$k $(cr_fio /dev/mapper/kb "$1" "$2" "$3")"
+        done
+        um=$(echo "$u" | median); km=$(echo "$k" | median)
+        echo "RESULT crypt_bench_${1}_${2}_qd${3}_udm=$um linux=$km ratio=$(echo "$um $km" | awk '{ printf "%.2f", $2 ? $1 / $2 : 0 }') rounds_udm=[$u ] rounds_linux=[$k ]"
+    done
+    dmsetup remove kb
+    cr_unexport bcr
+    udm remove bram
+fi
 kill $CR_PID; wait $CR_PID
