@@ -73,6 +73,8 @@ impl Registry {
                 targets::delay::DELAY,
                 targets::dust::DUST,
                 targets::log_writes::LOG_WRITES,
+                targets::thin::THIN_POOL,
+                targets::thin::THIN,
             ],
         }
     }

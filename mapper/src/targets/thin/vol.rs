@@ -1,0 +1,163 @@
+//! A thin volume as its reactors see it ([`Vol`]): the cache of its
+//! mappings that the fast path reads without a lock, and the in-flight
+//! counts (dm's `all_io_ds` deferred set) that let the worker wait for the
+//! I/O remapped before it unmaps or moves a block.
+//!
+//! Only the pool's worker writes the cache; reactors read it. An entry is
+//! one word:
+//!
+//! ```text
+//!   0                     unknown: ask the worker
+//!   1                     not mapped (reads as zeroes or the external origin)
+//!   block << 2 | 2 | s    mapped to `block`; s = 1 if shared (writes copy)
+//! ```
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// Entries per lazily allocated page of the cache (32 KiB).
+const PAGE: usize = 4096;
+
+/// The entry of an unknown block.
+pub(crate) const UNKNOWN: u64 = 0;
+/// The entry of a block known to be unmapped.
+pub(crate) const UNMAPPED: u64 = 1;
+/// Set in the entry of a mapped block.
+pub(crate) const MAPPED: u64 = 2;
+/// Set in the entry of a mapped block that another device shares.
+pub(crate) const SHARED: u64 = 1;
+
+/// The entry of a block mapped to `block`.
+#[inline]
+pub(crate) fn mapped(block: u64, shared: bool) -> u64 {
+    block << 2 | MAPPED | shared as u64
+}
+
+/// One thin target's view of its device: mapping cache and in-flight
+/// counts. Shared by the target (its reactors) and the pool's worker.
+pub(crate) struct Vol {
+    /// The thin device id.
+    pub dev: u32,
+    pages: Box<[OnceLock<Box<[AtomicU64]>>]>,
+    /// Which of `inflight` new remaps count in (its low bit).
+    epoch: AtomicU64,
+    /// Remapped bios in flight, by the epoch they started in.
+    inflight: [AtomicU64; 2],
+}
+
+impl Vol {
+    /// The view of device `dev` over `nr_blocks` virtual blocks, nothing
+    /// known yet.
+    pub fn new(dev: u32, nr_blocks: u64) -> Vol {
+        let n = nr_blocks.div_ceil(PAGE as u64) as usize;
+        Vol {
+            dev,
+            pages: (0..n).map(|_| OnceLock::new()).collect(),
+            epoch: AtomicU64::new(0),
+            inflight: [AtomicU64::new(0), AtomicU64::new(0)],
+        }
+    }
+
+    /// The entry of `vblock` (which must be below `nr_blocks`).
+    #[inline]
+    pub fn get(&self, vblock: u64) -> u64 {
+        let (p, i) = (vblock as usize / PAGE, vblock as usize % PAGE);
+        match self.pages.get(p).and_then(OnceLock::get) {
+            Some(page) => page[i].load(Ordering::SeqCst),
+            None => UNKNOWN,
+        }
+    }
+
+    /// Sets the entry of `vblock` (worker only).
+    pub fn set(&self, vblock: u64, v: u64) {
+        let (p, i) = (vblock as usize / PAGE, vblock as usize % PAGE);
+        let Some(slot) = self.pages.get(p) else {
+            return;
+        };
+        if v == UNKNOWN && slot.get().is_none() {
+            return;
+        }
+        let page = slot.get_or_init(|| (0..PAGE).map(|_| AtomicU64::new(UNKNOWN)).collect());
+        page[i].store(v, Ordering::SeqCst);
+    }
+
+    /// Forgets every entry (after a snapshot of this device: its blocks
+    /// became shared).
+    pub fn clear(&self) {
+        for p in self.pages.iter().filter_map(OnceLock::get) {
+            for e in p.iter() {
+                e.store(UNKNOWN, Ordering::SeqCst);
+            }
+        }
+    }
+
+    /// Counts a remapped bio in flight; returns the epoch to pass to
+    /// [`Vol::exit`] when it completes. Called before the cache is read,
+    /// so that the worker's [`Vol::drain`] after a cache change waits for
+    /// every bio that may have read the old entry.
+    #[inline]
+    pub fn enter(&self) -> usize {
+        let e = (self.epoch.load(Ordering::SeqCst) & 1) as usize;
+        self.inflight[e].fetch_add(1, Ordering::SeqCst);
+        e
+    }
+
+    /// The match of [`Vol::enter`].
+    #[inline]
+    pub fn exit(&self, e: usize) {
+        self.inflight[e & 1].fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Waits (worker only) until every bio that entered before this call
+    /// has exited, or `limit` passed (a device that never completes must
+    /// not stop the pool forever); returns whether they all did.
+    pub fn drain(&self, limit: Duration) -> bool {
+        // New bios count in the other epoch from here on; the old one only
+        // falls. (The previous drain emptied the other one.)
+        let old = (self.epoch.fetch_add(1, Ordering::SeqCst) & 1) as usize;
+        let start = Instant::now();
+        while self.inflight[old].load(Ordering::SeqCst) != 0 {
+            if start.elapsed() > limit {
+                return false;
+            }
+            std::thread::sleep(Duration::from_micros(20));
+        }
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries_start_unknown_and_keep_what_the_worker_sets() {
+        let v = Vol::new(1, 10_000);
+        assert_eq!(v.get(9_999), UNKNOWN);
+        v.set(9_999, mapped(77, true));
+        assert_eq!(v.get(9_999) >> 2, 77);
+        assert_ne!(v.get(9_999) & SHARED, 0);
+        v.set(3, UNMAPPED);
+        assert_eq!(v.get(3), UNMAPPED);
+        v.clear();
+        assert_eq!(v.get(9_999), UNKNOWN);
+        // Past the end: ignored, reads unknown.
+        v.set(1 << 40, UNMAPPED);
+        assert_eq!(v.get(1 << 40), UNKNOWN);
+    }
+
+    #[test]
+    fn drain_waits_for_bios_of_the_old_epoch_only() {
+        let v = Vol::new(1, 1);
+        let e = v.enter();
+        assert!(!v.drain(Duration::from_millis(5)));
+        let f = v.enter();
+        assert_ne!(e, f, "a drain moves new bios to the other epoch");
+        v.exit(e);
+        // Only f, in the epoch before this drain's flip, is waited for.
+        assert!(!v.drain(Duration::from_millis(5)));
+        v.exit(f);
+        assert!(v.drain(Duration::from_millis(5)));
+    }
+}
