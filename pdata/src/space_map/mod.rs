@@ -1,0 +1,1 @@
+//! Space maps: reference counts of blocks (filled in next).

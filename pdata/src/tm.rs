@@ -1,0 +1,1 @@
+//! The transaction manager (filled in next).
