@@ -301,6 +301,11 @@ impl BlockCache {
     pub fn nr_blocks(&self) -> u64 {
         self.io.nr_blocks()
     }
+
+    /// Gives back the device.
+    pub fn into_io(self) -> Box<dyn BlockIo> {
+        self.io
+    }
 }
 
 #[cfg(test)]
