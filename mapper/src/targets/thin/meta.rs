@@ -1,11 +1,13 @@
-//! What the pool needs of its metadata ([`MetaStore`]): the calls of the
-//! persistent-data layer's `ThinMetadata` that the engine makes, as a
-//! trait, so that the engine can run over the kernel's on-disk format
-//! and, in unit tests, over [`MemMeta`], a model of it in memory.
+//! What the pool needs of its metadata ([`MetaStore`]): the calls of
+//! [`ThinMetadata`] (Linux's on-disk format) that the engine makes, as a
+//! trait, so that the engine also runs over [`MemMeta`], a model of it in
+//! memory (while the format cannot open a device, see `pool.rs`).
 
 use std::collections::BTreeMap;
 
 use udm_core::Error;
+
+use super::metadata::{is_no_space, ThinMetadata};
 
 /// Where a virtual block lives, and whether another device maps it too.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -278,5 +280,79 @@ impl MetaStore for MemMeta {
 
     fn needs_check(&self) -> bool {
         false
+    }
+}
+
+/// The metadata in Linux's format.
+impl MetaStore for ThinMetadata {
+    fn create_thin(&mut self, dev: u32) -> Result<(), Error> {
+        ThinMetadata::create_thin(self, dev)
+    }
+    fn create_snap(&mut self, dev: u32, origin: u32) -> Result<(), Error> {
+        ThinMetadata::create_snap(self, dev, origin)
+    }
+    fn delete_thin(&mut self, dev: u32) -> Result<(), Error> {
+        ThinMetadata::delete_thin(self, dev)
+    }
+    fn device_exists(&self, dev: u32) -> bool {
+        ThinMetadata::device_exists(self, dev)
+    }
+    fn lookup(&mut self, dev: u32, vblock: u64) -> Result<Option<Lookup>, Error> {
+        Ok(ThinMetadata::lookup(self, dev, vblock)?.map(|l| Lookup {
+            block: l.block,
+            shared: l.shared,
+        }))
+    }
+    fn insert(&mut self, dev: u32, vblock: u64, block: u64) -> Result<(), Error> {
+        ThinMetadata::insert(self, dev, vblock, block)
+    }
+    fn remove_range(&mut self, dev: u32, begin: u64, end: u64) -> Result<u64, Error> {
+        ThinMetadata::remove_range(self, dev, begin, end)
+    }
+    fn alloc_data_block(&mut self) -> Result<Option<u64>, Error> {
+        match ThinMetadata::alloc_data_block(self) {
+            Ok(b) => Ok(Some(b)),
+            Err(e) if is_no_space(&e) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+    fn commit(&mut self) -> Result<(), Error> {
+        ThinMetadata::commit(self)
+    }
+    fn abort(&mut self) -> Result<(), Error> {
+        ThinMetadata::abort(self)
+    }
+    fn transaction_id(&self) -> u64 {
+        ThinMetadata::transaction_id(self)
+    }
+    fn set_transaction_id(&mut self, old: u64, new: u64) -> Result<(), Error> {
+        ThinMetadata::set_transaction_id(self, old, new)
+    }
+    fn reserve_metadata_snap(&mut self) -> Result<(), Error> {
+        ThinMetadata::reserve_metadata_snap(self)
+    }
+    fn release_metadata_snap(&mut self) -> Result<(), Error> {
+        ThinMetadata::release_metadata_snap(self)
+    }
+    fn held_root(&self) -> Option<u64> {
+        ThinMetadata::held_root(self)
+    }
+    fn resize_data_dev(&mut self, nr_blocks: u64) -> Result<(), Error> {
+        ThinMetadata::resize_data_dev(self, nr_blocks)
+    }
+    fn data_usage(&self) -> (u64, u64) {
+        ThinMetadata::data_usage(self)
+    }
+    fn metadata_usage(&self) -> (u64, u64) {
+        ThinMetadata::metadata_usage(self)
+    }
+    fn mapped_blocks(&self, dev: u32) -> Result<u64, Error> {
+        ThinMetadata::mapped_blocks(self, dev)
+    }
+    fn highest_mapped(&mut self, dev: u32) -> Result<Option<u64>, Error> {
+        ThinMetadata::highest_mapped(self, dev)
+    }
+    fn needs_check(&self) -> bool {
+        ThinMetadata::needs_check(self)
     }
 }

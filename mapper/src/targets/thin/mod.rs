@@ -40,9 +40,12 @@
 //! pools by metadata device), `thin.rs` (the volume target and its
 //! engine), `vol.rs` (a volume's lock-free mapping cache and in-flight
 //! epochs), `worker.rs` (the slow path and the bio prison), `meta.rs`
-//! (what the worker needs of the metadata).
+//! (what the worker needs of the metadata), `metadata.rs` (the metadata
+//! in Linux's format, over the `udm-pdata` crate).
 
 mod meta;
+pub mod metadata;
+mod metaio;
 mod pool;
 #[allow(clippy::module_inception)]
 mod thin;

@@ -13,9 +13,11 @@ use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use udm_core::{BioPtr, BlockDevice, Caps, Error, SECTOR_SHIFT};
+use udm_core::{BioPtr, BlockDevice, Caps, Error, ErrorKind, SECTOR_SHIFT};
 
 use super::meta::{MemMeta, MetaStore};
+use super::metadata::ThinMetadata;
+use super::metaio::MetaIo;
 use super::vol::Vol;
 use super::worker::{worker_gone, Job, Worker};
 use crate::device::MappedDevice;
@@ -267,7 +269,8 @@ impl Pool {
         });
         let (tx, rx) = mpsc::channel();
         let wsh = sh.clone();
-        let open = move || open_metadata(nr_blocks);
+        let (mdev, bs) = (sh.meta_dev.clone(), block_sectors);
+        let open = move || open_metadata(&mdev, bs, nr_blocks, read_only);
         let join = std::thread::Builder::new()
             .name("thin-pool".into())
             .spawn(move || Worker::run(wsh, open, tx))
@@ -284,9 +287,22 @@ impl Pool {
     }
 }
 
-/// Opens (or formats) a pool's metadata on its worker thread.
-fn open_metadata(nr_blocks: u64) -> Result<Box<dyn MetaStore>, Error> {
-    Ok(Box::new(MemMeta::new(nr_blocks)))
+/// Opens (or formats) a pool's metadata on its worker thread: Linux's
+/// format on the metadata device. While the format layer cannot open
+/// one yet (`ErrorKind::Unsupported`), the pool keeps its metadata in
+/// memory ([`MemMeta`]): it works, but does not outlive the process.
+fn open_metadata(
+    dev: &Arc<dyn BlockDevice>,
+    block_sectors: u64,
+    nr_blocks: u64,
+    read_only: bool,
+) -> Result<Box<dyn MetaStore>, Error> {
+    let io = MetaIo::open(dev)?;
+    match ThinMetadata::open_or_format(Box::new(io), block_sectors as u32, nr_blocks, read_only) {
+        Ok(m) => Ok(Box::new(m)),
+        Err(e) if e.kind() == ErrorKind::Unsupported => Ok(Box::new(MemMeta::new(nr_blocks))),
+        Err(e) => Err(e.context(format!("thin-pool: metadata device '{}'", dev.name()))),
+    }
 }
 
 /// The pool of pool *device* `dev` (a udm device whose live table has a
