@@ -1,0 +1,226 @@
+//! The thin targets against a model: random writes, discards, snapshots
+//! of snapshots, deletes and table reloads on a pool, every volume's
+//! content checked against an in-memory copy of what it should hold; and
+//! a pool that runs out of space holds writes until its data device grows.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use udm_core::{BlockDevice, Status};
+use udm_mapper::MappedDevice;
+
+/// 64 KiB blocks.
+const BS: u64 = 128;
+/// Each volume: 16 blocks (1 MiB).
+const VOL: u64 = 16 * BS;
+
+struct Vol {
+    md: Arc<MappedDevice>,
+    model: Vec<u8>,
+    /// The volume's own reactor: a reactor keeps the channels (and so the
+    /// tables) of devices it opened until it ends, and a volume with a
+    /// table is open.
+    rt: ReactorThread,
+}
+
+fn thin(d: &Devices, id: u32) -> Arc<MappedDevice> {
+    d.mapped(&format!("t{id}"), &format!("0 {VOL} thin pool {id}"))
+}
+
+fn msg(pool: &MappedDevice, m: &str) -> Result<String, String> {
+    let argv: Vec<&str> = m.split_whitespace().collect();
+    pool.message(0, &argv).map_err(|e| e.to_string())
+}
+
+#[track_caller]
+fn check(id: u32, v: &Vol) {
+    let got = v.rt.read(&as_dev(&v.md), 0, VOL);
+    assert_sectors_eq(&got, &v.model, &format!("volume {id}"));
+}
+
+#[test]
+fn random_writes_discards_snapshots_deletes_and_reloads_match_the_model() {
+    let mut d = Devices::new();
+    d.ram("meta", 4096);
+    // Room for every volume's blocks at once, and more.
+    d.ram("data", 512 * BS);
+    let pool = d.mapped(
+        "pool",
+        &format!("0 {} thin-pool meta data {BS} 0", 512 * BS),
+    );
+    d.add(as_dev(&pool));
+    let mut rng = Rng::new(38);
+    let mut vols: BTreeMap<u32, Vol> = BTreeMap::new();
+    let mut next_id = 0u32;
+    msg(&pool, "create_thin 0").unwrap();
+    vols.insert(
+        0,
+        Vol {
+            md: thin(&d, 0),
+            model: vec![0; (VOL * 512) as usize],
+            rt: ReactorThread::spawn("thin-model-0"),
+        },
+    );
+    next_id += 1;
+    for step in 0..400u64 {
+        let ids: Vec<u32> = vols.keys().copied().collect();
+        let id = ids[rng.range(0, ids.len() as u64 - 1) as usize];
+        match rng.range(0, 99) {
+            // Writes of 1 sector to 2.5 blocks anywhere, many partial.
+            0..=59 => {
+                let n = rng.range(1, 5 * BS / 2);
+                let s = rng.range(0, VOL - n);
+                let data = pattern(step, s, n);
+                let v = vols.get_mut(&id).unwrap();
+                v.rt.write(&as_dev(&v.md), s, data.clone());
+                v.model[(s * 512) as usize..((s + n) * 512) as usize].copy_from_slice(&data);
+            }
+            // Discards of whole blocks (a partial block's content after a
+            // discard is unspecified).
+            60..=69 => {
+                let b = rng.range(0, 15);
+                let n = rng.range(1, 16 - b);
+                let v = vols.get_mut(&id).unwrap();
+                let r = v.rt.run(&as_dev(&v.md), Req::discard(b * BS, n * BS));
+                assert_eq!(r.status, Status::Ok);
+                v.model[(b * BS * 512) as usize..((b + n) * BS * 512) as usize].fill(0);
+            }
+            // A snapshot (of a snapshot, often).
+            70..=79 if vols.len() < 8 => {
+                let new = next_id;
+                next_id += 1;
+                msg(&pool, &format!("create_snap {new} {id}")).unwrap();
+                let model = vols[&id].model.clone();
+                vols.insert(
+                    new,
+                    Vol {
+                        md: thin(&d, new),
+                        model,
+                        rt: ReactorThread::spawn(&format!("thin-model-{new}")),
+                    },
+                );
+            }
+            // Delete: refused while open, done once closed.
+            80..=84 if vols.len() > 1 => {
+                let e = msg(&pool, &format!("delete {id}")).unwrap_err();
+                assert!(e.contains("is open"), "{e}");
+                let v = vols.remove(&id).unwrap();
+                check(id, &v);
+                drop(v);
+                msg(&pool, &format!("delete {id}")).unwrap();
+            }
+            // Reload the volume's table while it is open.
+            85..=89 => {
+                let v = &vols[&id];
+                v.md.replace(d.table(&format!("0 {VOL} thin pool {id}")))
+                    .unwrap();
+            }
+            // A flush (a commit) now and then.
+            90..=94 => {
+                let v = &vols[&id];
+                assert_eq!(v.rt.run(&as_dev(&v.md), Req::flush()).status, Status::Ok);
+            }
+            _ => check(id, &vols[&id]),
+        }
+    }
+    for (id, v) in &vols {
+        check(*id, v);
+        let st = v.md.table().status_lines().remove(0);
+        let mapped_sectors: u64 = st.split_whitespace().nth(3).unwrap().parse().unwrap();
+        assert_eq!(mapped_sectors % BS, 0, "{st}");
+    }
+    // Every block in use is some volume's: the pool counts no more than
+    // the volumes map.
+    let used: u64 = pool.table().status_lines()[0]
+        .split_whitespace()
+        .nth(5)
+        .and_then(|u| u.split('/').next())
+        .unwrap()
+        .parse()
+        .unwrap();
+    let mapped: u64 = vols
+        .values()
+        .map(|v| {
+            let st = v.md.table().status_lines().remove(0);
+            st.split_whitespace()
+                .nth(3)
+                .unwrap()
+                .parse::<u64>()
+                .unwrap()
+                / BS
+        })
+        .sum();
+    assert!(used <= mapped, "{used} blocks used, volumes map {mapped}");
+}
+
+#[test]
+fn held_writes_resume_when_the_data_device_grows() {
+    let mut d = Devices::new();
+    d.ram("meta", 4096);
+    d.ram("big", 16 * BS);
+    // The data device: a linear over the first 4 blocks of 'big', grown later.
+    let data = d.mapped("data", &format!("0 {} linear big 0", 4 * BS));
+    d.add(as_dev(&data));
+    let line = |blocks: u64| format!("0 {} thin-pool meta data {BS} 1", blocks * BS);
+    let pool = d.mapped("pool", &line(4));
+    d.add(as_dev(&pool));
+    msg(&pool, "create_thin 0").unwrap();
+    let t = as_dev(&thin(&d, 0));
+    let rt = ReactorThread::spawn("thin-grow");
+    for b in 0..4 {
+        rt.write(&t, b * BS, pattern(1, b * BS, BS));
+    }
+    let events = pool.table().events();
+    assert!(events >= 1, "low water mark crossed");
+    // The fifth block's write waits: the pool is out of data space.
+    let held = rt.submit(&t, Req::write(4 * BS, pattern(2, 4 * BS, 8)));
+    assert!(
+        held.recv_timeout(Duration::from_millis(200)).is_err(),
+        "write held"
+    );
+    let st = pool.table().status_lines().remove(0);
+    assert!(st.contains(" out_of_data_space "), "{st}");
+    assert!(
+        pool.table().events() > events,
+        "out of space raised an event"
+    );
+    // Grow the data device, then reload the pool over it: the write goes on.
+    data.replace(d.table(&format!("0 {} linear big 0", 16 * BS)))
+        .unwrap();
+    pool.load(d.table(&line(16)));
+    pool.suspend(false).unwrap();
+    pool.resume().unwrap();
+    let done = held.recv_timeout(TIMEOUT).expect("held write completes");
+    assert_eq!(done.status, Status::Ok);
+    let st = pool.table().status_lines().remove(0);
+    assert!(st.contains(" 5/16 ") && st.contains(" rw "), "{st}");
+    assert_sectors_eq(
+        &rt.read(&t, 4 * BS, 8),
+        &pattern(2, 4 * BS, 8),
+        "held write",
+    );
+    assert_sectors_eq(&rt.read(&t, 0, BS), &pattern(1, 0, BS), "block 0");
+}
+
+#[test]
+fn the_pool_outlives_its_device_while_volumes_use_it() {
+    let mut d = Devices::new();
+    d.ram("meta", 4096);
+    d.ram("data", 16 * BS);
+    let pool = d.mapped("pool", &format!("0 {} thin-pool meta data {BS} 0", 16 * BS));
+    d.add(as_dev(&pool));
+    msg(&pool, "create_thin 0").unwrap();
+    let t: Arc<dyn BlockDevice> = as_dev(&thin(&d, 0));
+    drop(pool);
+    let rt = ReactorThread::spawn("thin-outlive");
+    rt.write(&t, 0, pattern(3, 0, 16));
+    assert_sectors_eq(
+        &rt.read(&t, 0, 16),
+        &pattern(3, 0, 16),
+        "after the pool device",
+    );
+}
