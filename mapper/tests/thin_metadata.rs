@@ -56,6 +56,13 @@ fn run(name: &str, args: &[&str]) -> (bool, String) {
 fn thin_check(path: &str, when: &str) {
     let (ok, out) = run("thin_check", &[path]);
     assert!(ok, "thin_check failed {when}:\n{out}");
+    // Counts too high are leaks, which thin_check reports but passes.
+    for word in ["leak", "differ", "error"] {
+        assert!(
+            !out.to_lowercase().contains(word),
+            "thin_check {when} says {word}:\n{out}"
+        );
+    }
 }
 
 /// Devices and their mappings: dev → (virtual block → data block).
@@ -218,6 +225,12 @@ fn step(md: &mut ThinMetadata, model: &mut Mappings, rng: &mut Rng, next_dev: &m
 }
 
 fn check_model(md: &mut ThinMetadata, model: &Mappings, when: &str) {
+    check_model_holding(md, model, &Mappings::new(), when);
+}
+
+/// As [`check_model`], with `held` also holding data blocks (a metadata
+/// snapshot's mappings).
+fn check_model_holding(md: &mut ThinMetadata, model: &Mappings, held: &Mappings, when: &str) {
     assert_eq!(udm_mappings(md), *model, "udm's mappings {when}");
     for (dev, maps) in model {
         assert_eq!(
@@ -231,9 +244,11 @@ fn check_model(md: &mut ThinMetadata, model: &Mappings, when: &str) {
             "dev {dev} {when}"
         );
     }
+    let mut in_use = data_refs(model);
+    in_use.extend(data_refs(held));
     assert_eq!(
         md.data_usage().0,
-        data_refs(model).len() as u64,
+        in_use.len() as u64,
         "data blocks in use {when}"
     );
 }
@@ -367,6 +382,140 @@ fn abort_goes_back_to_the_last_commit() {
     assert_eq!(md.lookup(1, 5).unwrap().map(|l| l.block), Some(b));
     assert_eq!(md.transaction_id(), 7);
     assert!(md.set_transaction_id(8, 9).is_err());
+    md.check_counts().unwrap();
+    // The count check sees a data block allocated and never mapped.
+    let leaked = md.alloc_data_block().unwrap();
+    md.commit().unwrap();
+    let e = md.check_counts().unwrap_err().to_string();
+    assert!(
+        e.contains(&format!(
+            "data block {leaked} is counted 1 times, referenced 0"
+        )),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_metadata_snapshot_keeps_the_trees_it_saw_until_released() {
+    let have_tools = tools("metadata_snap").is_some();
+    let f = metadata_file("thin-msnap", 2048);
+    let mut md =
+        ThinMetadata::open_or_format(open_file(&f.path), DATA_BLOCK_SECTORS, 20_000, false)
+            .unwrap();
+    let mut model = Mappings::new();
+    let mut rng = Rng(0x3e7a_da7a);
+    let mut next_dev = 0;
+    for _ in 0..1500 {
+        step(&mut md, &mut model, &mut rng, &mut next_dev);
+    }
+    md.commit().unwrap();
+    let before = md.metadata_usage().0;
+    md.reserve_metadata_snap().unwrap();
+    let held = md.held_root().expect("a held root");
+    let seen = model.clone();
+    let e = md.reserve_metadata_snap().unwrap_err().to_string();
+    assert!(e.contains("already held"), "{e}");
+    for commit in 0..3 {
+        for _ in 0..800 {
+            step(&mut md, &mut model, &mut rng, &mut next_dev);
+        }
+        md.commit().unwrap();
+        let when = format!("at commit {commit} with a metadata snapshot held");
+        check_model_holding(&mut md, &model, &seen, &when);
+        assert_eq!(md.held_root(), Some(held));
+        if have_tools {
+            thin_check(&f.path, &when);
+            assert_eq!(thin_dump(&f.path).0, model, "{when}");
+            let (ok, out) = run("thin_dump", &["-m", &f.path]);
+            assert!(ok, "thin_dump -m {when}:\n{out}");
+            assert_eq!(parse_dump(&out).0, seen, "thin_dump -m {when}");
+        }
+    }
+    md.release_metadata_snap().unwrap();
+    assert_eq!(md.held_root(), None);
+    check_model(&mut md, &model, "after releasing the snapshot");
+    if have_tools {
+        thin_check(&f.path, "after releasing the snapshot");
+    }
+    assert!(md.release_metadata_snap().is_err());
+    // Everything only the snapshot held is free again: deleting every
+    // device gives back all the data and all but the empty trees' blocks.
+    for dev in md.devices() {
+        md.delete_thin(dev).unwrap();
+    }
+    md.commit().unwrap();
+    md.check_counts().unwrap();
+    assert_eq!(md.data_usage().0, 0);
+    assert!(
+        md.metadata_usage().0 < before,
+        "{:?} vs {before}",
+        md.metadata_usage()
+    );
+}
+
+#[test]
+fn the_data_and_metadata_devices_grow_and_never_shrink() {
+    let have_tools = tools("resize").is_some();
+    let f = metadata_file("thin-grow", 1024);
+    let mut md =
+        ThinMetadata::open_or_format(open_file(&f.path), DATA_BLOCK_SECTORS, 1000, false).unwrap();
+    md.create_thin(0).unwrap();
+    let mut v = 0;
+    let mut model = Mappings::from([(0, BTreeMap::new())]);
+    let mut map_all = |md: &mut ThinMetadata, model: &mut Mappings| loop {
+        match md.alloc_data_block() {
+            Ok(b) => {
+                md.insert(0, v, b).unwrap();
+                model.get_mut(&0).unwrap().insert(v, b);
+                v += 1;
+            }
+            Err(e) if is_no_space(&e) => break,
+            Err(e) => panic!("{e}"),
+        }
+    };
+    map_all(&mut md, &mut model);
+    assert_eq!(md.data_usage(), (1000, 1000));
+    // Across two bitmaps' boundaries (16320 blocks each).
+    md.resize_data_dev(40_000).unwrap();
+    assert!(md.resize_data_dev(39_999).is_err());
+    map_all(&mut md, &mut model);
+    assert_eq!(md.data_usage(), (40_000, 40_000));
+    md.commit().unwrap();
+    check_model(&mut md, &model, "after growing the data device");
+    drop(md);
+    // The metadata device grows under the pool; the pool grows into it.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&f.path)
+        .unwrap()
+        .set_len(20_000 * BLOCK)
+        .unwrap();
+    let e = ThinMetadata::open_or_format(open_file(&f.path), DATA_BLOCK_SECTORS, 39_000, false)
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("cannot shrink"), "{e}");
+    let mut md =
+        ThinMetadata::open_or_format(open_file(&f.path), DATA_BLOCK_SECTORS, 40_000, false)
+            .unwrap();
+    assert_eq!(md.metadata_usage().1, 1024);
+    md.resize_metadata_dev(20_000).unwrap();
+    assert!(md.resize_metadata_dev(100).is_err());
+    assert!(md.resize_metadata_dev(20_001).is_err());
+    md.resize_data_dev(100_000).unwrap();
+    map_all(&mut md, &mut model);
+    md.commit().unwrap();
+    check_model(&mut md, &model, "after growing both");
+    assert_eq!(md.metadata_usage().1, 20_000);
+    if have_tools {
+        thin_check(&f.path, "after growing both");
+        assert_eq!(thin_dump(&f.path).0, model);
+    }
+    drop(md);
+    let mut md =
+        ThinMetadata::open_or_format(open_file(&f.path), DATA_BLOCK_SECTORS, 100_000, false)
+            .unwrap();
+    assert_eq!(md.metadata_usage().1, 20_000);
+    check_model(&mut md, &model, "reopened");
 }
 
 #[test]
@@ -590,6 +739,8 @@ fn a_power_cut_at_any_io_of_a_commit_leaves_the_last_commit_or_the_next() {
                 .unwrap_or_else(|e| {
                     panic!("trial {trial}: reopening after the cut ({cut_in:?}): {e}")
                 });
+        md.check_counts()
+            .unwrap_or_else(|e| panic!("trial {trial}: after the cut: {e}"));
         let got = udm_mappings(&mut md);
         assert!(
             got == committed || (cut_in.is_some() && got == model),

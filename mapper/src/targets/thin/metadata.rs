@@ -14,7 +14,7 @@
 //! transaction's blocks, flushes, then writes the superblock and flushes,
 //! so a crash leaves the last commit readable (see `udm_pdata::tm`).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use udm_core::{Error, ErrorKind};
 use udm_pdata::block::{zeroed, Block};
@@ -926,6 +926,66 @@ impl ThinMetadata {
     /// Whether the metadata is marked as needing a check.
     pub fn needs_check(&self) -> bool {
         self.sb.flags & NEEDS_CHECK != 0
+    }
+
+    /// Checks that both space maps count exactly the references the
+    /// metadata holds: every tree node, space map block and superblock (a
+    /// held metadata snapshot's too) in the metadata space map, every
+    /// mapping in the data space map. `thin_check` 0.9 lets a count that
+    /// is too high pass as a leak; this does not. For tests and offline
+    /// checks, right after a commit (the metadata space map's own blocks
+    /// move at commit).
+    pub fn check_counts(&mut self) -> Result<(), Error> {
+        let mut meta: HashMap<u64, u32> = HashMap::new();
+        let mut data: HashMap<u64, u32> = HashMap::new();
+        meta.insert(0, 1);
+        let tm = &mut self.tm;
+        let mut roots = vec![(self.sb.mapping_root, self.sb.details_root)];
+        if self.sb.held_root != 0 {
+            *meta.entry(self.sb.held_root).or_default() += 1;
+            let b = tm.read(self.sb.held_root, BlockKind::Superblock)?;
+            roots.push((get64(&b, SB_MAPPING_ROOT), get64(&b, SB_DETAILS_ROOT)));
+        }
+        for (mapping, details) in roots {
+            btree::count_refs(tm, details, 24, &mut meta, &mut |_, _, _| Ok(()))?;
+            btree::count_refs(tm, mapping, 8, &mut meta, &mut |tm, meta, v| {
+                btree::count_refs(tm, le64(v), 8, meta, &mut |_, _, v| {
+                    *data.entry(le64(v) >> 24).or_default() += 1;
+                    Ok(())
+                })
+            })?;
+        }
+        let (bitmaps, index, overflow) = self.data_sm.own_blocks();
+        btree::count_refs(tm, index, 16, &mut meta, &mut |_, _, _| Ok(()))?;
+        btree::count_refs(tm, overflow, 4, &mut meta, &mut |_, _, _| Ok(()))?;
+        let (meta_bitmaps, meta_index, meta_overflow) = tm.sm.own_blocks();
+        btree::count_refs(tm, meta_overflow, 4, &mut meta, &mut |_, _, _| Ok(()))?;
+        for b in bitmaps.into_iter().chain(meta_bitmaps).chain([meta_index]) {
+            *meta.entry(b).or_default() += 1;
+        }
+        let compare = |what: &str,
+                       nr: u64,
+                       refs: &HashMap<u64, u32>,
+                       count: &dyn Fn(u64) -> udm_pdata::Result<u32>| {
+            if let Some(b) = refs.keys().find(|&&b| b >= nr) {
+                return Err(bad(format!(
+                    "{what} block {b} is referenced but beyond the device"
+                )));
+            }
+            for b in 0..nr {
+                let (have, want) = (count(b)?, refs.get(&b).copied().unwrap_or(0));
+                if have != want {
+                    return Err(bad(format!(
+                        "{what} block {b} is counted {have} times, referenced {want}"
+                    )));
+                }
+            }
+            Ok(())
+        };
+        let counts = &self.tm.sm.counts;
+        compare("metadata", counts.nr_blocks(), &meta, &|b| counts.get(b))?;
+        let counts = &self.data_sm.counts;
+        compare("data", counts.nr_blocks(), &data, &|b| counts.get(b))
     }
 
     /// The mapped runs of `[begin, end)` of `dev`: (virtual block, data
