@@ -4,9 +4,10 @@
 set -euo pipefail
 
 # libclang-dev: bindgen, for scripts/bench/ublk-null-ref (libublk); strace: the
-# guest's system-call counts (docs/benchmarks.md, dm-compare).
+# guest's system-call counts (docs/benchmarks.md, dm-compare); thin-provisioning-tools:
+# thin_check, thin_dump and thin_restore for the thin metadata's format tests.
 APT_PACKAGES=(build-essential pkg-config valgrind bc fio e2fsprogs nbdkit libnbd-bin python3-libnbd zstd xz-utils
-    librbd-dev librados-dev ceph-mon ceph-osd ceph-common libclang-dev strace)
+    librbd-dev librados-dev ceph-mon ceph-osd ceph-common libclang-dev strace thin-provisioning-tools)
 # QEMU from Debian 12's backports (10.x: qemu-img, qemu-io, qemu-nbd,
 # qemu-storage-daemon, and qemu-system-x86_64 for the test guest): the two
 # packages must come from the same release, or apt removes one for the other.

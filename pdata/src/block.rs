@@ -97,6 +97,11 @@ pub struct MemState {
     pub pending: Vec<(u64, Box<Block>)>,
     /// When set, every I/O fails (the power is off).
     pub failed: bool,
+    /// When set, the power goes off on the I/O (write or flush) after this
+    /// many more, keeping the first `keep_on_cut` unflushed writes.
+    pub cut_after: Option<u64>,
+    /// Unflushed writes that survive an automatic cut.
+    pub keep_on_cut: usize,
 }
 
 impl MemState {
@@ -109,6 +114,23 @@ impl MemState {
             self.durable.insert(nr, b);
         }
         self.failed = true;
+        self.cut_after = None;
+    }
+    /// Counts an I/O against [`MemState::cut_after`]; errs if the power is
+    /// (or just went) off.
+    fn tick(&mut self) -> Result<()> {
+        if let Some(n) = self.cut_after {
+            if n == 0 {
+                let keep = self.keep_on_cut;
+                self.cut(keep);
+            } else {
+                self.cut_after = Some(n - 1);
+            }
+        }
+        if self.failed {
+            return Err(power_off());
+        }
+        Ok(())
     }
     /// The power comes back.
     pub fn restore(&mut self) {
@@ -162,6 +184,31 @@ impl MemIo {
     }
 }
 
+/// The device of a cache whose device was taken away.
+struct Detached;
+
+impl BlockIo for Detached {
+    fn read(&mut self, _: u64, _: &mut Block) -> Result<()> {
+        Err(detached())
+    }
+    fn write(&mut self, _: u64, _: &Block) -> Result<()> {
+        Err(detached())
+    }
+    fn flush(&mut self) -> Result<()> {
+        Err(detached())
+    }
+    fn nr_blocks(&self) -> u64 {
+        0
+    }
+}
+
+fn detached() -> Error {
+    Error::new(
+        udm_core::ErrorKind::Io,
+        "metadata device: closed after a failed reopen",
+    )
+}
+
 fn power_off() -> Error {
     Error::new(udm_core::ErrorKind::Io, "metadata device: power is off")
 }
@@ -198,17 +245,13 @@ impl BlockIo for MemIo {
             ));
         }
         let mut st = self.state();
-        if st.failed {
-            return Err(power_off());
-        }
+        st.tick()?;
         st.pending.push((nr, Box::new(*buf)));
         Ok(())
     }
     fn flush(&mut self) -> Result<()> {
         let mut st = self.state();
-        if st.failed {
-            return Err(power_off());
-        }
+        st.tick()?;
         let pending = std::mem::take(&mut st.pending);
         for (nr, b) in pending {
             st.durable.insert(nr, b);
@@ -305,6 +348,13 @@ impl BlockCache {
     /// Gives back the device.
     pub fn into_io(self) -> Box<dyn BlockIo> {
         self.io
+    }
+
+    /// Takes the device out, leaving one whose every I/O fails (to reopen
+    /// the device from its last commit).
+    pub fn take_io(&mut self) -> Box<dyn BlockIo> {
+        self.blocks.clear();
+        std::mem::replace(&mut self.io, Box::new(Detached))
     }
 }
 

@@ -65,6 +65,13 @@ impl Tm {
         }
     }
 
+    /// Takes the device out (dropping the transaction), leaving a
+    /// transaction manager whose every I/O fails.
+    pub fn take_io(&mut self) -> Box<dyn BlockIo> {
+        self.dirty.clear();
+        self.cache.take_io()
+    }
+
     /// Gives back the device, dropping the transaction.
     pub fn into_io(self) -> Box<dyn BlockIo> {
         self.cache.into_io()

@@ -247,6 +247,54 @@ pub fn nodes(tm: &mut Tm, root: u64, vs: usize, f: &mut dyn FnMut(u64)) -> Resul
     Ok(())
 }
 
+/// References counted per block, by [`count_refs`].
+pub type RefCounts = std::collections::HashMap<u64, u32>;
+
+/// What [`count_refs`] calls with each leaf value, to count what it references.
+pub type LeafRefs<'a> = dyn FnMut(&mut Tm, &mut RefCounts, &[u8]) -> Result<()> + 'a;
+
+/// Counts references as a space map should hold them: one for `root`
+/// from whoever holds it, and, the first time a node is reached, one for
+/// each of its children; `leaf` gets each leaf value of a node reached for
+/// the first time (to count what the values reference). Bounded as
+/// [`range`] is.
+pub fn count_refs(
+    tm: &mut Tm,
+    root: u64,
+    vs: usize,
+    counts: &mut RefCounts,
+    leaf: &mut LeafRefs,
+) -> Result<()> {
+    let mut budget = tm.device_blocks();
+    let mut stack = vec![(root, 0usize)];
+    while let Some((b, depth)) = stack.pop() {
+        if depth >= MAX_DEPTH {
+            return Err(too_deep(b));
+        }
+        let c = counts.entry(b).or_insert(0);
+        *c += 1;
+        if *c > 1 {
+            continue;
+        }
+        if budget == 0 {
+            return Err(corrupt(
+                b,
+                "B-tree has more nodes than the device has blocks",
+            ));
+        }
+        budget -= 1;
+        let n = read_node(tm, b, vs)?;
+        for i in 0..node::nr(&n) {
+            if node::is_leaf(&n) {
+                leaf(tm, counts, node::value(&n, i))?;
+            } else {
+                stack.push((node::child(&n, i), depth + 1));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Moves the full root's entries into two new children, so that the root
 /// keeps its block (dm's `btree_split_beneath`).
 fn split_beneath(tm: &mut Tm, root: u64) -> Result<()> {

@@ -117,6 +117,12 @@ impl DiskSpaceMap {
         })
     }
 
+    /// The blocks the map itself lives in as of its last commit: its
+    /// bitmaps, and the roots of its index and overflow trees.
+    pub fn own_blocks(&self) -> (Vec<u64>, u64, u64) {
+        (self.locations.clone(), self.index_root, self.ref_count_root)
+    }
+
     /// The transaction is on disk: its counts are the committed ones.
     pub fn committed(&mut self) {
         self.counts.committed();

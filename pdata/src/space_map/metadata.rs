@@ -65,6 +65,16 @@ impl MetadataSpaceMap {
         })
     }
 
+    /// The blocks the map itself lives in as of its last commit: its
+    /// bitmaps, its index block and its overflow tree's root.
+    pub fn own_blocks(&self) -> (Vec<u64>, u64, u64) {
+        (
+            self.locations.clone(),
+            self.index_block,
+            self.ref_count_root,
+        )
+    }
+
     /// Grows the map to `nr_blocks`.
     pub fn extend(&mut self, nr_blocks: u64) -> Result<()> {
         if nr_blocks > MAX_BLOCKS {
