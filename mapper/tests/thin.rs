@@ -244,7 +244,7 @@ fn status_and_table_lines_follow_dm() {
     assert_eq!(
         p.status(),
         format!(
-            "0 {} thin-pool 0 1/1048576 0/64 - rw no_discard_passdown queue_if_no_space - 1024",
+            "0 {} thin-pool 0 9/256 0/64 - rw no_discard_passdown queue_if_no_space - 64",
             64 * BS
         )
     );

@@ -31,6 +31,41 @@ fn thin(d: &Devices, id: u32) -> Arc<MappedDevice> {
     d.mapped(&format!("t{id}"), &format!("0 {VOL} thin pool {id}"))
 }
 
+/// `thin_check` over the metadata device's bytes (read through `rt`
+/// while no I/O is in flight and the pool has just committed), where the
+/// tool is installed; returns whether it ran.
+fn thin_check(rt: &ReactorThread, meta: &Arc<dyn BlockDevice>, when: &str) -> bool {
+    let Some(tool) = [
+        "/usr/sbin/thin_check",
+        "/sbin/thin_check",
+        "/usr/bin/thin_check",
+    ]
+    .into_iter()
+    .find(|p| std::path::Path::new(p).exists()) else {
+        return false;
+    };
+    let file = udm_core::testing::TempFile::new("thin-model-meta");
+    std::fs::write(&file.path, rt.read(meta, 0, meta.limits().sectors))
+        .expect("write the metadata copy");
+    let out = std::process::Command::new(tool)
+        .arg(&file.path)
+        .output()
+        .expect("run thin_check");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "thin_check failed {when}:\n{text}");
+    for word in ["leak", "differ", "error"] {
+        assert!(
+            !text.to_lowercase().contains(word),
+            "thin_check {when}: {word}:\n{text}"
+        );
+    }
+    true
+}
+
 fn msg(pool: &MappedDevice, m: &str) -> Result<String, String> {
     let argv: Vec<&str> = m.split_whitespace().collect();
     pool.message(0, &argv).map_err(|e| e.to_string())
@@ -56,6 +91,7 @@ fn random_writes_discards_snapshots_deletes_and_reloads_match_the_model() {
     let mut rng = Rng::new(38);
     let mut vols: BTreeMap<u32, Vol> = BTreeMap::new();
     let mut next_id = 0u32;
+    let mut checks = 0u32;
     msg(&pool, "create_thin 0").unwrap();
     vols.insert(
         0,
@@ -119,10 +155,12 @@ fn random_writes_discards_snapshots_deletes_and_reloads_match_the_model() {
                 v.md.replace(d.table(&format!("0 {VOL} thin pool {id}")))
                     .unwrap();
             }
-            // A flush (a commit) now and then.
+            // A flush (a commit) now and then, and the committed
+            // metadata checked by Linux's tools.
             90..=94 => {
                 let v = &vols[&id];
                 assert_eq!(v.rt.run(&as_dev(&v.md), Req::flush()).status, Status::Ok);
+                checks += thin_check(&v.rt, &d.get("meta"), &format!("at step {step}")) as u32;
             }
             _ => check(id, &vols[&id]),
         }
@@ -133,6 +171,10 @@ fn random_writes_discards_snapshots_deletes_and_reloads_match_the_model() {
         let mapped_sectors: u64 = st.split_whitespace().nth(3).unwrap().parse().unwrap();
         assert_eq!(mapped_sectors % BS, 0, "{st}");
     }
+    let v = vols.values().next().unwrap();
+    assert_eq!(v.rt.run(&as_dev(&v.md), Req::flush()).status, Status::Ok);
+    checks += thin_check(&v.rt, &d.get("meta"), "at the end") as u32;
+    eprintln!("thin_check ran {checks} times");
     // Every block in use is some volume's: the pool counts no more than
     // the volumes map.
     let used: u64 = pool.table().status_lines()[0]
@@ -223,4 +265,49 @@ fn the_pool_outlives_its_device_while_volumes_use_it() {
         &pattern(3, 0, 16),
         "after the pool device",
     );
+}
+
+#[test]
+fn a_pool_made_again_over_its_devices_finds_its_volumes_and_refuses_corrupt_metadata() {
+    let mut d = Devices::new();
+    let meta = d.ram("meta", 4096);
+    d.ram("data", 64 * BS);
+    let line = format!("0 {} thin-pool meta data {BS} 0", 64 * BS);
+    {
+        let pool = d.mapped("pool", &line);
+        let mut d = d.clone();
+        d.add(as_dev(&pool));
+        msg(&pool, "create_thin 7").unwrap();
+        msg(&pool, "set_transaction_id 0 3").unwrap();
+        let rt = ReactorThread::spawn("thin-first");
+        let t = as_dev(&thin(&d, 7));
+        rt.write(&t, 5, pattern(4, 5, 300));
+        assert_eq!(rt.run(&t, Req::flush()).status, Status::Ok);
+        msg(&pool, "create_snap 8 7").unwrap();
+    }
+    // Every device and reactor of the first pool is gone: the metadata
+    // device alone knows the volumes.
+    let pool = d.mapped("pool", &line);
+    d.add(as_dev(&pool));
+    let st = pool.table().status_lines().remove(0);
+    assert!(st.contains(" thin-pool 3 "), "transaction id kept: {st}");
+    let rt = ReactorThread::spawn("thin-second");
+    for id in [7, 8] {
+        let t = as_dev(&thin(&d, id));
+        assert_sectors_eq(
+            &rt.read(&t, 5, 300),
+            &pattern(4, 5, 300),
+            &format!("volume {id}"),
+        );
+    }
+    drop((pool, rt, d));
+    // A flipped byte in the superblock: a one-line error, no pool.
+    let mut sb = ReactorThread::spawn("thin-corrupt").read(&meta, 0, 8);
+    sb[100] ^= 0xff;
+    ReactorThread::spawn("thin-corrupt2").write(&meta, 0, sb);
+    let mut d = Devices::new();
+    d.add(meta);
+    d.ram("data", 64 * BS);
+    let e = d.table_err(&line);
+    assert!(e.contains("metadata") && !e.contains('\n'), "{e}");
 }

@@ -13,9 +13,9 @@ use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use udm_core::{BioPtr, BlockDevice, Caps, Error, ErrorKind, SECTOR_SHIFT};
+use udm_core::{BioPtr, BlockDevice, Caps, Error, SECTOR_SHIFT};
 
-use super::meta::{MemMeta, MetaStore};
+use super::meta::MetaStore;
 use super::metadata::ThinMetadata;
 use super::metaio::MetaIo;
 use super::vol::Vol;
@@ -287,10 +287,8 @@ impl Pool {
     }
 }
 
-/// Opens (or formats) a pool's metadata on its worker thread: Linux's
-/// format on the metadata device. While the format layer cannot open
-/// one yet (`ErrorKind::Unsupported`), the pool keeps its metadata in
-/// memory ([`MemMeta`]): it works, but does not outlive the process.
+/// Opens (or formats, when its first block is zeroes) a pool's metadata
+/// on its worker thread: Linux's format on the metadata device.
 fn open_metadata(
     dev: &Arc<dyn BlockDevice>,
     block_sectors: u64,
@@ -300,7 +298,6 @@ fn open_metadata(
     let io = MetaIo::open(dev)?;
     match ThinMetadata::open_or_format(Box::new(io), block_sectors as u32, nr_blocks, read_only) {
         Ok(m) => Ok(Box::new(m)),
-        Err(e) if e.kind() == ErrorKind::Unsupported => Ok(Box::new(MemMeta::new(nr_blocks))),
         Err(e) => Err(e.context(format!("thin-pool: metadata device '{}'", dev.name()))),
     }
 }
