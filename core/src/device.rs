@@ -145,6 +145,49 @@ impl fmt::Debug for Caps {
     }
 }
 
+/// What a range of a device holds, as NBD's `base:allocation` context and
+/// `SEEK_DATA`/`SEEK_HOLE` tell it. [`Alloc::Data`] is always a correct
+/// answer (it promises nothing about the bytes); the others let a client
+/// skip reading zeroes and keep its copy sparse.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Alloc {
+    /// Allocated; may hold anything.
+    Data,
+    /// Allocated, and reads as zeroes.
+    Zero,
+    /// Not allocated, and reads as zeroes (a write may need to allocate).
+    Hole,
+}
+
+/// A run of sectors of one [`Alloc`] kind, as [`BlockDevice::block_status`]
+/// reports them: extents follow each other from the sector asked about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Extent {
+    /// Length in 512-byte sectors (never 0).
+    pub sectors: u64,
+    /// What the run holds.
+    pub alloc: Alloc,
+}
+
+/// The most extents a [`BlockDevice::block_status`] call needs to append:
+/// an implementation may stop once it has appended this many (or once its
+/// own work for the call is bounded otherwise), leaving the rest of the
+/// range for the next call. It bounds the time one query holds a reactor
+/// and the size of an NBD reply, whatever range a client asks for.
+pub const BLOCK_STATUS_MAX_EXTENTS: usize = 1024;
+
+/// Appends `e` to `out`, merged into the last extent if that is of the same
+/// kind: how every [`BlockDevice::block_status`] keeps its list short.
+pub fn push_extent(out: &mut Vec<Extent>, e: Extent) {
+    if e.sectors == 0 {
+        return;
+    }
+    match out.last_mut() {
+        Some(last) if last.alloc == e.alloc => last.sectors += e.sectors,
+        _ => out.push(e),
+    }
+}
+
 /// A block device. Shared by every reactor; I/O goes through [`BlockDevice::open`]'s channels.
 pub trait BlockDevice: Send + Sync + 'static {
     /// The device's name (as given on the command line).
@@ -170,6 +213,37 @@ pub trait BlockDevice: Send + Sync + 'static {
     /// size, features and cache mode), for `udm info`; None by default.
     fn describe(&self) -> Option<String> {
         None
+    }
+    /// Appends to `out` what the `sectors` from `sector` on hold, as
+    /// extents following each other from `sector` (see [`push_extent`] to
+    /// merge neighbours of one kind). The caller asks only inside the
+    /// device (`sector + sectors <= limits().sectors`, `sectors > 0`).
+    ///
+    /// The extents appended cover a non-empty prefix of the range: the
+    /// whole of it, or less when the device bounds its work (at most
+    /// [`BLOCK_STATUS_MAX_EXTENTS`] extents appended, a bounded number of
+    /// system calls); a caller that wants the rest asks again from where
+    /// they end. Never more than the range. Implementations append with
+    /// [`push_extent`], so the first extent may merge into one already in
+    /// `out`: what a call covered is the growth of the sum of `out`'s
+    /// lengths.
+    ///
+    /// Off the I/O path and synchronous: called from a reactor (NBD's
+    /// BLOCK_STATUS) or a control thread, so it must not block for long
+    /// (a device whose answer takes a network round trip keeps the
+    /// default). The answer is a snapshot: I/O in flight may change it.
+    /// The default reports everything as [`Alloc::Data`], which is always
+    /// correct.
+    fn block_status(&self, sector: u64, sectors: u64, out: &mut Vec<Extent>) -> Result<(), Error> {
+        let _ = sector;
+        push_extent(
+            out,
+            Extent {
+                sectors,
+                alloc: Alloc::Data,
+            },
+        );
+        Ok(())
     }
     /// Why merging adjacent requests helps this device or not, in a few
     /// words ("file on a disk, O_DIRECT"), for `udm info` and `--dispatch

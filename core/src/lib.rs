@@ -37,7 +37,10 @@ pub mod testing;
 
 pub use bio::{Bio, BioFlags, BioPtr, EndIo, Op, Seg, Status, SECTOR_SHIFT, SECTOR_SIZE};
 pub use buf::AlignedBuf;
-pub use device::{bio_status, check_bio, BlockDevice, Caps, Channel, Limits};
+pub use device::{
+    bio_status, check_bio, push_extent, Alloc, BlockDevice, Caps, Channel, Extent, Limits,
+    BLOCK_STATUS_MAX_EXTENTS,
+};
 pub use dispatch::{merge_report, Dispatch};
 pub use error::{Error, ErrorKind, Result};
 pub use mmap::Mmap;

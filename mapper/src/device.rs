@@ -17,7 +17,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use udm_core::{
-    BioPtr, BlockDevice, Caps, Channel, Error, ErrorKind, Limits, Op, Reactor, ReactorHandle,
+    BioPtr, BlockDevice, Caps, Channel, Error, ErrorKind, Extent, Limits, Op, Reactor,
+    ReactorHandle,
 };
 
 use crate::io::MapperChannel;
@@ -312,6 +313,12 @@ impl BlockDevice for MappedDevice {
         }
         let parts: Vec<String> = seen.iter().map(|(n, w)| format!("{n}: {w}")).collect();
         format!("maps to {}", parts.join("; "))
+    }
+
+    /// The live table's answer ([`Table::block_status`]): a snapshot, as a
+    /// reload may swap the table right after.
+    fn block_status(&self, sector: u64, sectors: u64, out: &mut Vec<Extent>) -> Result<(), Error> {
+        self.table().block_status(sector, sectors, out)
     }
 
     fn open(self: Arc<Self>, reactor: &Reactor) -> Result<Rc<dyn Channel>, Error> {

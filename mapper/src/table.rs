@@ -3,7 +3,9 @@
 
 use std::sync::Arc;
 
-use udm_core::{BlockDevice, Caps, Error, Limits, SECTOR_SHIFT};
+use udm_core::{
+    push_extent, BlockDevice, Caps, Error, Extent, Limits, BLOCK_STATUS_MAX_EXTENTS, SECTOR_SHIFT,
+};
 
 use crate::target::{CtrCtx, DeviceResolver, EndIoWhen, StatusType, Target, TargetType};
 use crate::targets;
@@ -374,6 +376,62 @@ impl Table {
                 l
             })
             .collect()
+    }
+
+    /// What the table's `sectors` from `sector` on hold
+    /// ([`BlockDevice::block_status`]): each target in the range is asked
+    /// for its part, relative to its start, and neighbouring extents of one
+    /// kind merge across target boundaries. Stops early (a prefix of the
+    /// range) where a target answered only part of its piece, or once `out`
+    /// holds [`BLOCK_STATUS_MAX_EXTENTS`] extents or that many targets were
+    /// asked: the work of one call stays bounded whatever the range and
+    /// the table. A range outside the table is an error.
+    pub fn block_status(
+        &self,
+        sector: u64,
+        sectors: u64,
+        out: &mut Vec<Extent>,
+    ) -> Result<(), Error> {
+        let end = sector
+            .checked_add(sectors)
+            .filter(|&e| e <= self.sectors() && sectors > 0)
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "block status of {sectors} sectors at {sector}: outside the device ({} sectors)",
+                    self.sectors()
+                ))
+            })?;
+        let mut part = Vec::new();
+        let mut pos = sector;
+        let first = self.find(sector);
+        for (i, t) in self.targets[first..]
+            .iter()
+            .take(BLOCK_STATUS_MAX_EXTENTS)
+            .enumerate()
+        {
+            if pos >= end || (i > 0 && out.len() >= BLOCK_STATUS_MAX_EXTENTS) {
+                break;
+            }
+            let rel = pos - t.begin;
+            let want = (t.len - rel).min(end - pos);
+            part.clear();
+            t.target.block_status(rel, want, &mut part)?;
+            // A target may answer a prefix, never more than asked.
+            let mut got = 0;
+            for e in &part {
+                let e = Extent {
+                    sectors: e.sectors.min(want - got),
+                    ..*e
+                };
+                got += e.sectors;
+                push_extent(out, e);
+            }
+            pos += got;
+            if got < want {
+                break;
+            }
+        }
+        Ok(())
     }
 
     /// Sends a message to the target holding `sector` (dmsetup message's

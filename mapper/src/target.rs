@@ -11,7 +11,10 @@ use std::rc::Rc;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
-use udm_core::{Bio, BioPtr, BlockDevice, Caps, Channel, Error, Limits, Reactor, Status};
+use udm_core::{
+    push_extent, Alloc, Bio, BioPtr, BlockDevice, Caps, Channel, Error, Extent, Limits, Reactor,
+    Status,
+};
 
 /// What [`Target::map`] did with the bio (dm's `DM_MAPIO_*`).
 pub enum Map {
@@ -116,6 +119,26 @@ pub trait Target: Send + Sync {
     /// path only.
     fn events(&self) -> u64 {
         0
+    }
+
+    /// What the `sectors` from target-relative sector `rel` on hold, appended
+    /// to `out` as [`BlockDevice::block_status`] does (a non-empty prefix of
+    /// the range, extents merged with [`push_extent`], bounded work): the
+    /// device's [`BlockDevice::block_status`] walks its table and asks each
+    /// target for its part. The range lies inside the target. Called off
+    /// the I/O path (an NBD BLOCK_STATUS, on a reactor), so a target that
+    /// would have to wait for I/O to answer keeps the default, which reports
+    /// everything as data (always correct).
+    fn block_status(&self, rel: u64, sectors: u64, out: &mut Vec<Extent>) -> Result<(), Error> {
+        let _ = rel;
+        push_extent(
+            out,
+            Extent {
+                sectors,
+                alloc: Alloc::Data,
+            },
+        );
+        Ok(())
     }
 
     /// Handles a `udm message` sent to the target; returns its reply.

@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use udm_backends::{AlignedBuf, RamDevice, RbdDevice, RbdOpts};
-use udm_core::{BioFlags, BlockDevice, Caps, ErrorKind, Op, ReactorConfig, Status};
+use udm_core::{Alloc, BioFlags, BlockDevice, Caps, ErrorKind, Op, ReactorConfig, Status};
 
 use checks::conformance;
 use cluster::Ceph;
@@ -167,6 +167,47 @@ fn data_written_through_udm_reads_back_with_rbd_export() {
     let _ = std::fs::remove_file(&out);
     assert_eq!(got.len(), shadow.len());
     assert!(got == shadow, "rbd export differs from what udm wrote");
+}
+
+/// Block status comes from the object map, in whole objects: the objects
+/// written are data, the others holes (the image has fast-diff, Ceph's
+/// default); a range inside an object is cut to it.
+#[test]
+fn block_status_reports_the_objects_written_and_holes_elsewhere() {
+    let c = ceph!();
+    let name = c.image(32 << 20); // 8 objects of 4 MiB (8192 sectors)
+    let h = Harness::new(
+        "rbd block status",
+        Fixture::plain(open(c, &name, "rbd", "")),
+        ReactorConfig::default(),
+    );
+    let map = |sector, sectors| {
+        let mut out = Vec::new();
+        h.dev.block_status(sector, sectors, &mut out).unwrap();
+        out.iter().map(|e| (e.sectors, e.alloc)).collect::<Vec<_>>()
+    };
+    assert_eq!(map(0, 65536), vec![(65536, Alloc::Hole)]);
+    // 4 KiB inside object 2, and object 5's last 4 KiB.
+    assert_eq!(h.write(2 * 8192 + 100, &pattern(1, 0, 4096)), Status::Ok);
+    assert_eq!(h.write(6 * 8192 - 8, &pattern(2, 0, 4096)), Status::Ok);
+    assert_eq!(h.dataless(Op::Flush, BioFlags::NONE, 0, 0), Status::Ok);
+    assert_eq!(
+        map(0, 65536),
+        vec![
+            (16384, Alloc::Hole),
+            (8192, Alloc::Data),
+            (16384, Alloc::Hole),
+            (8192, Alloc::Data),
+            (16384, Alloc::Hole),
+        ]
+    );
+    assert_eq!(map(2 * 8192 + 100, 100), vec![(100, Alloc::Data)]);
+    assert_eq!(map(16000, 400), vec![(384, Alloc::Hole), (16, Alloc::Data)]);
+    let mut out = Vec::new();
+    assert!(
+        h.dev.block_status(65000, 1000, &mut out).is_err(),
+        "past the end"
+    );
 }
 
 #[test]

@@ -116,6 +116,18 @@ extern "C" {
     ) -> c_int;
     pub fn rbd_aio_flush(image: rbd_image_t, c: rbd_completion_t) -> c_int;
     pub fn rbd_aio_discard(image: rbd_image_t, off: u64, len: u64, c: rbd_completion_t) -> c_int;
+    pub fn rbd_diff_iterate2(
+        image: rbd_image_t,
+        fromsnapname: *const c_char,
+        ofs: u64,
+        len: u64,
+        include_parent: u8,
+        whole_object: u8,
+        cb: Option<
+            unsafe extern "C" fn(off: u64, len: usize, exists: c_int, arg: *mut c_void) -> c_int,
+        >,
+        arg: *mut c_void,
+    ) -> c_int;
     pub fn rbd_aio_write_zeroes(
         image: rbd_image_t,
         off: u64,

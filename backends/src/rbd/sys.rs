@@ -366,6 +366,47 @@ impl Image {
         })
     }
 
+    /// The allocated byte ranges (offset, length) of `len` bytes from `off`,
+    /// sorted, by `rbd_diff_iterate2` from the image's creation with its
+    /// parent included, in whole objects (`whole_object`: from the object
+    /// map when the image has fast-diff, a read of it at most; otherwise
+    /// librbd lists each object on its OSD). Synchronous.
+    pub fn allocated(&self, off: u64, len: u64) -> Result<Vec<(u64, u64)>, Error> {
+        unsafe extern "C" fn found(off: u64, len: usize, exists: c_int, arg: *mut c_void) -> c_int {
+            if exists != 0 {
+                // SAFETY: `arg` is the Vec that `allocated` lent for this
+                // call, which is still running: librbd calls back before
+                // rbd_diff_iterate2 returns, one call at a time.
+                unsafe { (*arg.cast::<Vec<(u64, u64)>>()).push((off, len as u64)) };
+            }
+            0
+        }
+        let mut found_ranges: Vec<(u64, u64)> = Vec::new();
+        // SAFETY: open image; no snapshot name (from the beginning); the
+        // callback and its argument, the Vec above, live through the call,
+        // which makes every callback before it returns.
+        let rc = unsafe {
+            ffi::rbd_diff_iterate2(
+                self.raw,
+                ptr::null(),
+                off,
+                len,
+                1,
+                1,
+                Some(found),
+                (&mut found_ranges as *mut Vec<(u64, u64)>).cast(),
+            )
+        };
+        if rc < 0 {
+            return Err(Error::new(
+                ErrorKind::Io,
+                format!("rbd: diff iterate: {}", strerror(rc)),
+            ));
+        }
+        found_ranges.sort_unstable();
+        Ok(found_ranges)
+    }
+
     /// The current size in bytes (librbd refreshes its header first when a
     /// resize elsewhere notified it).
     pub fn size(&self) -> Result<u64, Error> {

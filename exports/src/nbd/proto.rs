@@ -4,6 +4,8 @@
 //! free of I/O, so the fuzz targets call these functions directly. All
 //! integers on the wire are big-endian.
 
+use udm_core::{Alloc, Extent, SECTOR_SHIFT, SECTOR_SIZE};
+
 /// `NBDMAGIC`, the first 8 bytes the server sends.
 pub const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
 /// `IHAVEOPT`: newstyle greeting magic and the magic of every option.
@@ -690,13 +692,79 @@ pub fn encode_error_chunk(out: &mut [u8], cookie: u64, error: u32, msg: &str) ->
     n + 6 + m.len()
 }
 
-/// Encodes a final `BLOCK_STATUS` chunk with one extent.
-pub fn encode_block_status(out: &mut [u8], cookie: u64, ctx: u32, len: u32, flags: u32) -> usize {
-    let n = encode_chunk_header(out, REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, cookie, 12);
-    out[n..n + 4].copy_from_slice(&ctx.to_be_bytes());
-    out[n + 4..n + 8].copy_from_slice(&len.to_be_bytes());
-    out[n + 8..n + 12].copy_from_slice(&flags.to_be_bytes());
-    n + 12
+/// Bytes of one `BLOCK_STATUS` descriptor (length, status flags).
+pub const DESCRIPTOR_LEN: usize = 8;
+
+/// Encodes the header of a final `BLOCK_STATUS` chunk for context `ctx`
+/// with `n` descriptors, which follow as their own iovec
+/// ([`put_descriptor`] each). 24 bytes.
+pub fn encode_block_status_header(out: &mut [u8], cookie: u64, ctx: u32, n: u32) -> usize {
+    let len = 4 + n * DESCRIPTOR_LEN as u32;
+    let h = encode_chunk_header(out, REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, cookie, len);
+    out[h..h + 4].copy_from_slice(&ctx.to_be_bytes());
+    h + 4
+}
+
+/// Writes one `BLOCK_STATUS` descriptor into `out` (8 bytes).
+pub fn put_descriptor(out: &mut [u8], len: u32, flags: u32) {
+    out[0..4].copy_from_slice(&len.to_be_bytes());
+    out[4..8].copy_from_slice(&flags.to_be_bytes());
+}
+
+/// The `base:allocation` status flags of what an extent holds: a hole
+/// reads as zeroes too.
+pub fn allocation_flags(a: Alloc) -> u32 {
+    match a {
+        Alloc::Data => 0,
+        Alloc::Zero => STATE_ZERO,
+        Alloc::Hole => STATE_HOLE | STATE_ZERO,
+    }
+}
+
+/// The `base:allocation` descriptors (length in bytes, flags) of the `len`
+/// bytes at `offset`, from `extents`, which a device reported for its
+/// sectors from `offset`'s on (`offset / 512`). The spec's rules: the
+/// lengths follow each other from `offset`, none is 0, their sum is at
+/// most `len` (a prefix when the extents cover less, or when `max`
+/// descriptors are reached: the client asks again for the rest), and at
+/// least one is sent: with no extents at all, the whole range is data
+/// (status 0 is always true). An unaligned range's first and last
+/// descriptors are cut at `offset` and `offset + len`; neighbours of one
+/// status merge.
+pub fn allocation_descriptors(
+    offset: u64,
+    len: u32,
+    extents: &[Extent],
+    max: usize,
+    out: &mut Vec<(u32, u32)>,
+) {
+    out.clear();
+    let end = offset.saturating_add(len as u64);
+    let mut pos = offset;
+    let mut sector_end = offset >> SECTOR_SHIFT;
+    for e in extents {
+        sector_end = sector_end.saturating_add(e.sectors);
+        let stop = sector_end.saturating_mul(SECTOR_SIZE).min(end);
+        if stop <= pos {
+            continue;
+        }
+        // stop - pos <= len: fits.
+        let n = (stop - pos) as u32;
+        let flags = allocation_flags(e.alloc);
+        let full = out.len() >= max;
+        match out.last_mut() {
+            Some(last) if last.1 == flags => last.0 += n,
+            _ if full => break,
+            _ => out.push((n, flags)),
+        }
+        pos = stop;
+        if pos >= end {
+            break;
+        }
+    }
+    if out.is_empty() && len > 0 {
+        out.push((len, 0));
+    }
 }
 
 #[cfg(test)]
@@ -797,5 +865,103 @@ mod tests {
         m.extend_from_slice(&0u32.to_be_bytes());
         m.extend_from_slice(&1_000_000u32.to_be_bytes());
         assert_eq!(parse_meta_request(&m), Err(ProtoError::BadLength));
+    }
+
+    fn ext(sectors: u64, alloc: Alloc) -> Extent {
+        Extent { sectors, alloc }
+    }
+
+    fn descriptors(offset: u64, len: u32, extents: &[Extent], max: usize) -> Vec<(u32, u32)> {
+        let mut out = vec![(9, 9)]; // cleared first
+        allocation_descriptors(offset, len, extents, max, &mut out);
+        out
+    }
+
+    const HOLE: u32 = STATE_HOLE | STATE_ZERO;
+
+    #[test]
+    fn descriptors_carry_each_extent_in_bytes_with_its_flags() {
+        let e = [
+            ext(8, Alloc::Data),
+            ext(16, Alloc::Hole),
+            ext(8, Alloc::Zero),
+        ];
+        assert_eq!(
+            descriptors(4096, 16384, &e, 1024),
+            vec![(4096, 0), (8192, HOLE), (4096, STATE_ZERO)]
+        );
+        // REQ_ONE (max 1): the first only.
+        assert_eq!(descriptors(4096, 16384, &e, 1), vec![(4096, 0)]);
+        // Fewer extents than the range: a prefix, which the spec allows.
+        assert_eq!(
+            descriptors(0, 1 << 20, &e[..2], 1024),
+            vec![(4096, 0), (8192, HOLE)]
+        );
+        // Extents of one status merge; descriptors beyond max are left out.
+        let same = [
+            ext(8, Alloc::Hole),
+            ext(8, Alloc::Zero),
+            ext(8, Alloc::Zero),
+        ];
+        assert_eq!(
+            descriptors(0, 12288, &same, 2),
+            vec![(4096, HOLE), (8192, STATE_ZERO)]
+        );
+        let alt = [
+            ext(1, Alloc::Data),
+            ext(1, Alloc::Hole),
+            ext(1, Alloc::Data),
+        ];
+        assert_eq!(descriptors(0, 1536, &alt, 2), vec![(512, 0), (512, HOLE)]);
+    }
+
+    #[test]
+    fn an_unaligned_range_is_cut_at_its_ends_and_never_exceeded() {
+        // Bytes 100..1300 lie in sectors 0..3; the device answered for them
+        // (and more than asked: it is cut at the end).
+        let e = [
+            ext(1, Alloc::Hole),
+            ext(1, Alloc::Data),
+            ext(9, Alloc::Hole),
+        ];
+        assert_eq!(
+            descriptors(100, 1200, &e, 1024),
+            vec![(412, HOLE), (512, 0), (276, HOLE)]
+        );
+        // One byte of sector 1: the device's extents start at sector 1.
+        assert_eq!(descriptors(700, 1, &e[1..], 1024), vec![(1, 0)]);
+    }
+
+    #[test]
+    fn with_no_extents_the_range_is_data_and_at_least_one_descriptor_is_sent() {
+        assert_eq!(descriptors(0, 4096, &[], 1024), vec![(4096, 0)]);
+        let zero_len = [ext(0, Alloc::Hole)];
+        assert_eq!(descriptors(512, 512, &zero_len, 1024), vec![(512, 0)]);
+        // A u32::MAX request at the end of a huge device neither overflows
+        // nor exceeds the length.
+        let big = [ext(u64::MAX / 1024, Alloc::Hole)];
+        assert_eq!(
+            descriptors(u64::MAX - u32::MAX as u64, u32::MAX, &big, 1024),
+            vec![(u32::MAX, HOLE)]
+        );
+    }
+
+    #[test]
+    fn a_block_status_chunk_header_counts_its_descriptors() {
+        let mut out = [0u8; 24];
+        assert_eq!(encode_block_status_header(&mut out, 7, 1, 3), 24);
+        assert_eq!(&out[0..4], &STRUCTURED_REPLY_MAGIC.to_be_bytes());
+        assert_eq!(&out[4..6], &REPLY_FLAG_DONE.to_be_bytes());
+        assert_eq!(&out[6..8], &REPLY_TYPE_BLOCK_STATUS.to_be_bytes());
+        assert_eq!(&out[8..16], &7u64.to_be_bytes());
+        assert_eq!(
+            &out[16..20],
+            &(4u32 + 3 * 8).to_be_bytes(),
+            "context id + 3 descriptors"
+        );
+        assert_eq!(&out[20..24], &1u32.to_be_bytes());
+        let mut d = [0u8; 8];
+        put_descriptor(&mut d, 4096, HOLE);
+        assert_eq!(d, [0, 0, 16, 0, 0, 0, 0, 3]);
     }
 }

@@ -40,6 +40,9 @@ impl Target for ErrorTarget {
         true
     }
 
+    // block_status: the default, data. Reads of it fail, so a client that
+    // skipped it as a hole would copy zeroes where the source has none.
+
     fn caps(&self, _stacked: Caps) -> Caps {
         Caps::FLUSH | Caps::FUA | Caps::DISCARD | Caps::WRITE_ZEROES
     }

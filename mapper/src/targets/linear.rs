@@ -4,7 +4,7 @@
 //! - `dev`: a udm device name or a path;
 //! - `offset`: the sector of `dev` where the range begins.
 
-use udm_core::{BioPtr, Error};
+use udm_core::{BioPtr, Error, Extent};
 
 use crate::target::{parse_sector, CtrCtx, DevArea, Map, MapCtx, StatusType, Target, TargetType};
 
@@ -62,6 +62,12 @@ impl Target for Linear {
 
     fn no_clone(&self) -> bool {
         true
+    }
+
+    /// The device's own answer for the area the range maps to.
+    fn block_status(&self, rel: u64, sectors: u64, out: &mut Vec<Extent>) -> Result<(), Error> {
+        let d = &self.devs[0];
+        d.dev.block_status(d.start + rel, sectors, out)
     }
 
     fn remap_offset(&self) -> Option<u64> {

@@ -11,7 +11,7 @@
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use udm_core::{Bio, BioPtr, Error, Limits};
+use udm_core::{push_extent, Bio, BioPtr, Error, Extent, Limits, BLOCK_STATUS_MAX_EXTENTS};
 
 use crate::target::{
     parse_count, parse_sector, CtrCtx, DevArea, EndIoWhen, Map, MapCtx, StatusType, Target,
@@ -199,6 +199,37 @@ impl Target for Striped {
 
     fn no_clone(&self) -> bool {
         true
+    }
+
+    /// Chunk by chunk, each from the stripe's device that holds it; stops
+    /// (a prefix) after [`BLOCK_STATUS_MAX_EXTENTS`] chunks, or where a
+    /// device answered only part of its chunk.
+    fn block_status(&self, rel: u64, sectors: u64, out: &mut Vec<Extent>) -> Result<(), Error> {
+        let mut part = Vec::new();
+        let mut pos = rel;
+        let end = rel + sectors;
+        for i in 0..BLOCK_STATUS_MAX_EXTENTS {
+            if pos >= end || (i > 0 && out.len() >= BLOCK_STATUS_MAX_EXTENTS) {
+                break;
+            }
+            let (stripe, sector) = self.map_sector(pos);
+            let want = (self.chunk - pos % self.chunk).min(end - pos);
+            part.clear();
+            self.devs[stripe]
+                .dev
+                .block_status(sector, want, &mut part)?;
+            let mut got = 0;
+            for e in &part {
+                let n = e.sectors.min(want - got);
+                got += n;
+                push_extent(out, Extent { sectors: n, ..*e });
+            }
+            pos += got;
+            if got < want {
+                break;
+            }
+        }
+        Ok(())
     }
 
     fn io_hints(&self, limits: &mut Limits) {

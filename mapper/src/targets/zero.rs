@@ -2,7 +2,7 @@
 //!
 //! Table line: `<start> <length> zero`
 
-use udm_core::{BioPtr, Caps, Error, Op, Status};
+use udm_core::{push_extent, Alloc, BioPtr, Caps, Error, Extent, Op, Status};
 
 use crate::target::{CtrCtx, DevArea, Map, MapCtx, StatusType, Target, TargetType};
 
@@ -42,6 +42,18 @@ impl Target for Zero {
 
     fn no_clone(&self) -> bool {
         true
+    }
+
+    /// A hole: it reads as zeroes and holds nothing.
+    fn block_status(&self, _rel: u64, sectors: u64, out: &mut Vec<Extent>) -> Result<(), Error> {
+        push_extent(
+            out,
+            Extent {
+                sectors,
+                alloc: Alloc::Hole,
+            },
+        );
+        Ok(())
     }
 
     fn caps(&self, _stacked: Caps) -> Caps {

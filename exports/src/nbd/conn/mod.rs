@@ -44,7 +44,9 @@ use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::rc::Rc;
 
-use udm_core::RingOp;
+use std::sync::Arc;
+
+use udm_core::{BlockDevice, Extent, RingOp};
 
 use crate::front::{self, Front};
 
@@ -67,6 +69,10 @@ const _: () = assert!(RBUF_LEN > super::handshake::MAX_OPTION_DATA + proto::OPTI
 const MAX_REQS: usize = 512;
 /// READ/WRITE bytes in flight per connection before the server stops reading.
 const MAX_INFLIGHT_BYTES: u64 = 128 << 20;
+/// `base:allocation` descriptors per BLOCK_STATUS reply at most (8 KiB of
+/// them): a client asking about a larger or more fragmented range gets a
+/// prefix and asks again from its end, as the spec allows.
+const MAX_DESCRIPTORS: usize = udm_core::BLOCK_STATUS_MAX_EXTENTS;
 /// iovecs per sendmsg (IOV_MAX).
 const MAX_IOV: usize = 1024;
 /// Single-bio reads of at least this many bytes let the device lend its
@@ -113,6 +119,8 @@ pub fn start(worker: &Rc<Worker>, fd: OwnedFd, peer: String, id: u64) {
         stats: Stats::default(),
         export: None,
         admitted: None,
+        extents: Vec::new(),
+        descriptors: Vec::new(),
     });
     let p = Box::into_raw(conn);
     // SAFETY: just made; the box's address is stable until the poller frees it.
@@ -148,6 +156,8 @@ impl ConnOp {
 
 /// What the transmission phase needs, fixed at GO/EXPORT_NAME.
 struct Tx {
+    /// The export's device (asked for BLOCK_STATUS).
+    dev: Arc<dyn BlockDevice>,
     /// The connection's front to the export's device.
     front: Rc<Front>,
     params: TxParams,
@@ -213,6 +223,10 @@ pub struct Conn {
     export: Option<String>,
     /// The export whose connection count this connection is in.
     admitted: Option<usize>,
+    /// BLOCK_STATUS scratch: the device's extents and the descriptors made
+    /// of them (kept, so that answering allocates nothing in steady state).
+    extents: Vec<Extent>,
+    descriptors: Vec<(u32, u32)>,
 }
 
 fn errno_str(res: i32) -> String {

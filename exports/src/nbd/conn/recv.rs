@@ -5,14 +5,17 @@
 use std::os::fd::AsRawFd;
 
 use udm_core::io_uring::{opcode, types};
-use udm_core::RingOp;
+use udm_core::{RingOp, SECTOR_SHIFT, SECTOR_SIZE};
 
 use crate::front::{self, Front, FrontOp, ReqFlags, Submitted};
 
 use super::super::handshake::{Negotiated, Outcome};
 use super::super::proto::{self, Command, Request, TxParams};
 use super::req::ReqId;
-use super::{errno_str, req_done, Conn, Tx, LEND_MIN, MAX_INFLIGHT_BYTES, MAX_REQS, RBUF_LEN};
+use super::{
+    errno_str, req_done, Conn, Tx, LEND_MIN, MAX_DESCRIPTORS, MAX_INFLIGHT_BYTES, MAX_REQS,
+    RBUF_LEN,
+};
 
 impl Conn {
     /// Posts the connection's recv, unless one is in flight or reading
@@ -197,6 +200,8 @@ impl Conn {
             // reading) until replies drain or the budget has room.
             let grant = match hdr.cmd {
                 proto::CMD_READ | proto::CMD_WRITE => hdr.len as u64,
+                // The reply's descriptors, at most this many bytes.
+                proto::CMD_BLOCK_STATUS => (MAX_DESCRIPTORS * proto::DESCRIPTOR_LEN) as u64,
                 _ => 0,
             };
             if grant > 0 {
@@ -254,6 +259,7 @@ impl Conn {
         self.export = Some(e.info.name.clone());
         self.worker.handshake_done(self.id);
         self.tx = Some(Tx {
+            dev: e.dev.clone(),
             front,
             params: TxParams {
                 size: e.info.size,
@@ -334,9 +340,55 @@ impl Conn {
             }
         }
         match cmd {
-            Command::Cache | Command::BlockStatus { .. } => self.reply(id),
+            Command::Cache => self.reply(id),
+            Command::BlockStatus { req_one } => {
+                self.block_status(id, req_one);
+                self.reply(id);
+            }
             _ => self.submit(id),
         }
+    }
+
+    /// Answers a BLOCK_STATUS from the device, here on the reactor: a
+    /// device's answer is bounded work (a bitmap walk, a table walk, a few
+    /// `lseek`s; one whose answer takes a network round trip reports data
+    /// without asking), and the reply at most [`MAX_DESCRIPTORS`]
+    /// descriptors, a prefix of the range that the client asks again past.
+    /// A device error is logged and the range reported as data, which the
+    /// spec allows for an error that is not the client's. Encodes the
+    /// descriptors into the request's data buffer for `reply`.
+    fn block_status(&mut self, id: ReqId, req_one: bool) {
+        let Some(tx) = self.tx.as_ref() else { return };
+        let (offset, len) = (self.reqs[id].offset, self.reqs[id].len);
+        if len == 0 {
+            return; // reply() refuses it (EINVAL)
+        }
+        // Inside the export (validated), so inside the device.
+        let first = offset >> SECTOR_SHIFT;
+        let end = (offset + len as u64).div_ceil(SECTOR_SIZE);
+        self.extents.clear();
+        if let Err(e) = tx.dev.block_status(first, end - first, &mut self.extents) {
+            tracing::warn!(
+                "{}: block status of {len} bytes at {offset}: {e}; reporting data",
+                self.tag()
+            );
+            self.extents.clear();
+        }
+        let max = if req_one { 1 } else { MAX_DESCRIPTORS };
+        proto::allocation_descriptors(offset, len, &self.extents, max, &mut self.descriptors);
+        let n = self.descriptors.len();
+        let req = &mut self.reqs[id];
+        let buf = req.data_for(n * proto::DESCRIPTOR_LEN);
+        // SAFETY: data_for made the buffer hold at least n descriptors; it
+        // is the request's own and nothing else uses it before the reply.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(buf, n * proto::DESCRIPTOR_LEN) };
+        for (d, &(len, flags)) in bytes
+            .chunks_exact_mut(proto::DESCRIPTOR_LEN)
+            .zip(&self.descriptors)
+        {
+            proto::put_descriptor(d, len, flags);
+        }
+        req.descriptors = n as u32;
     }
 
     /// Hands the request to the front.

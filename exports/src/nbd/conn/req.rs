@@ -50,6 +50,8 @@ pub(super) struct Req {
     pub hdr_len: usize,
     /// Bytes of data the reply carries after the header.
     pub data_len: usize,
+    /// BLOCK_STATUS: descriptors encoded in the data buffer for the reply.
+    pub descriptors: u32,
     /// The read's data lent by the device (null: it is in `bufs.data`). Set
     /// only while the bio's end_io runs; see `Conn::send_lent`.
     pub lent: *const u8,
@@ -113,6 +115,7 @@ impl Reqs {
             counted: 0,
             hdr_len: 0,
             data_len: 0,
+            descriptors: 0,
             lent: std::ptr::null(),
             bufs,
         })

@@ -57,16 +57,17 @@ impl Conn {
                         proto::encode_read_chunk(hdr, req.cookie, req.offset, req.len)
                     }
                 }
-                // The device keeps no allocation map: the whole range is
-                // reported as allocated data (flags 0), which the spec
-                // allows for any block.
-                Command::BlockStatus { .. } => proto::encode_block_status(
-                    hdr,
-                    req.cookie,
-                    proto::META_BASE_ALLOCATION_ID,
-                    req.len,
-                    0,
-                ),
+                // The descriptors, encoded into the data buffer when the
+                // request came (Conn::block_status), follow the header.
+                Command::BlockStatus { .. } => {
+                    req.data_len = req.descriptors as usize * proto::DESCRIPTOR_LEN;
+                    proto::encode_block_status_header(
+                        hdr,
+                        req.cookie,
+                        proto::META_BASE_ALLOCATION_ID,
+                        req.descriptors,
+                    )
+                }
                 _ => proto::encode_simple_reply(hdr, 0, req.cookie),
             },
         };
