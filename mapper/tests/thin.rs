@@ -326,3 +326,40 @@ fn bad_tables_and_messages_are_one_line_errors() {
         assert!(!e.contains('\n'), "one line: {e}");
     }
 }
+
+#[test]
+fn block_status_reports_unprovisioned_blocks_as_holes() {
+    use udm_core::{Alloc, Extent};
+    let p = pool(64, 0, "");
+    p.ok("create_thin 0");
+    let t = p.thin("t", 8 * BS, "pool 0");
+    let dev = as_dev(&t);
+    let tr = Tester::new();
+    tr.write(&dev, 2 * BS + 3, pattern(1, 2 * BS + 3, 1));
+    drop(tr);
+    // A new table over the volume loads its mappings from the metadata.
+    let t2 = p.thin("t2", 8 * BS, "pool 0");
+    for d in [dev, as_dev(&t2)] {
+        let mut out = Vec::new();
+        d.block_status(0, 8 * BS, &mut out).unwrap();
+        assert_eq!(
+            out,
+            vec![
+                Extent {
+                    sectors: 2 * BS,
+                    alloc: Alloc::Hole
+                },
+                Extent {
+                    sectors: BS,
+                    alloc: Alloc::Data
+                },
+                Extent {
+                    sectors: 5 * BS,
+                    alloc: Alloc::Hole
+                },
+            ],
+            "{}",
+            d.name()
+        );
+    }
+}

@@ -64,6 +64,16 @@ pub(crate) trait MetaStore {
     fn highest_mapped(&mut self, dev: u32) -> Result<Option<u64>, Error>;
     /// Whether the metadata asks for an offline check.
     fn needs_check(&self) -> bool;
+    /// The mapped runs of `begin..end` of `dev`: (virtual block, data
+    /// block, length).
+    fn mapped_ranges(
+        &mut self,
+        dev: u32,
+        begin: u64,
+        end: u64,
+    ) -> Result<Vec<(u64, u64, u64)>, Error>;
+    /// Grows the metadata space to `nr_blocks`.
+    fn resize_metadata_dev(&mut self, nr_blocks: u64) -> Result<(), Error>;
 }
 
 /// The metadata in Linux's format.
@@ -137,5 +147,16 @@ impl MetaStore for ThinMetadata {
     }
     fn needs_check(&self) -> bool {
         ThinMetadata::needs_check(self)
+    }
+    fn mapped_ranges(
+        &mut self,
+        dev: u32,
+        begin: u64,
+        end: u64,
+    ) -> Result<Vec<(u64, u64, u64)>, Error> {
+        ThinMetadata::mapped_ranges(self, dev, begin, end)
+    }
+    fn resize_metadata_dev(&mut self, nr_blocks: u64) -> Result<(), Error> {
+        ThinMetadata::resize_metadata_dev(self, nr_blocks)
     }
 }

@@ -578,13 +578,13 @@ impl Target for PoolTarget {
                             "create_snap: origin dev id {origin} does not exist"
                         )));
                     }
-                    // The origin's blocks become shared: forget what its
-                    // caches say, and let the writes they remapped finish,
+                    // The origin's blocks become shared: its caches say so,
+                    // and the writes they remapped before finish,
                     // so that the snapshot holds every write completed
                     // before this message returns (dm asks for the origin
                     // to be suspended instead).
                     for v in w.sh.vols(Some(origin)) {
-                        v.clear();
+                        v.share_all();
                     }
                     w.drain_all();
                     w.meta.create_snap(dev, origin)
@@ -661,8 +661,12 @@ impl Target for PoolTarget {
             }
         }
         let blocks = sh.data_blocks();
+        let meta_blocks = sh.meta_dev.limits().sectors >> 3;
+        // A resume cannot fail: a size that cannot be taken leaves the
+        // pool as it was (its status shows the sizes it uses).
         let _ = sh.call(move |w| {
             let _ = w.resize_data(blocks);
+            let _ = w.resize_metadata(meta_blocks);
             w.refresh_stat();
         });
     }

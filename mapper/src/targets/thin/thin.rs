@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use udm_core::{
-    BioFlags, BioPtr, BlockDevice, Caps, Channel, Error, Limits, Op, Reactor, ReactorHandle,
-    Status, SECTOR_SHIFT,
+    push_extent, Alloc, BioFlags, BioPtr, BlockDevice, Caps, Channel, Error, Extent, Limits, Op,
+    Reactor, ReactorHandle, Status, BLOCK_STATUS_MAX_EXTENTS, SECTOR_SHIFT,
 };
 
 use super::pool::{pool_of_device, Pool, MAX_DEV_ID};
@@ -28,6 +28,9 @@ pub const THIN: TargetType = TargetType {
     exclusive_args: &[],
     ctr: thin_ctr,
 };
+
+/// The most blocks one [`Target::block_status`] call looks at.
+const MAX_STATUS_BLOCKS: usize = 1 << 16;
 
 /// Index of the data device in the thin target's devices.
 const DATA: usize = 0;
@@ -63,8 +66,22 @@ fn thin_ctr(ctx: &CtrCtx<'_>, argv: &[&str]) -> Result<Box<dyn Target>, Error> {
                 argv[1]
             ))
         })?;
-    let exists = pool.sh.call(move |w| w.meta.device_exists(dev))?;
-    if !exists {
+    let sh = &pool.sh;
+    let bs = sh.block_sectors;
+    let vol = Arc::new(Vol::new(dev, ctx.len.div_ceil(bs)));
+    // Load the volume's mappings and register it in one job: no change of
+    // the device's mappings falls between.
+    let v = vol.clone();
+    let loaded = pool.sh.call(move |w| {
+        if !w.meta.device_exists(dev) {
+            return Ok(false);
+        }
+        let runs = w.meta.mapped_ranges(dev, 0, v.nr_blocks)?;
+        v.load(&runs);
+        w.sh.add_vol(&v);
+        Ok::<_, Error>(true)
+    })??;
+    if !loaded {
         return Err(bad(format!(
             "dev id {dev} does not exist in pool '{}' (create it with the message 'create_thin {dev}')",
             argv[0]
@@ -82,9 +99,6 @@ fn thin_ctr(ctx: &CtrCtx<'_>, argv: &[&str]) -> Result<Box<dyn Target>, Error> {
         }
         None => None,
     };
-    let sh = &pool.sh;
-    let bs = sh.block_sectors;
-    let vol = Arc::new(Vol::new(dev, ctx.len.div_ceil(bs)));
     let data_lim = sh.data_dev.limits();
     let mut limits = Limits {
         sectors: ctx.len,
@@ -107,7 +121,6 @@ fn thin_ctr(ctx: &CtrCtx<'_>, argv: &[&str]) -> Result<Box<dyn Target>, Error> {
         caps,
         key: NEXT_KEY.fetch_add(1, Ordering::Relaxed),
     });
-    sh.add_vol(&vol);
     Ok(Box::new(Thin {
         devs: [
             DevArea {
@@ -200,6 +213,31 @@ impl Target for Thin {
             c -= Caps::DISCARD;
         }
         c
+    }
+
+    /// From the volume's cache, without waiting: mapped blocks are data,
+    /// unmapped ones holes (data over an external origin, which this does
+    /// not ask), blocks the cache does not know data.
+    fn block_status(&self, rel: u64, sectors: u64, out: &mut Vec<Extent>) -> Result<(), Error> {
+        let end = rel + sectors;
+        let mut pos = rel;
+        // Bounded: at most this many blocks per call (a prefix).
+        for _ in 0..MAX_STATUS_BLOCKS {
+            if pos >= end || out.len() >= BLOCK_STATUS_MAX_EXTENTS {
+                break;
+            }
+            let (v, off) = self.split(pos);
+            let n = (self.bs - off).min(end - pos);
+            let e = self.vol.get(v);
+            let alloc = if e == UNMAPPED && self.origin.is_none() {
+                Alloc::Hole
+            } else {
+                Alloc::Data
+            };
+            push_extent(out, Extent { sectors: n, alloc });
+            pos += n;
+        }
+        Ok(())
     }
 
     fn status(&self, ty: StatusType, out: &mut String) {

@@ -12,7 +12,7 @@
 //!   block << 2 | 2 | s    mapped to `block`; s = 1 if shared (writes copy)
 //! ```
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -39,7 +39,13 @@ pub(crate) fn mapped(block: u64, shared: bool) -> u64 {
 pub(crate) struct Vol {
     /// The thin device id.
     pub dev: u32,
+    /// Virtual blocks the target covers.
+    pub nr_blocks: u64,
     pages: Box<[OnceLock<Box<[AtomicU64]>>]>,
+    /// Set once the worker has loaded every mapping ([`Vol::load`]): from
+    /// then on a page never allocated holds only unmapped blocks (the
+    /// worker allocates a page before it maps a block in it).
+    complete: AtomicBool,
     /// Which of `inflight` new remaps count in (its low bit).
     epoch: AtomicU64,
     /// Remapped bios in flight, by the epoch they started in.
@@ -53,7 +59,9 @@ impl Vol {
         let n = nr_blocks.div_ceil(PAGE as u64) as usize;
         Vol {
             dev,
+            nr_blocks,
             pages: (0..n).map(|_| OnceLock::new()).collect(),
+            complete: AtomicBool::new(false),
             epoch: AtomicU64::new(0),
             inflight: [AtomicU64::new(0), AtomicU64::new(0)],
         }
@@ -63,9 +71,10 @@ impl Vol {
     #[inline]
     pub fn get(&self, vblock: u64) -> u64 {
         let (p, i) = (vblock as usize / PAGE, vblock as usize % PAGE);
-        match self.pages.get(p).and_then(OnceLock::get) {
-            Some(page) => page[i].load(Ordering::SeqCst),
-            None => UNKNOWN,
+        match self.pages.get(p).map(OnceLock::get) {
+            Some(Some(page)) => page[i].load(Ordering::SeqCst),
+            Some(None) if self.complete.load(Ordering::Relaxed) => UNMAPPED,
+            _ => UNKNOWN,
         }
     }
 
@@ -75,19 +84,50 @@ impl Vol {
         let Some(slot) = self.pages.get(p) else {
             return;
         };
-        if v == UNKNOWN && slot.get().is_none() {
+        if v == UNKNOWN && slot.get().is_none() && !self.complete.load(Ordering::Relaxed) {
             return;
         }
-        let page = slot.get_or_init(|| (0..PAGE).map(|_| AtomicU64::new(UNKNOWN)).collect());
+        // A new page of a complete view starts unmapped: that is what its
+        // absence meant.
+        let fresh = if self.complete.load(Ordering::Relaxed) {
+            UNMAPPED
+        } else {
+            UNKNOWN
+        };
+        let page = slot.get_or_init(|| (0..PAGE).map(|_| AtomicU64::new(fresh)).collect());
         page[i].store(v, Ordering::SeqCst);
     }
 
-    /// Forgets every entry (after a snapshot of this device: its blocks
-    /// became shared).
-    pub fn clear(&self) {
+    /// Loads the device's mappings (`runs` of (virtual block, data block,
+    /// length), as the metadata lists them): every block is known after
+    /// (worker only, before the view is registered). Mapped blocks are
+    /// marked shared, as the runs do not say: a block's first write asks
+    /// the worker, which corrects it.
+    pub fn load(&self, runs: &[(u64, u64, u64)]) {
+        for &(v, b, n) in runs {
+            for i in 0..n {
+                self.set(v + i, mapped(b + i, true));
+            }
+        }
+        for slot in self.pages.iter() {
+            if let Some(page) = slot.get() {
+                for e in page.iter() {
+                    let _ =
+                        e.compare_exchange(UNKNOWN, UNMAPPED, Ordering::SeqCst, Ordering::SeqCst);
+                }
+            }
+        }
+        self.complete.store(true, Ordering::SeqCst);
+    }
+
+    /// Marks every mapped block shared (after a snapshot of this device:
+    /// all its blocks are), so that writes to them go to the worker.
+    pub fn share_all(&self) {
         for p in self.pages.iter().filter_map(OnceLock::get) {
             for e in p.iter() {
-                e.store(UNKNOWN, Ordering::SeqCst);
+                let _ = e.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| {
+                    (v & MAPPED != 0).then_some(v | SHARED)
+                });
             }
         }
     }
@@ -135,13 +175,23 @@ mod tests {
     fn entries_start_unknown_and_keep_what_the_worker_sets() {
         let v = Vol::new(1, 10_000);
         assert_eq!(v.get(9_999), UNKNOWN);
-        v.set(9_999, mapped(77, true));
+        v.set(9_999, mapped(77, false));
         assert_eq!(v.get(9_999) >> 2, 77);
-        assert_ne!(v.get(9_999) & SHARED, 0);
+        assert_eq!(v.get(9_999) & SHARED, 0);
         v.set(3, UNMAPPED);
         assert_eq!(v.get(3), UNMAPPED);
-        v.clear();
-        assert_eq!(v.get(9_999), UNKNOWN);
+        v.share_all();
+        assert_eq!(v.get(9_999), mapped(77, true));
+        assert_eq!(v.get(3), UNMAPPED);
+        // Loaded: blocks of pages never touched are unmapped; mapped runs
+        // are shared until the worker knows better.
+        let v = Vol::new(1, 10_000);
+        v.load(&[(5, 100, 2)]);
+        assert_eq!(v.get(6), mapped(101, true));
+        assert_eq!(v.get(7), UNMAPPED);
+        assert_eq!(v.get(9_000), UNMAPPED);
+        v.set(9_001, mapped(3, false));
+        assert_eq!(v.get(9_000), UNMAPPED, "a page made later starts unmapped");
         // Past the end: ignored, reads unknown.
         v.set(1 << 40, UNMAPPED);
         assert_eq!(v.get(1 << 40), UNKNOWN);

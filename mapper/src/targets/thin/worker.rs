@@ -520,6 +520,16 @@ impl Worker {
         Ok(())
     }
 
+    /// The metadata device grew to `nr_blocks` (of 4 KiB).
+    pub fn resize_metadata(&mut self, nr_blocks: u64) -> Result<(), Error> {
+        let (_, total) = self.meta.metadata_usage();
+        if nr_blocks > total {
+            self.meta.resize_metadata_dev(nr_blocks)?;
+            self.dirty = true;
+        }
+        Ok(())
+    }
+
     /// A metadata operation failed: as dm, the pool turns read-only (the
     /// transaction is dropped) and raises an event. Returns the bio status.
     fn meta_failed(&mut self, _e: Error) -> Status {
