@@ -311,3 +311,37 @@ fn a_pool_made_again_over_its_devices_finds_its_volumes_and_refuses_corrupt_meta
     let e = d.table_err(&line);
     assert!(e.contains("metadata") && !e.contains('\n'), "{e}");
 }
+
+#[test]
+fn a_read_only_pool_fails_every_write_and_a_reload_makes_it_writable_again() {
+    let mut d = Devices::new();
+    d.ram("meta", 4096);
+    d.ram("data", 16 * BS);
+    let line = |f: &str| format!("0 {} thin-pool meta data {BS} 0 {f}", 16 * BS);
+    let pool = d.mapped("pool", &line("0"));
+    d.add(as_dev(&pool));
+    msg(&pool, "create_thin 0").unwrap();
+    let t = as_dev(&thin(&d, 0));
+    let rt = ReactorThread::spawn("thin-ro");
+    rt.write(&t, 0, pattern(1, 0, BS));
+    let reload = |f: &str| {
+        pool.load(d.table(&line(f)));
+        pool.suspend(false).unwrap();
+        pool.resume().unwrap();
+    };
+    reload("1 read_only");
+    let st = pool.table().status_lines().remove(0);
+    assert!(st.contains(" ro "), "{st}");
+    // Provisioned or not, a write fails; reads go on.
+    for s in [0, 3 * BS] {
+        let r = rt.run(&t, Req::write(s, pattern(2, s, 8)));
+        assert_eq!(r.status, Status::IoErr, "write at {s}");
+    }
+    assert_sectors_eq(&rt.read(&t, 0, BS), &pattern(1, 0, BS), "read");
+    assert!(msg(&pool, "create_thin 1")
+        .unwrap_err()
+        .contains("read-only"));
+    reload("0");
+    rt.write(&t, 0, pattern(3, 0, 8));
+    assert_sectors_eq(&rt.read(&t, 0, 8), &pattern(3, 0, 8), "written again");
+}

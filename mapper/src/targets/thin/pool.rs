@@ -78,6 +78,8 @@ pub(crate) struct Stat {
     pub held_root: Option<u64>,
     pub mode: Mode,
     pub needs_check: bool,
+    /// A metadata operation failed (the pool stays read-only).
+    pub meta_failed: bool,
 }
 
 /// A pool's state shared by its targets, its volumes and its worker.
@@ -157,6 +159,14 @@ impl Shared {
             .filter_map(Weak::upgrade)
             .filter(|v| dev.is_none_or(|d| v.dev == d))
             .collect()
+    }
+
+    /// The pool turned read-only: every volume's mapped blocks are marked
+    /// shared, so that no write takes the fast path (the worker fails them).
+    pub fn read_only_caches(&self) {
+        for v in self.vols(None) {
+            v.share_all();
+        }
     }
 
     /// Data blocks the data device holds.
@@ -260,6 +270,7 @@ impl Pool {
                     Mode::Write
                 },
                 needs_check: false,
+                meta_failed: false,
             }),
             queue: Mutex::new(VecDeque::new()),
             cv: Condvar::new(),
@@ -654,11 +665,17 @@ impl Target for PoolTarget {
     fn resume(&self) {
         let sh = &self.pool.sh;
         *sh.lock_cfg() = self.cfg.clone();
-        {
+        let ro = {
             let mut st = sh.lock_stat();
             if self.cfg.read_only {
                 st.mode = Mode::ReadOnly;
+            } else if st.mode == Mode::ReadOnly && !st.meta_failed {
+                st.mode = Mode::Write;
             }
+            st.mode == Mode::ReadOnly
+        };
+        if ro {
+            sh.read_only_caches();
         }
         let blocks = sh.data_blocks();
         let meta_blocks = sh.meta_dev.limits().sectors >> 3;

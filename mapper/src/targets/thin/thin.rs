@@ -13,7 +13,7 @@ use udm_core::{
 
 use super::pool::{pool_of_device, Pool, MAX_DEV_ID};
 use super::vol::{Vol, MAPPED, SHARED, UNMAPPED};
-use super::worker::{Action, BioJob, DoneJob, Job, Reply, SendBio};
+use super::worker::{Action, BioJob, DoneJob, Insert, Job, Reply, SendBio};
 use crate::target::{CtrCtx, DevArea, Map, MapCtx, StatusType, Target, TargetType};
 
 /// The `thin` target type.
@@ -366,7 +366,7 @@ impl Channel for EngineChannel {
 /// Context of a provisioning (or FUA) write in flight.
 struct WriteCtx {
     ch: Rc<EngineChannel>,
-    insert: Option<(u64, u64)>,
+    insert: Option<Insert>,
     fua: bool,
 }
 

@@ -132,6 +132,17 @@ impl Vol {
         }
     }
 
+    /// Forgets every entry (the metadata dropped a transaction): each
+    /// block is asked of the worker again.
+    pub fn forget(&self) {
+        self.complete.store(false, Ordering::SeqCst);
+        for p in self.pages.iter().filter_map(OnceLock::get) {
+            for e in p.iter() {
+                e.store(UNKNOWN, Ordering::SeqCst);
+            }
+        }
+    }
+
     /// Counts a remapped bio in flight; returns the epoch to pass to
     /// [`Vol::exit`] when it completes. Called before the cache is read,
     /// so that the worker's [`Vol::drain`] after a cache change waits for

@@ -73,7 +73,7 @@ pub(crate) enum Action {
     /// insert the mapping and, for FUA, commit.
     Write {
         sector: u64,
-        insert: Option<(u64, u64)>,
+        insert: Option<Insert>,
         fua: bool,
     },
 }
@@ -100,10 +100,20 @@ pub(crate) struct BioJob {
     pub reply: Reply,
 }
 
+/// The mapping a provisioning write makes once it has completed.
+#[derive(Clone, Copy)]
+pub(crate) struct Insert {
+    pub vblock: u64,
+    pub block: u64,
+    /// It replaces a mapping (a shared block's): the old block may be
+    /// freed by the insert.
+    pub replaces: bool,
+}
+
 /// A provisioning write (or FUA write) finished on its reactor.
 pub(crate) struct DoneJob {
     pub vol: Arc<Vol>,
-    pub insert: Option<(u64, u64)>,
+    pub insert: Option<Insert>,
     pub status: Status,
     pub fua: bool,
     pub reply: Reply,
@@ -313,7 +323,10 @@ impl Worker {
                 return b.reply.send(Action::Complete(s));
             }
         };
-        let entry = found.map_or(UNMAPPED, |m| mapped(m.block, m.shared));
+        // Read-only, every mapped block counts as shared: no write may take
+        // the fast path.
+        let ro = self.sh.lock_stat().mode == Mode::ReadOnly;
+        let entry = found.map_or(UNMAPPED, |m| mapped(m.block, m.shared || ro));
         match b.op {
             Op::Read => {
                 self.set_entry(dev, v, entry);
@@ -387,7 +400,11 @@ impl Worker {
         self.cells.insert((b.vol.dev, v), Vec::new());
         b.reply.send(Action::Write {
             sector: block * bs + off,
-            insert: Some((v, block)),
+            insert: Some(Insert {
+                vblock: v,
+                block,
+                replaces: found.is_some(),
+            }),
             fua: b.fua,
         });
     }
@@ -426,7 +443,18 @@ impl Worker {
     fn done(&mut self, d: DoneJob) {
         let mut s = d.status;
         let dev = d.vol.dev;
-        if let Some((v, block)) = d.insert {
+        if let Some(Insert {
+            vblock: v,
+            block,
+            replaces,
+        }) = d.insert
+        {
+            if s.is_ok() && replaces {
+                // The old block loses a reference and may be freed: the
+                // reads remapped to it finish first, and new ones wait here.
+                self.set_entry(dev, v, UNKNOWN);
+                self.drain_all();
+            }
             if s.is_ok() {
                 match self.meta.insert(dev, v, block) {
                     Ok(()) => {
@@ -535,10 +563,18 @@ impl Worker {
     fn meta_failed(&mut self, _e: Error) -> Status {
         let _ = self.meta.abort();
         self.dirty = false;
-        let mut st = self.sh.lock_stat();
-        if st.mode != Mode::ReadOnly {
-            st.mode = Mode::ReadOnly;
-            self.sh.events.fetch_add(1, Ordering::Relaxed);
+        {
+            let mut st = self.sh.lock_stat();
+            st.meta_failed = true;
+            if st.mode != Mode::ReadOnly {
+                st.mode = Mode::ReadOnly;
+                self.sh.events.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.sh.read_only_caches();
+        // What the caches say may be of the dropped transaction.
+        for v in self.sh.vols(None) {
+            v.forget();
         }
         Status::IoErr
     }
