@@ -120,7 +120,8 @@ pub fn lookup(tm: &mut Tm, root: u64, key: u64, vs: usize) -> Result<Option<Vec<
     Err(too_deep(root))
 }
 
-/// The first entry with a key `>= key`.
+/// The first entry with a key `>= key`. Visits at most as many nodes as
+/// the device has blocks (see [`range`]).
 pub fn lookup_next(tm: &mut Tm, root: u64, key: u64, vs: usize) -> Result<Option<(u64, Vec<u8>)>> {
     fn go(
         tm: &mut Tm,
@@ -128,10 +129,18 @@ pub fn lookup_next(tm: &mut Tm, root: u64, key: u64, vs: usize) -> Result<Option
         key: u64,
         vs: usize,
         depth: usize,
+        budget: &mut u64,
     ) -> Result<Option<(u64, Vec<u8>)>> {
         if depth >= MAX_DEPTH {
             return Err(too_deep(b));
         }
+        if *budget == 0 {
+            return Err(corrupt(
+                b,
+                "B-tree has more nodes than the device has blocks",
+            ));
+        }
+        *budget -= 1;
         let n = read_node(tm, b, vs)?;
         let start = node::lower_bound(&n, key).unwrap_or(0);
         for i in start..node::nr(&n) {
@@ -139,13 +148,14 @@ pub fn lookup_next(tm: &mut Tm, root: u64, key: u64, vs: usize) -> Result<Option
                 if node::key(&n, i) >= key {
                     return Ok(Some((node::key(&n, i), node::value(&n, i).to_vec())));
                 }
-            } else if let Some(r) = go(tm, node::child(&n, i), key, vs, depth + 1)? {
+            } else if let Some(r) = go(tm, node::child(&n, i), key, vs, depth + 1, budget)? {
                 return Ok(Some(r));
             }
         }
         Ok(None)
     }
-    go(tm, root, key, vs, 0)
+    let mut budget = tm.device_blocks();
+    go(tm, root, key, vs, 0, &mut budget)
 }
 
 /// The entry with the highest key.

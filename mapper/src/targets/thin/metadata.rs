@@ -26,6 +26,8 @@ use udm_pdata::space_map::SmRoot;
 use udm_pdata::tm::{get32, get64, put32, put64, Tm};
 
 pub use udm_pdata::block::BlockIo;
+
+pub(crate) mod fuzzing;
 pub use udm_pdata::is_no_space;
 
 /// dm-thin's superblock magic.
@@ -664,7 +666,8 @@ impl ThinMetadata {
                 Ok((root, old.is_none()))
             })?;
             if new {
-                md.details_mut(dev)?.mapped_blocks += 1;
+                let d = md.details_mut(dev)?;
+                d.mapped_blocks = d.mapped_blocks.saturating_add(1);
             }
             Ok(())
         })
@@ -1001,7 +1004,11 @@ impl ThinMetadata {
         btree::range(&mut self.tm, sub, begin, end, 8, &mut |k, v| {
             let b = le64(v) >> 24;
             match runs.last_mut() {
-                Some((vb, db, len)) if *vb + *len == k && *db + *len == b => *len += 1,
+                Some((vb, db, len))
+                    if vb.checked_add(*len) == Some(k) && db.checked_add(*len) == Some(b) =>
+                {
+                    *len += 1
+                }
                 _ => runs.push((k, b, 1)),
             }
             Ok(())
