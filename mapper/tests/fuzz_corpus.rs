@@ -67,7 +67,7 @@ fn thin_metadata_seeds() -> Vec<(&'static str, Vec<u8>)> {
     use udm_mapper::targets::thin::metadata::ThinMetadata;
     use udm_pdata::block::MemIo;
     let make = |name: &'static str, f: &dyn Fn(&mut ThinMetadata)| {
-        let io = MemIo::new(32);
+        let io = MemIo::new(64);
         let mut md = ThinMetadata::open_or_format(Box::new(io.clone()), 128, 1000, false).unwrap();
         f(&mut md);
         md.commit().unwrap();

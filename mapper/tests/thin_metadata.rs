@@ -752,3 +752,71 @@ fn a_power_cut_at_any_io_of_a_commit_leaves_the_last_commit_or_the_next() {
         }
     }
 }
+
+#[test]
+fn running_out_of_metadata_refuses_changes_and_keeps_what_was_done_committable() {
+    let have_tools = tools("metadata_full").is_some();
+    let f = metadata_file("thin-mdfull", 160);
+    let mut md =
+        ThinMetadata::open_or_format(open_file(&f.path), DATA_BLOCK_SECTORS, 100_000, false)
+            .unwrap();
+    md.create_thin(0).unwrap();
+    let mut model = Mappings::from([(0, BTreeMap::new())]);
+    // Scattered mappings fill the metadata device until it refuses one.
+    let key = |v: u64| v * 1009 % 1_000_003;
+    let mut v = 0u64;
+    let e = loop {
+        let b = md.alloc_data_block().unwrap();
+        match md.insert(0, key(v), b) {
+            Ok(()) => {
+                model.get_mut(&0).unwrap().insert(key(v), b);
+                v += 1;
+            }
+            Err(e) => {
+                // The block the refused mapping would have taken goes back.
+                md.release_data_block(b).unwrap();
+                break e;
+            }
+        }
+        if v.is_multiple_of(500) {
+            md.commit().unwrap();
+        }
+    };
+    assert!(is_no_space(&e), "{e}");
+    assert!(v > 1000, "{v} mappings fit");
+    assert!(md.metadata_free() < 32, "{}", md.metadata_free());
+    let e = md.create_thin(1).unwrap_err();
+    assert!(is_no_space(&e), "{e}");
+    // Nothing was left half-done: all that fit commits, within the reserve.
+    md.commit().unwrap();
+    check_model(&mut md, &model, "with the metadata device full");
+    if have_tools {
+        thin_check(&f.path, "with the metadata device full");
+    }
+    // Unmapping takes metadata space too (copy-on-write): it goes as far as
+    // the space freed by the commit lets it, and a bigger metadata device
+    // lets it finish, as in dm.
+    match md.remove_range(0, 0, 500_000) {
+        Ok(_) => {}
+        Err(e) => assert!(is_no_space(&e), "{e}"),
+    }
+    md.commit().unwrap();
+    OpenOptions::new()
+        .write(true)
+        .open(&f.path)
+        .unwrap()
+        .set_len(400 * BLOCK)
+        .unwrap();
+    md.resize_metadata_dev(400).unwrap();
+    md.remove_range(0, 0, 500_000).unwrap();
+    model.get_mut(&0).unwrap().retain(|k, _| *k >= 500_000);
+    md.commit().unwrap();
+    assert!(md.metadata_free() > 32, "{}", md.metadata_free());
+    md.create_thin(1).unwrap();
+    model.insert(1, BTreeMap::new());
+    md.commit().unwrap();
+    check_model(&mut md, &model, "after unmapping half");
+    if have_tools {
+        thin_check(&f.path, "after unmapping half");
+    }
+}

@@ -34,6 +34,10 @@ pub trait BlockIo {
     fn flush(&mut self) -> Result<()>;
     /// The device's size in blocks.
     fn nr_blocks(&self) -> u64;
+    /// Looks at the device's size again (it may have grown); returns it.
+    fn refresh_size(&mut self) -> Result<u64> {
+        Ok(self.nr_blocks())
+    }
 }
 
 /// A metadata device over a file (or a block device opened as one).
@@ -46,6 +50,11 @@ impl FileIo {
     /// Uses `file`, whose size gives the number of blocks (a partial last
     /// block is not used).
     pub fn new(file: File) -> Result<FileIo> {
+        let nr_blocks = Self::size(&file)?;
+        Ok(FileIo { file, nr_blocks })
+    }
+
+    fn size(file: &File) -> Result<u64> {
         let len = file
             .metadata()
             .map_err(|e| Error::os("metadata file size", e))?
@@ -53,16 +62,13 @@ impl FileIo {
         // A block device reports 0 as its file length: seek to the end.
         let len = if len == 0 {
             use std::io::{Seek, SeekFrom};
-            let mut f = &file;
+            let mut f = file;
             f.seek(SeekFrom::End(0))
                 .map_err(|e| Error::os("metadata device size", e))?
         } else {
             len
         };
-        Ok(FileIo {
-            file,
-            nr_blocks: len / BLOCK_SIZE as u64,
-        })
+        Ok(len / BLOCK_SIZE as u64)
     }
 }
 
@@ -84,6 +90,10 @@ impl BlockIo for FileIo {
     }
     fn nr_blocks(&self) -> u64 {
         self.nr_blocks
+    }
+    fn refresh_size(&mut self) -> Result<u64> {
+        self.nr_blocks = Self::size(&self.file)?;
+        Ok(self.nr_blocks)
     }
 }
 
@@ -343,6 +353,11 @@ impl BlockCache {
     /// The device's size in blocks.
     pub fn nr_blocks(&self) -> u64 {
         self.io.nr_blocks()
+    }
+
+    /// Looks at the device's size again; returns it.
+    pub fn refresh_size(&mut self) -> Result<u64> {
+        self.io.refresh_size()
     }
 
     /// Gives back the device.

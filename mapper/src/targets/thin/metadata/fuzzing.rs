@@ -11,7 +11,7 @@ use udm_pdata::BLOCK_SIZE;
 use super::ThinMetadata;
 
 /// Blocks of the fuzzed metadata device.
-pub const BLOCKS: u64 = 32;
+pub const BLOCKS: u64 = 64;
 
 /// The kind a record's byte 7 selects for blocks other than block 0 (the
 /// superblock): byte 7 is the top byte of a node's flags (0 in a valid
