@@ -108,20 +108,25 @@ pub struct MemState {
     /// When set, every I/O fails (the power is off).
     pub failed: bool,
     /// When set, the power goes off on the I/O (write or flush) after this
-    /// many more, keeping the first `keep_on_cut` unflushed writes.
+    /// many more, keeping the unflushed writes `keep_on_cut` selects.
     pub cut_after: Option<u64>,
-    /// Unflushed writes that survive an automatic cut.
-    pub keep_on_cut: usize,
+    /// Which unflushed writes survive an automatic cut: bit `i` keeps the
+    /// `i`th (a disk's cache writes back in any order; past 64, none).
+    pub keep_on_cut: u64,
+    /// Writes and flushes so far (each counts once, as `cut_after` does).
+    pub ios: u64,
 }
 
 impl MemState {
-    /// The power goes off: unflushed writes are lost (the first `keep` of
-    /// them survive, as a disk may have written some of its cache) and
-    /// every later I/O fails until [`MemState::restore`].
-    pub fn cut(&mut self, keep: usize) {
+    /// The power goes off: unflushed writes are lost but those `keep`
+    /// selects (bit `i` for the `i`th, as a disk may have written any of
+    /// its cache), and every later I/O fails until [`MemState::restore`].
+    pub fn cut(&mut self, keep: u64) {
         let pending = std::mem::take(&mut self.pending);
-        for (nr, b) in pending.into_iter().take(keep) {
-            self.durable.insert(nr, b);
+        for (i, (nr, b)) in pending.into_iter().enumerate().take(64) {
+            if keep >> i & 1 != 0 {
+                self.durable.insert(nr, b);
+            }
         }
         self.failed = true;
         self.cut_after = None;
@@ -129,6 +134,7 @@ impl MemState {
     /// Counts an I/O against [`MemState::cut_after`]; errs if the power is
     /// (or just went) off.
     fn tick(&mut self) -> Result<()> {
+        self.ios += 1;
         if let Some(n) = self.cut_after {
             if n == 0 {
                 let keep = self.keep_on_cut;
