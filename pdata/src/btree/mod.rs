@@ -106,6 +106,18 @@ fn shadow_child(tm: &mut Tm, vt: &mut dyn ValueType, parent: u64, i: usize) -> R
 
 /// The value under `key`.
 pub fn lookup(tm: &mut Tm, root: u64, key: u64, vs: usize) -> Result<Option<Vec<u8>>> {
+    lookup_with(tm, root, key, vs, <[u8]>::to_vec)
+}
+
+/// `f` of the value under `key`, without copying it out (the lookup of a
+/// mapping on every I/O).
+pub fn lookup_with<R>(
+    tm: &mut Tm,
+    root: u64,
+    key: u64,
+    vs: usize,
+    f: impl FnOnce(&[u8]) -> R,
+) -> Result<Option<R>> {
     let mut b = root;
     for _ in 0..MAX_DEPTH {
         let n = read_node(tm, b, vs)?;
@@ -113,7 +125,7 @@ pub fn lookup(tm: &mut Tm, root: u64, key: u64, vs: usize) -> Result<Option<Vec<
             return Ok(None);
         };
         if node::is_leaf(&n) {
-            return Ok((node::key(&n, i) == key).then(|| node::value(&n, i).to_vec()));
+            return Ok((node::key(&n, i) == key).then(|| f(node::value(&n, i))));
         }
         b = node::child(&n, i);
     }

@@ -481,8 +481,8 @@ impl ThinMetadata {
     }
 
     fn subtree(&mut self, dev: u32) -> Result<u64, Error> {
-        let v = btree::lookup(&mut self.tm, self.sb.mapping_root, u64::from(dev), 8)?;
-        v.map(|v| le64(&v)).ok_or_else(|| no_device(dev))
+        let v = btree::lookup_with(&mut self.tm, self.sb.mapping_root, u64::from(dev), 8, le64)?;
+        v.ok_or_else(|| no_device(dev))
     }
 
     /// Runs `f` on `dev`'s mapping tree and stores the root it returns.
@@ -664,10 +664,9 @@ impl ThinMetadata {
             .ok_or_else(|| no_device(dev))?
             .snapshotted_time;
         let sub = self.subtree(dev)?;
-        let Some(v) = btree::lookup(&mut self.tm, sub, vblock, 8)? else {
+        let Some(bt) = btree::lookup_with(&mut self.tm, sub, vblock, 8, le64)? else {
             return Ok(None);
         };
-        let bt = le64(&v);
         Ok(Some(Lookup {
             block: bt >> 24,
             shared: snapshotted > (bt & 0xff_ffff) as u32,
