@@ -279,13 +279,60 @@ impl BlockIo for MemIo {
     }
 }
 
-/// Validated blocks by number, shared without copying; cleared when it
-/// grows past its capacity (metadata reads are a tree walk, whose upper
-/// levels are read again at once).
+/// Validated blocks by number, shared without copying. When full, a
+/// CLOCK sweep evicts a block not used since the hand last passed it, so
+/// the upper levels of the trees, read on every lookup, stay.
 pub struct BlockCache {
     io: Box<dyn BlockIo>,
-    blocks: HashMap<u64, Arc<Block>>,
+    blocks: Clock,
+}
+
+/// The cache's slots and their CLOCK state.
+struct Clock {
+    index: HashMap<u64, usize>,
+    /// (block number, block, used since the hand passed).
+    slots: Vec<(u64, Arc<Block>, bool)>,
+    hand: usize,
     capacity: usize,
+}
+
+impl Clock {
+    fn get(&mut self, nr: u64) -> Option<&Arc<Block>> {
+        let &i = self.index.get(&nr)?;
+        let slot = &mut self.slots[i];
+        slot.2 = true;
+        Some(&slot.1)
+    }
+
+    fn insert(&mut self, nr: u64, b: Arc<Block>) {
+        if let Some(&i) = self.index.get(&nr) {
+            self.slots[i] = (nr, b, true);
+            return;
+        }
+        if self.slots.len() < self.capacity {
+            self.index.insert(nr, self.slots.len());
+            self.slots.push((nr, b, false));
+            return;
+        }
+        loop {
+            let i = self.hand;
+            self.hand = (self.hand + 1) % self.slots.len();
+            let slot = &mut self.slots[i];
+            if std::mem::take(&mut slot.2) {
+                continue;
+            }
+            self.index.remove(&slot.0);
+            *slot = (nr, b, false);
+            self.index.insert(nr, i);
+            return;
+        }
+    }
+
+    fn clear(&mut self) {
+        self.index.clear();
+        self.slots.clear();
+        self.hand = 0;
+    }
 }
 
 impl BlockCache {
@@ -293,15 +340,19 @@ impl BlockCache {
     pub fn new(io: Box<dyn BlockIo>, capacity: usize) -> BlockCache {
         BlockCache {
             io,
-            blocks: HashMap::new(),
-            capacity: capacity.max(1),
+            blocks: Clock {
+                index: HashMap::new(),
+                slots: Vec::new(),
+                hand: 0,
+                capacity: capacity.max(1),
+            },
         }
     }
 
     /// Block `nr`, checked to be a `kind` block that knows it lives at
     /// `nr` (dm's validators: checksum, then location).
     pub fn read(&mut self, nr: u64, kind: BlockKind) -> Result<Arc<Block>> {
-        if let Some(b) = self.blocks.get(&nr) {
+        if let Some(b) = self.blocks.get(nr) {
             return Ok(b.clone());
         }
         if nr >= self.io.nr_blocks() {
@@ -315,9 +366,6 @@ impl BlockCache {
         let at = u64::from_le_bytes(buf[8..16].try_into().unwrap_or_default());
         if at != nr {
             return Err(corrupt(nr, format!("{kind:?} says it is block {at}")));
-        }
-        if self.blocks.len() >= self.capacity {
-            self.blocks.clear();
         }
         let b: Arc<Block> = Arc::from(buf);
         self.blocks.insert(nr, b.clone());
@@ -339,9 +387,6 @@ impl BlockCache {
         b[8..16].copy_from_slice(&nr.to_le_bytes());
         checksum::seal(&mut b, kind);
         self.io.write(nr, &b)?;
-        if self.blocks.len() >= self.capacity {
-            self.blocks.clear();
-        }
         self.blocks.insert(nr, Arc::from(b));
         Ok(())
     }

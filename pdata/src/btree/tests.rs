@@ -241,3 +241,39 @@ fn a_corrupt_node_is_an_error_not_a_panic() {
     let e = lookup(&mut tm, root, 5, 8).unwrap_err();
     assert!(e.to_string().contains("checksum"), "{e}");
 }
+
+/// Rough costs, for the record: `cargo test -p udm-pdata --release --
+/// --ignored --nocapture btree_costs`.
+#[test]
+#[ignore]
+fn btree_costs() {
+    let n = 1_000_000u64;
+    let io = MemIo::new(65536);
+    let mut tm = Tm::format(Box::new(io.clone()), 65536).unwrap();
+    let mut root = empty(&mut tm, 8).unwrap();
+    let t = std::time::Instant::now();
+    for k in 0..n {
+        root = insert(&mut tm, &mut NoRefs(8), root, k, &value(k, 0))
+            .unwrap()
+            .0;
+    }
+    let ins = t.elapsed();
+    commit(&mut tm, root);
+    let t = std::time::Instant::now();
+    let mut hits = 0;
+    for k in 0..n {
+        let key = k.wrapping_mul(0x9e37_79b9) % n;
+        hits += usize::from(
+            lookup_with(&mut tm, root, key, 8, |_| ())
+                .unwrap()
+                .is_some(),
+        );
+    }
+    let look = t.elapsed();
+    assert_eq!(hits, n as usize);
+    eprintln!(
+        "{n} sequential inserts: {:?}/op; {n} random lookups: {:?}/op",
+        ins / n as u32,
+        look / n as u32
+    );
+}
