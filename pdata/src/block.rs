@@ -473,4 +473,27 @@ mod tests {
             .to_string()
             .contains("checksum"));
     }
+
+    #[test]
+    fn the_cache_evicts_a_block_unused_since_the_clock_hand_passed() {
+        let mut io = MemIo::new(4);
+        let mut c = BlockCache::new(Box::new(io.clone()), 2);
+        for nr in 1..4 {
+            c.write(nr, BlockKind::Node, &[nr as u8; BLOCK_SIZE])
+                .unwrap();
+        }
+        c.clear();
+        c.read(1, BlockKind::Node).unwrap();
+        c.read(2, BlockKind::Node).unwrap();
+        // 1 is used again, so 3 evicts 2.
+        c.read(1, BlockKind::Node).unwrap();
+        c.read(3, BlockKind::Node).unwrap();
+        // Blank the device: what is still cached reads, what was evicted fails.
+        for nr in 1..4 {
+            io.write(nr, &[0; BLOCK_SIZE]).unwrap();
+        }
+        assert!(c.read(1, BlockKind::Node).is_ok());
+        assert!(c.read(3, BlockKind::Node).is_ok());
+        assert!(c.read(2, BlockKind::Node).is_err());
+    }
 }
