@@ -293,6 +293,55 @@ fn what_udm_writes_passes_thin_check_at_every_commit_and_thin_dump_lists_its_map
 }
 
 #[test]
+fn a_random_run_with_aborts_and_metadata_snapshots_stays_clean() {
+    let have_tools = tools("aborts").is_some();
+    let f = metadata_file("thin-abort", 4096);
+    let mut md =
+        ThinMetadata::open_or_format(open_file(&f.path), DATA_BLOCK_SECTORS, 30_000, false)
+            .unwrap();
+    let mut model = Mappings::new();
+    let mut committed = model.clone();
+    let mut held: Option<Mappings> = None;
+    let mut rng = Rng(0xab0_47ed);
+    let mut next_dev = 0;
+    for round in 0..40 {
+        for _ in 0..rng.below(700) {
+            step(&mut md, &mut model, &mut rng, &mut next_dev);
+        }
+        if rng.below(100) < 20 {
+            md.abort().unwrap();
+            model = committed.clone();
+        } else {
+            md.commit().unwrap();
+            committed = model.clone();
+        }
+        if round % 5 == 4 {
+            if held.is_some() {
+                md.release_metadata_snap().unwrap();
+                held = None;
+            } else {
+                // Reserving commits first: what it holds is the model now.
+                md.reserve_metadata_snap().unwrap();
+                committed = model.clone();
+                held = Some(model.clone());
+            }
+        }
+        let when = format!("at round {round}");
+        let none = Mappings::new();
+        check_model_holding(&mut md, &model, held.as_ref().unwrap_or(&none), &when);
+        if have_tools {
+            thin_check(&f.path, &when);
+            assert_eq!(thin_dump(&f.path).0, model, "thin_dump {when}");
+            if let Some(h) = &held {
+                let (ok, out) = run("thin_dump", &["-m", &f.path]);
+                assert!(ok, "thin_dump -m {when}:\n{out}");
+                assert_eq!(parse_dump(&out).0, *h, "thin_dump -m {when}");
+            }
+        }
+    }
+}
+
+#[test]
 fn lookup_says_shared_for_blocks_mapped_before_a_snapshot() {
     let mut md =
         ThinMetadata::open_or_format(Box::new(MemIo::new(256)), DATA_BLOCK_SECTORS, 100, false)
