@@ -287,6 +287,10 @@ pub struct ThinMetadata {
     committed: Box<Block>,
     read_only: bool,
     failed: bool,
+    /// Whether anything changed since the last commit (a commit with
+    /// nothing to write writes nothing, so a periodic commit of an idle
+    /// pool costs no I/O).
+    dirty: bool,
 }
 
 impl ThinMetadata {
@@ -365,6 +369,7 @@ impl ThinMetadata {
             committed: zeroed(),
             read_only: false,
             failed: false,
+            dirty: true,
         };
         md.commit()?;
         Ok(md)
@@ -435,6 +440,7 @@ impl ThinMetadata {
             committed: Box::new(*b0),
             read_only,
             failed: false,
+            dirty: false,
         };
         if let Some(n) = nr_data_blocks {
             let have = md.data_sm.counts.nr_blocks();
@@ -473,6 +479,7 @@ impl ThinMetadata {
                 "thin pool metadata failed an operation: abort the transaction first",
             ));
         }
+        self.dirty = true;
         let r = f(self);
         if r.is_err() {
             self.failed = true;
@@ -774,6 +781,7 @@ impl ThinMetadata {
         if self.read_only || self.failed {
             return self.change(|_| Ok(0));
         }
+        self.dirty = true;
         self.data_sm.counts.alloc().map_err(|e| {
             if is_no_space(&e) {
                 udm_pdata::no_space("thin pool data device")
@@ -798,7 +806,7 @@ impl ThinMetadata {
     /// Commits the transaction: the changed device details and space maps,
     /// every new block, a flush, then the superblock and a flush.
     pub fn commit(&mut self) -> Result<(), Error> {
-        if self.read_only {
+        if self.read_only || (!self.dirty && !self.failed) {
             return Ok(());
         }
         self.change(|md| {
@@ -806,7 +814,9 @@ impl ThinMetadata {
             let r = md.commit_changes();
             md.tm.use_reserve(false);
             r
-        })
+        })?;
+        self.dirty = false;
+        Ok(())
     }
 
     fn commit_changes(&mut self) -> Result<(), Error> {
