@@ -7,7 +7,6 @@ pub mod flakey;
 pub mod linear;
 pub mod log_writes;
 pub mod striped;
-/// The thin-pool and thin targets (dm-thin), with the pool's metadata in Linux's format.
 pub mod thin;
 pub mod writecache;
 pub mod zero;
