@@ -272,11 +272,14 @@ impl ValueType for SubtreeRefs<'_> {
 
 /// A thin pool's metadata. Single-threaded: the pool wraps it in a mutex.
 ///
-/// After an error from a call that changes the metadata (other than
-/// [`ThinMetadata::alloc_data_block`] running out of space, or an argument
-/// refused before anything changed) the transaction is in an unknown state:
-/// every later change is refused until [`ThinMetadata::abort`], as dm's
-/// pool falls back to read-only mode.
+/// Running out of space, data or metadata, is told by [`is_no_space`] and
+/// changes nothing: a change is refused before it starts unless the
+/// metadata device has room for its worst case beyond the blocks kept for
+/// commits (see [`ThinMetadata::metadata_free`]), so what was done before
+/// still commits. After any other error from a call that changes the
+/// metadata, once it has started (an I/O error, corruption found), the
+/// transaction is in an unknown state: every later change is refused until
+/// [`ThinMetadata::abort`], as dm's pool falls back to read-only mode.
 pub struct ThinMetadata {
     tm: Tm,
     data_sm: DiskSpaceMap,
