@@ -57,22 +57,6 @@ impl Tm {
         Ok(tm)
     }
 
-    /// A cache over `io`, for reading what a space map is loaded from.
-    pub fn cache(io: Box<dyn BlockIo>) -> BlockCache {
-        BlockCache::new(io, CACHE_BLOCKS)
-    }
-
-    /// Puts together a cache already used for loading and its space map.
-    pub fn with_cache(cache: BlockCache, sm: MetadataSpaceMap) -> Tm {
-        Tm {
-            cache,
-            dirty: HashMap::new(),
-            sm,
-            reserve: 0,
-            committing: false,
-        }
-    }
-
     /// Takes the device out (dropping the transaction), leaving a
     /// transaction manager whose every I/O fails.
     pub fn take_io(&mut self) -> Box<dyn BlockIo> {
