@@ -321,7 +321,12 @@ pub fn count_refs(
 /// keeps its block (dm's `btree_split_beneath`).
 fn split_beneath(tm: &mut Tm, root: u64) -> Result<()> {
     let n = tm.read(root, BlockKind::Node)?;
-    let (cnt, leaf, vs) = (node::nr(&n), node::is_leaf(&n), node::value_size(&n));
+    let (cnt, leaf, vs, max) = (
+        node::nr(&n),
+        node::is_leaf(&n),
+        node::value_size(&n),
+        node::max(&n),
+    );
     let mid = cnt / 2;
     let (lk, lv) = node::entries(&n, 0, mid);
     let (rk, rv) = node::entries(&n, mid, cnt);
@@ -331,7 +336,7 @@ fn split_beneath(tm: &mut Tm, root: u64) -> Result<()> {
     for (k, v) in [(lk, lv), (rk, rv)] {
         let c = tm.new_block(BlockKind::Node)?;
         let blk = tm.get_mut(c)?;
-        node::init(blk, leaf, vs);
+        node::init_like(blk, leaf, vs, max);
         node::set_entries(blk, &k, &v);
         keys.push(k[0]);
         vals.extend_from_slice(&c.to_le_bytes());
@@ -346,13 +351,18 @@ fn split_beneath(tm: &mut Tm, root: u64) -> Result<()> {
 /// it and its first key.
 fn split(tm: &mut Tm, b: u64) -> Result<(u64, u64)> {
     let n = tm.read(b, BlockKind::Node)?;
-    let (cnt, leaf, vs) = (node::nr(&n), node::is_leaf(&n), node::value_size(&n));
+    let (cnt, leaf, vs, max) = (
+        node::nr(&n),
+        node::is_leaf(&n),
+        node::value_size(&n),
+        node::max(&n),
+    );
     let mid = cnt / 2;
     let (rk, rv) = node::entries(&n, mid, cnt);
     drop(n);
     let r = tm.new_block(BlockKind::Node)?;
     let blk = tm.get_mut(r)?;
-    node::init(blk, leaf, vs);
+    node::init_like(blk, leaf, vs, max);
     node::set_entries(blk, &rk, &rv);
     node::set_nr(tm.get_mut(b)?, mid);
     Ok((r, rk[0]))
@@ -427,11 +437,16 @@ fn rebalance(tm: &mut Tm, parent: u64, l: usize) -> Result<()> {
     drop(p);
     let ln = tm.read(lb, BlockKind::Node)?;
     let rn = tm.read(rb, BlockKind::Node)?;
-    if node::is_leaf(&ln) != node::is_leaf(&rn) || node::value_size(&ln) != node::value_size(&rn) {
+    // Same kind, value size and capacity, so that their entries fit
+    // either node whichever way they are shared out.
+    if node::is_leaf(&ln) != node::is_leaf(&rn)
+        || node::value_size(&ln) != node::value_size(&rn)
+        || node::max(&ln) != node::max(&rn)
+    {
         return Err(corrupt(parent, "B-tree siblings of different kinds"));
     }
     let vs = node::value_size(&ln);
-    let max = node::max(&ln).min(node::max(&rn));
+    let max = node::max(&ln);
     let (mut keys, mut vals) = node::entries(&ln, 0, node::nr(&ln));
     let (rk, rv) = node::entries(&rn, 0, node::nr(&rn));
     drop((ln, rn));

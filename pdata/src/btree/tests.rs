@@ -277,3 +277,23 @@ fn btree_costs() {
         look / n as u32
     );
 }
+
+#[test]
+fn a_node_too_small_to_split_is_refused_before_an_insert_splits_it() {
+    let io = MemIo::new(BLOCKS);
+    let mut tm = Tm::format(Box::new(io.clone()), BLOCKS).unwrap();
+    let mut root = empty(&mut tm, 8).unwrap();
+    root = insert(&mut tm, &mut NoRefs(8), root, 1, &value(1, 0))
+        .unwrap()
+        .0;
+    commit(&mut tm, root);
+    // A full leaf of capacity 1, checksummed: splitting it would leave a
+    // half with no entries.
+    let mut raw = tm.read_raw(root).unwrap();
+    crate::tm::put32(&mut raw, 20, 1);
+    crate::checksum::seal(&mut raw, BlockKind::Node);
+    crate::block::BlockIo::write(&mut io.clone(), root, &raw).unwrap();
+    let (mut tm, root) = reopen(&io);
+    let e = insert(&mut tm, &mut NoRefs(8), root, 2, &value(2, 0)).unwrap_err();
+    assert!(e.to_string().contains("capacity 1"), "{e}");
+}
