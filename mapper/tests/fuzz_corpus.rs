@@ -159,11 +159,28 @@ fn thin_metadata_mutations_do_not_panic() {
         rng
     };
     for (_name, seed) in thin_metadata_seeds() {
+        // Where each record's block starts, to aim at the header fields
+        // (entry count, capacity, value size) and the first keys.
+        let mut starts = Vec::new();
+        let mut at = 0;
+        while at + 3 <= seed.len() {
+            starts.push(at + 3);
+            at += 3 + u16::from_le_bytes([seed[at + 1], seed[at + 2]]) as usize;
+        }
         for _ in 0..per_seed {
             let mut d = seed.clone();
             for _ in 0..1 + next() % 4 {
                 let i = (next() % d.len() as u64) as usize;
-                match next() % 4 {
+                match next() % 5 {
+                    4 => {
+                        let base = starts[(next() % starts.len() as u64) as usize];
+                        let field = [16, 20, 24, 32, 40][(next() % 5) as usize];
+                        let v: u32 = [0, 1, 2, 3, 4, 84, 126, 251, 252, 253, 254, 336, u32::MAX]
+                            [(next() % 13) as usize];
+                        if base + field + 4 <= d.len() {
+                            d[base + field..base + field + 4].copy_from_slice(&v.to_le_bytes());
+                        }
+                    }
                     0 => d[i] ^= 1 << (next() % 8),
                     1 => d[i] = 0,
                     2 => d[i] = 0xff,
