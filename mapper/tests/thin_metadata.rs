@@ -293,6 +293,55 @@ fn what_udm_writes_passes_thin_check_at_every_commit_and_thin_dump_lists_its_map
 }
 
 #[test]
+fn a_random_run_with_aborts_and_metadata_snapshots_stays_clean() {
+    let have_tools = tools("aborts").is_some();
+    let f = metadata_file("thin-abort", 4096);
+    let mut md =
+        ThinMetadata::open_or_format(open_file(&f.path), DATA_BLOCK_SECTORS, 30_000, false)
+            .unwrap();
+    let mut model = Mappings::new();
+    let mut committed = model.clone();
+    let mut held: Option<Mappings> = None;
+    let mut rng = Rng(0xab0_47ed);
+    let mut next_dev = 0;
+    for round in 0..40 {
+        for _ in 0..rng.below(700) {
+            step(&mut md, &mut model, &mut rng, &mut next_dev);
+        }
+        if rng.below(100) < 20 {
+            md.abort().unwrap();
+            model = committed.clone();
+        } else {
+            md.commit().unwrap();
+            committed = model.clone();
+        }
+        if round % 5 == 4 {
+            if held.is_some() {
+                md.release_metadata_snap().unwrap();
+                held = None;
+            } else {
+                // Reserving commits first: what it holds is the model now.
+                md.reserve_metadata_snap().unwrap();
+                committed = model.clone();
+                held = Some(model.clone());
+            }
+        }
+        let when = format!("at round {round}");
+        let none = Mappings::new();
+        check_model_holding(&mut md, &model, held.as_ref().unwrap_or(&none), &when);
+        if have_tools {
+            thin_check(&f.path, &when);
+            assert_eq!(thin_dump(&f.path).0, model, "thin_dump {when}");
+            if let Some(h) = &held {
+                let (ok, out) = run("thin_dump", &["-m", &f.path]);
+                assert!(ok, "thin_dump -m {when}:\n{out}");
+                assert_eq!(parse_dump(&out).0, *h, "thin_dump -m {when}");
+            }
+        }
+    }
+}
+
+#[test]
 fn lookup_says_shared_for_blocks_mapped_before_a_snapshot() {
     let mut md =
         ThinMetadata::open_or_format(Box::new(MemIo::new(256)), DATA_BLOCK_SECTORS, 100, false)
@@ -362,6 +411,28 @@ fn lookup_says_shared_for_blocks_mapped_before_a_snapshot() {
     let e = md.alloc_data_block().unwrap_err();
     assert!(is_no_space(&e), "{e}");
     md.commit().unwrap();
+}
+
+#[test]
+fn a_commit_with_nothing_changed_writes_nothing() {
+    let io = MemIo::new(256);
+    let mut md =
+        ThinMetadata::open_or_format(Box::new(io.clone()), DATA_BLOCK_SECTORS, 100, false).unwrap();
+    md.create_thin(1).unwrap();
+    md.commit().unwrap();
+    let ios = io.state().ios;
+    md.commit().unwrap();
+    md.lookup(1, 0).unwrap();
+    md.commit().unwrap();
+    assert_eq!(
+        io.state().ios,
+        ios,
+        "an idle pool's periodic commit does no I/O"
+    );
+    let b = md.alloc_data_block().unwrap();
+    md.insert(1, 0, b).unwrap();
+    md.commit().unwrap();
+    assert!(io.state().ios > ios);
 }
 
 #[test]
@@ -682,6 +753,21 @@ fn corrupt_metadata_and_needs_check_are_one_line_errors() {
     assert!(md.needs_check());
     assert!(md.lookup(0, 5).unwrap().is_some());
     one_line(md.create_thin(1).unwrap_err(), "read-only");
+    drop(md);
+    // Linux's tools clear the flag once the metadata checks clean.
+    if tools("needs_check").is_some() {
+        let f = TempFile::new("thin-needs-check");
+        std::fs::write(&f.path, io.image()).unwrap();
+        let (ok, out) = run("thin_check", &["--clear-needs-check-flag", &f.path]);
+        assert!(ok, "thin_check --clear-needs-check-flag:\n{out}");
+        let mut md =
+            ThinMetadata::open_or_format(open_file(&f.path), DATA_BLOCK_SECTORS, 1000, false)
+                .unwrap();
+        assert!(!md.needs_check());
+        md.create_thin(1).unwrap();
+        md.commit().unwrap();
+        thin_check(&f.path, "after the flag was cleared");
+    }
     // Bad table arguments.
     let e = ThinMetadata::open_or_format(Box::new(MemIo::new(64)), 100, 10, false)
         .err()
@@ -693,6 +779,42 @@ fn corrupt_metadata_and_needs_check_are_one_line_errors() {
     one_line(e, "too small");
 }
 
+/// One crash trial's run: random steps and commits from `seed`, the
+/// power cut (if `cut` says when, in I/Os from the start of the last
+/// commit, and which unflushed writes survive) in the last commit. Returns
+/// the model as last committed, the model of the last commit, whether the
+/// cut came, and how many I/Os the last commit made (or had made).
+fn crash_run(io: &MemIo, seed: u64, cut: Option<(u64, u64)>) -> (Mappings, Mappings, bool, u64) {
+    let mut rng = Rng(seed);
+    let mut md =
+        ThinMetadata::open_or_format(Box::new(io.clone()), DATA_BLOCK_SECTORS, 5000, false)
+            .unwrap();
+    let mut model = Mappings::new();
+    let mut committed = model.clone();
+    let mut next_dev = 0;
+    let commits = 1 + rng.below(4);
+    let mut ios = 0;
+    for c in 0..commits {
+        for _ in 0..rng.below(600) {
+            step(&mut md, &mut model, &mut rng, &mut next_dev);
+        }
+        let last = c + 1 == commits;
+        let before = io.state().ios;
+        if let (true, Some((after, keep))) = (last, cut) {
+            let mut st = io.state();
+            st.cut_after = Some(after);
+            st.keep_on_cut = keep;
+        }
+        let r = md.commit();
+        ios = io.state().ios - before;
+        match r {
+            Ok(()) => committed = model.clone(),
+            Err(_) => return (committed, model, true, ios),
+        }
+    }
+    (committed, model, false, ios)
+}
+
 #[test]
 fn a_power_cut_at_any_io_of_a_commit_leaves_the_last_commit_or_the_next() {
     let have_tools = tools("power_cut").is_some();
@@ -701,54 +823,118 @@ fn a_power_cut_at_any_io_of_a_commit_leaves_the_last_commit_or_the_next() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(300);
     let img = TempFile::new("thin-cut");
+    // Cuts inside a commit that changed something, by what survived: the
+    // last commit, or the one being made.
+    let mut outcomes = [0u64; 2];
     for trial in 0..trials {
-        let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ ((trial + 1) * 0x1000_0001));
-        let io = MemIo::new(1024);
-        let mut md =
-            ThinMetadata::open_or_format(Box::new(io.clone()), DATA_BLOCK_SECTORS, 5000, false)
-                .unwrap();
-        let mut model = Mappings::new();
-        let mut committed = model.clone();
-        let mut next_dev = 0;
-        let commits = 1 + rng.below(4);
-        let mut cut_in = None;
-        for c in 0..commits {
-            for _ in 0..rng.below(600) {
-                step(&mut md, &mut model, &mut rng, &mut next_dev);
-            }
-            if c + 1 == commits {
-                // Cut within the last commit's writes and flushes,
-                // keeping a random prefix of its unflushed writes.
-                let mut st = io.state();
-                st.cut_after = Some(rng.below(60));
-                st.keep_on_cut = rng.below(40) as usize;
-            }
-            match md.commit() {
-                Ok(()) => committed = model.clone(),
-                Err(e) => {
-                    cut_in = Some(e.to_string());
-                    break;
-                }
-            }
+        let seed = 0x9e37_79b9_7f4a_7c15 ^ ((trial + 1) * 0x1000_0001);
+        // A dry run counts the last commit's I/Os (writes and flushes), so
+        // that the cut falls at any of them, the superblock's included.
+        let (_, _, _, ios) = crash_run(&MemIo::new(1024), seed, None);
+        if ios == 0 {
+            // Nothing changed since the commit before: nothing to cut.
+            continue;
         }
-        drop(md);
+        let mut rng = Rng(seed ^ 0xc0ffee);
+        let (at, keep) = (rng.below(ios), rng.next());
+        let io = MemIo::new(1024);
+        let (committed, model, cut, _) = crash_run(&io, seed, Some((at, keep)));
+        assert!(cut, "trial {trial}: the cut at I/O {at} of {ios} came");
         io.state().restore();
-        io.state().cut_after = None;
+        let when = format!("trial {trial}, cut at I/O {at} of {ios}");
         let mut md =
             ThinMetadata::open_or_format(Box::new(io.clone()), DATA_BLOCK_SECTORS, 5000, false)
-                .unwrap_or_else(|e| {
-                    panic!("trial {trial}: reopening after the cut ({cut_in:?}): {e}")
-                });
-        md.check_counts()
-            .unwrap_or_else(|e| panic!("trial {trial}: after the cut: {e}"));
+                .unwrap_or_else(|e| panic!("{when}: reopening: {e}"));
+        md.check_counts().unwrap_or_else(|e| panic!("{when}: {e}"));
         let got = udm_mappings(&mut md);
         assert!(
-            got == committed || (cut_in.is_some() && got == model),
-            "trial {trial}: after a cut ({cut_in:?}) the metadata is neither the last commit nor the next"
+            got == committed || got == model,
+            "{when}: the metadata is neither the last commit nor the next"
         );
+        if model != committed {
+            outcomes[usize::from(got == model)] += 1;
+        }
         if have_tools && trial % 10 == 0 {
             std::fs::write(&img.path, io.image()).unwrap();
-            thin_check(&img.path, &format!("after the cut of trial {trial}"));
+            thin_check(&img.path, &when);
         }
+    }
+    eprintln!(
+        "cuts inside a commit: {} left the last commit, {} the next",
+        outcomes[0], outcomes[1]
+    );
+    if trials >= 100 {
+        assert!(
+            outcomes[0] > 0 && outcomes[1] > 0,
+            "both outcomes happen: {outcomes:?}"
+        );
+    }
+}
+
+#[test]
+fn running_out_of_metadata_refuses_changes_and_keeps_what_was_done_committable() {
+    let have_tools = tools("metadata_full").is_some();
+    let f = metadata_file("thin-mdfull", 160);
+    let mut md =
+        ThinMetadata::open_or_format(open_file(&f.path), DATA_BLOCK_SECTORS, 100_000, false)
+            .unwrap();
+    md.create_thin(0).unwrap();
+    let mut model = Mappings::from([(0, BTreeMap::new())]);
+    // Scattered mappings fill the metadata device until it refuses one.
+    let key = |v: u64| v * 1009 % 1_000_003;
+    let mut v = 0u64;
+    let e = loop {
+        let b = md.alloc_data_block().unwrap();
+        match md.insert(0, key(v), b) {
+            Ok(()) => {
+                model.get_mut(&0).unwrap().insert(key(v), b);
+                v += 1;
+            }
+            Err(e) => {
+                // The block the refused mapping would have taken goes back.
+                md.release_data_block(b).unwrap();
+                break e;
+            }
+        }
+        if v.is_multiple_of(500) {
+            md.commit().unwrap();
+        }
+    };
+    assert!(is_no_space(&e), "{e}");
+    assert!(v > 1000, "{v} mappings fit");
+    assert!(md.metadata_free() < 32, "{}", md.metadata_free());
+    let e = md.create_thin(1).unwrap_err();
+    assert!(is_no_space(&e), "{e}");
+    // Nothing was left half-done: all that fit commits, within the reserve.
+    md.commit().unwrap();
+    check_model(&mut md, &model, "with the metadata device full");
+    if have_tools {
+        thin_check(&f.path, "with the metadata device full");
+    }
+    // Unmapping takes metadata space too (copy-on-write): it goes as far as
+    // the space freed by the commit lets it, and a bigger metadata device
+    // lets it finish, as in dm.
+    match md.remove_range(0, 0, 500_000) {
+        Ok(_) => {}
+        Err(e) => assert!(is_no_space(&e), "{e}"),
+    }
+    md.commit().unwrap();
+    OpenOptions::new()
+        .write(true)
+        .open(&f.path)
+        .unwrap()
+        .set_len(400 * BLOCK)
+        .unwrap();
+    md.resize_metadata_dev(400).unwrap();
+    md.remove_range(0, 0, 500_000).unwrap();
+    model.get_mut(&0).unwrap().retain(|k, _| *k >= 500_000);
+    md.commit().unwrap();
+    assert!(md.metadata_free() > 32, "{}", md.metadata_free());
+    md.create_thin(1).unwrap();
+    model.insert(1, BTreeMap::new());
+    md.commit().unwrap();
+    check_model(&mut md, &model, "after unmapping half");
+    if have_tools {
+        thin_check(&f.path, "after unmapping half");
     }
 }

@@ -34,6 +34,10 @@ pub trait BlockIo {
     fn flush(&mut self) -> Result<()>;
     /// The device's size in blocks.
     fn nr_blocks(&self) -> u64;
+    /// Looks at the device's size again (it may have grown); returns it.
+    fn refresh_size(&mut self) -> Result<u64> {
+        Ok(self.nr_blocks())
+    }
 }
 
 /// A metadata device over a file (or a block device opened as one).
@@ -46,6 +50,11 @@ impl FileIo {
     /// Uses `file`, whose size gives the number of blocks (a partial last
     /// block is not used).
     pub fn new(file: File) -> Result<FileIo> {
+        let nr_blocks = Self::size(&file)?;
+        Ok(FileIo { file, nr_blocks })
+    }
+
+    fn size(file: &File) -> Result<u64> {
         let len = file
             .metadata()
             .map_err(|e| Error::os("metadata file size", e))?
@@ -53,16 +62,13 @@ impl FileIo {
         // A block device reports 0 as its file length: seek to the end.
         let len = if len == 0 {
             use std::io::{Seek, SeekFrom};
-            let mut f = &file;
+            let mut f = file;
             f.seek(SeekFrom::End(0))
                 .map_err(|e| Error::os("metadata device size", e))?
         } else {
             len
         };
-        Ok(FileIo {
-            file,
-            nr_blocks: len / BLOCK_SIZE as u64,
-        })
+        Ok(len / BLOCK_SIZE as u64)
     }
 }
 
@@ -85,6 +91,10 @@ impl BlockIo for FileIo {
     fn nr_blocks(&self) -> u64 {
         self.nr_blocks
     }
+    fn refresh_size(&mut self) -> Result<u64> {
+        self.nr_blocks = Self::size(&self.file)?;
+        Ok(self.nr_blocks)
+    }
 }
 
 /// What a [`MemIo`] holds: the durable blocks, and the writes since the
@@ -98,20 +108,25 @@ pub struct MemState {
     /// When set, every I/O fails (the power is off).
     pub failed: bool,
     /// When set, the power goes off on the I/O (write or flush) after this
-    /// many more, keeping the first `keep_on_cut` unflushed writes.
+    /// many more, keeping the unflushed writes `keep_on_cut` selects.
     pub cut_after: Option<u64>,
-    /// Unflushed writes that survive an automatic cut.
-    pub keep_on_cut: usize,
+    /// Which unflushed writes survive an automatic cut: bit `i` keeps the
+    /// `i`th (a disk's cache writes back in any order; past 64, none).
+    pub keep_on_cut: u64,
+    /// Writes and flushes so far (each counts once, as `cut_after` does).
+    pub ios: u64,
 }
 
 impl MemState {
-    /// The power goes off: unflushed writes are lost (the first `keep` of
-    /// them survive, as a disk may have written some of its cache) and
-    /// every later I/O fails until [`MemState::restore`].
-    pub fn cut(&mut self, keep: usize) {
+    /// The power goes off: unflushed writes are lost but those `keep`
+    /// selects (bit `i` for the `i`th, as a disk may have written any of
+    /// its cache), and every later I/O fails until [`MemState::restore`].
+    pub fn cut(&mut self, keep: u64) {
         let pending = std::mem::take(&mut self.pending);
-        for (nr, b) in pending.into_iter().take(keep) {
-            self.durable.insert(nr, b);
+        for (i, (nr, b)) in pending.into_iter().enumerate().take(64) {
+            if keep >> i & 1 != 0 {
+                self.durable.insert(nr, b);
+            }
         }
         self.failed = true;
         self.cut_after = None;
@@ -119,6 +134,7 @@ impl MemState {
     /// Counts an I/O against [`MemState::cut_after`]; errs if the power is
     /// (or just went) off.
     fn tick(&mut self) -> Result<()> {
+        self.ios += 1;
         if let Some(n) = self.cut_after {
             if n == 0 {
                 let keep = self.keep_on_cut;
@@ -263,13 +279,60 @@ impl BlockIo for MemIo {
     }
 }
 
-/// Validated blocks by number, shared without copying; cleared when it
-/// grows past its capacity (metadata reads are a tree walk, whose upper
-/// levels are read again at once).
+/// Validated blocks by number, shared without copying. When full, a
+/// CLOCK sweep evicts a block not used since the hand last passed it, so
+/// the upper levels of the trees, read on every lookup, stay.
 pub struct BlockCache {
     io: Box<dyn BlockIo>,
-    blocks: HashMap<u64, Arc<Block>>,
+    blocks: Clock,
+}
+
+/// The cache's slots and their CLOCK state.
+struct Clock {
+    index: HashMap<u64, usize>,
+    /// (block number, block, used since the hand passed).
+    slots: Vec<(u64, Arc<Block>, bool)>,
+    hand: usize,
     capacity: usize,
+}
+
+impl Clock {
+    fn get(&mut self, nr: u64) -> Option<&Arc<Block>> {
+        let &i = self.index.get(&nr)?;
+        let slot = &mut self.slots[i];
+        slot.2 = true;
+        Some(&slot.1)
+    }
+
+    fn insert(&mut self, nr: u64, b: Arc<Block>) {
+        if let Some(&i) = self.index.get(&nr) {
+            self.slots[i] = (nr, b, true);
+            return;
+        }
+        if self.slots.len() < self.capacity {
+            self.index.insert(nr, self.slots.len());
+            self.slots.push((nr, b, false));
+            return;
+        }
+        loop {
+            let i = self.hand;
+            self.hand = (self.hand + 1) % self.slots.len();
+            let slot = &mut self.slots[i];
+            if std::mem::take(&mut slot.2) {
+                continue;
+            }
+            self.index.remove(&slot.0);
+            *slot = (nr, b, false);
+            self.index.insert(nr, i);
+            return;
+        }
+    }
+
+    fn clear(&mut self) {
+        self.index.clear();
+        self.slots.clear();
+        self.hand = 0;
+    }
 }
 
 impl BlockCache {
@@ -277,15 +340,19 @@ impl BlockCache {
     pub fn new(io: Box<dyn BlockIo>, capacity: usize) -> BlockCache {
         BlockCache {
             io,
-            blocks: HashMap::new(),
-            capacity: capacity.max(1),
+            blocks: Clock {
+                index: HashMap::new(),
+                slots: Vec::new(),
+                hand: 0,
+                capacity: capacity.max(1),
+            },
         }
     }
 
     /// Block `nr`, checked to be a `kind` block that knows it lives at
     /// `nr` (dm's validators: checksum, then location).
     pub fn read(&mut self, nr: u64, kind: BlockKind) -> Result<Arc<Block>> {
-        if let Some(b) = self.blocks.get(&nr) {
+        if let Some(b) = self.blocks.get(nr) {
             return Ok(b.clone());
         }
         if nr >= self.io.nr_blocks() {
@@ -299,9 +366,6 @@ impl BlockCache {
         let at = u64::from_le_bytes(buf[8..16].try_into().unwrap_or_default());
         if at != nr {
             return Err(corrupt(nr, format!("{kind:?} says it is block {at}")));
-        }
-        if self.blocks.len() >= self.capacity {
-            self.blocks.clear();
         }
         let b: Arc<Block> = Arc::from(buf);
         self.blocks.insert(nr, b.clone());
@@ -323,9 +387,6 @@ impl BlockCache {
         b[8..16].copy_from_slice(&nr.to_le_bytes());
         checksum::seal(&mut b, kind);
         self.io.write(nr, &b)?;
-        if self.blocks.len() >= self.capacity {
-            self.blocks.clear();
-        }
         self.blocks.insert(nr, Arc::from(b));
         Ok(())
     }
@@ -343,6 +404,11 @@ impl BlockCache {
     /// The device's size in blocks.
     pub fn nr_blocks(&self) -> u64 {
         self.io.nr_blocks()
+    }
+
+    /// Looks at the device's size again; returns it.
+    pub fn refresh_size(&mut self) -> Result<u64> {
+        self.io.refresh_size()
     }
 
     /// Gives back the device.
@@ -406,5 +472,28 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("checksum"));
+    }
+
+    #[test]
+    fn the_cache_evicts_a_block_unused_since_the_clock_hand_passed() {
+        let mut io = MemIo::new(4);
+        let mut c = BlockCache::new(Box::new(io.clone()), 2);
+        for nr in 1..4 {
+            c.write(nr, BlockKind::Node, &[nr as u8; BLOCK_SIZE])
+                .unwrap();
+        }
+        c.clear();
+        c.read(1, BlockKind::Node).unwrap();
+        c.read(2, BlockKind::Node).unwrap();
+        // 1 is used again, so 3 evicts 2.
+        c.read(1, BlockKind::Node).unwrap();
+        c.read(3, BlockKind::Node).unwrap();
+        // Blank the device: what is still cached reads, what was evicted fails.
+        for nr in 1..4 {
+            io.write(nr, &[0; BLOCK_SIZE]).unwrap();
+        }
+        assert!(c.read(1, BlockKind::Node).is_ok());
+        assert!(c.read(3, BlockKind::Node).is_ok());
+        assert!(c.read(2, BlockKind::Node).is_err());
     }
 }

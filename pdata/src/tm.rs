@@ -19,10 +19,14 @@ pub struct Tm {
     dirty: HashMap<u64, (BlockKind, Arc<Block>)>,
     /// The metadata space map (public to the space map's commit).
     pub sm: MetadataSpaceMap,
+    /// Free blocks kept for commits: allocations outside one fail first.
+    reserve: u64,
+    /// Whether allocations may take the reserve (a commit is running).
+    committing: bool,
 }
 
-/// Blocks kept in the read cache (16 MiB).
-const CACHE_BLOCKS: usize = 4096;
+/// Blocks kept in the read cache (32 MiB): the nodes of 2 million mappings.
+const CACHE_BLOCKS: usize = 8192;
 
 impl Tm {
     /// A transaction manager over `io` with the metadata space map `sm`.
@@ -31,6 +35,8 @@ impl Tm {
             cache: BlockCache::new(io, CACHE_BLOCKS),
             dirty: HashMap::new(),
             sm,
+            reserve: 0,
+            committing: false,
         }
     }
 
@@ -49,20 +55,6 @@ impl Tm {
         let mut tm = Tm::new(io, MetadataSpaceMap::placeholder());
         crate::space_map::metadata::load(&mut tm, root)?;
         Ok(tm)
-    }
-
-    /// A cache over `io`, for reading what a space map is loaded from.
-    pub fn cache(io: Box<dyn BlockIo>) -> BlockCache {
-        BlockCache::new(io, CACHE_BLOCKS)
-    }
-
-    /// Puts together a cache already used for loading and its space map.
-    pub fn with_cache(cache: BlockCache, sm: MetadataSpaceMap) -> Tm {
-        Tm {
-            cache,
-            dirty: HashMap::new(),
-            sm,
-        }
     }
 
     /// Takes the device out (dropping the transaction), leaving a
@@ -90,9 +82,41 @@ impl Tm {
         self.cache.read_raw(b)
     }
 
+    /// A free block, referenced once; outside a commit, the reserve's
+    /// blocks are not handed out.
+    fn alloc(&mut self) -> Result<u64> {
+        if !self.committing && self.free_blocks() <= self.reserve {
+            return Err(crate::no_space("metadata (the rest is kept for commits)"));
+        }
+        self.sm.counts.alloc()
+    }
+
+    /// Blocks that can be allocated before the commit: free now and at the
+    /// last commit (those freed since are not).
+    pub fn free_blocks(&self) -> u64 {
+        self.sm.counts.nr_allocatable()
+    }
+
+    /// Keeps `blocks` free blocks for commits: as dm's thin metadata keeps
+    /// `min(4096, total / 10)`, so that the changes made up to the point
+    /// where space runs out can still be committed.
+    pub fn set_reserve(&mut self, blocks: u64) {
+        self.reserve = blocks;
+    }
+
+    /// The blocks kept for commits.
+    pub fn reserve(&self) -> u64 {
+        self.reserve
+    }
+
+    /// Lets allocations take the reserve (while a commit runs) or not.
+    pub fn use_reserve(&mut self, on: bool) {
+        self.committing = on;
+    }
+
     /// A new zeroed `kind` block, referenced once.
     pub fn new_block(&mut self, kind: BlockKind) -> Result<u64> {
-        let b = self.sm.counts.alloc()?;
+        let b = self.alloc()?;
         self.dirty.insert(b, (kind, Arc::from(zeroed())));
         Ok(b)
     }
@@ -117,7 +141,7 @@ impl Tm {
             return Ok((b, false));
         }
         let data = self.read(b, kind)?;
-        let new = self.sm.counts.alloc()?;
+        let new = self.alloc()?;
         self.dirty.insert(new, (kind, data));
         self.sm.counts.dec(b)?;
         Ok((new, count > 1))
@@ -153,6 +177,17 @@ impl Tm {
         at: u64,
         superblock: impl FnOnce(&[u8; 128]) -> Box<Block>,
     ) -> Result<()> {
+        let committing = std::mem::replace(&mut self.committing, true);
+        let r = self.commit_inner(at, superblock);
+        self.committing = committing;
+        r
+    }
+
+    fn commit_inner(
+        &mut self,
+        at: u64,
+        superblock: impl FnOnce(&[u8; 128]) -> Box<Block>,
+    ) -> Result<()> {
         let sm_root = crate::space_map::metadata::commit(self)?;
         let sb = superblock(&sm_root.encode());
         let mut dirty: Vec<_> = self.dirty.drain().collect();
@@ -178,6 +213,11 @@ impl Tm {
     /// The device's size in blocks.
     pub fn device_blocks(&self) -> u64 {
         self.cache.nr_blocks()
+    }
+
+    /// Looks at the device's size again (it may have grown); returns it.
+    pub fn refresh_device_size(&mut self) -> Result<u64> {
+        self.cache.refresh_size()
     }
 }
 

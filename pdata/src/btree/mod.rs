@@ -106,6 +106,18 @@ fn shadow_child(tm: &mut Tm, vt: &mut dyn ValueType, parent: u64, i: usize) -> R
 
 /// The value under `key`.
 pub fn lookup(tm: &mut Tm, root: u64, key: u64, vs: usize) -> Result<Option<Vec<u8>>> {
+    lookup_with(tm, root, key, vs, <[u8]>::to_vec)
+}
+
+/// `f` of the value under `key`, without copying it out (the lookup of a
+/// mapping on every I/O).
+pub fn lookup_with<R>(
+    tm: &mut Tm,
+    root: u64,
+    key: u64,
+    vs: usize,
+    f: impl FnOnce(&[u8]) -> R,
+) -> Result<Option<R>> {
     let mut b = root;
     for _ in 0..MAX_DEPTH {
         let n = read_node(tm, b, vs)?;
@@ -113,14 +125,15 @@ pub fn lookup(tm: &mut Tm, root: u64, key: u64, vs: usize) -> Result<Option<Vec<
             return Ok(None);
         };
         if node::is_leaf(&n) {
-            return Ok((node::key(&n, i) == key).then(|| node::value(&n, i).to_vec()));
+            return Ok((node::key(&n, i) == key).then(|| f(node::value(&n, i))));
         }
         b = node::child(&n, i);
     }
     Err(too_deep(root))
 }
 
-/// The first entry with a key `>= key`.
+/// The first entry with a key `>= key`. Visits at most as many nodes as
+/// the device has blocks (see [`range`]).
 pub fn lookup_next(tm: &mut Tm, root: u64, key: u64, vs: usize) -> Result<Option<(u64, Vec<u8>)>> {
     fn go(
         tm: &mut Tm,
@@ -128,10 +141,18 @@ pub fn lookup_next(tm: &mut Tm, root: u64, key: u64, vs: usize) -> Result<Option
         key: u64,
         vs: usize,
         depth: usize,
+        budget: &mut u64,
     ) -> Result<Option<(u64, Vec<u8>)>> {
         if depth >= MAX_DEPTH {
             return Err(too_deep(b));
         }
+        if *budget == 0 {
+            return Err(corrupt(
+                b,
+                "B-tree has more nodes than the device has blocks",
+            ));
+        }
+        *budget -= 1;
         let n = read_node(tm, b, vs)?;
         let start = node::lower_bound(&n, key).unwrap_or(0);
         for i in start..node::nr(&n) {
@@ -139,13 +160,14 @@ pub fn lookup_next(tm: &mut Tm, root: u64, key: u64, vs: usize) -> Result<Option
                 if node::key(&n, i) >= key {
                     return Ok(Some((node::key(&n, i), node::value(&n, i).to_vec())));
                 }
-            } else if let Some(r) = go(tm, node::child(&n, i), key, vs, depth + 1)? {
+            } else if let Some(r) = go(tm, node::child(&n, i), key, vs, depth + 1, budget)? {
                 return Ok(Some(r));
             }
         }
         Ok(None)
     }
-    go(tm, root, key, vs, 0)
+    let mut budget = tm.device_blocks();
+    go(tm, root, key, vs, 0, &mut budget)
 }
 
 /// The entry with the highest key.
@@ -299,7 +321,12 @@ pub fn count_refs(
 /// keeps its block (dm's `btree_split_beneath`).
 fn split_beneath(tm: &mut Tm, root: u64) -> Result<()> {
     let n = tm.read(root, BlockKind::Node)?;
-    let (cnt, leaf, vs) = (node::nr(&n), node::is_leaf(&n), node::value_size(&n));
+    let (cnt, leaf, vs, max) = (
+        node::nr(&n),
+        node::is_leaf(&n),
+        node::value_size(&n),
+        node::max(&n),
+    );
     let mid = cnt / 2;
     let (lk, lv) = node::entries(&n, 0, mid);
     let (rk, rv) = node::entries(&n, mid, cnt);
@@ -309,7 +336,7 @@ fn split_beneath(tm: &mut Tm, root: u64) -> Result<()> {
     for (k, v) in [(lk, lv), (rk, rv)] {
         let c = tm.new_block(BlockKind::Node)?;
         let blk = tm.get_mut(c)?;
-        node::init(blk, leaf, vs);
+        node::init_like(blk, leaf, vs, max);
         node::set_entries(blk, &k, &v);
         keys.push(k[0]);
         vals.extend_from_slice(&c.to_le_bytes());
@@ -324,13 +351,18 @@ fn split_beneath(tm: &mut Tm, root: u64) -> Result<()> {
 /// it and its first key.
 fn split(tm: &mut Tm, b: u64) -> Result<(u64, u64)> {
     let n = tm.read(b, BlockKind::Node)?;
-    let (cnt, leaf, vs) = (node::nr(&n), node::is_leaf(&n), node::value_size(&n));
+    let (cnt, leaf, vs, max) = (
+        node::nr(&n),
+        node::is_leaf(&n),
+        node::value_size(&n),
+        node::max(&n),
+    );
     let mid = cnt / 2;
     let (rk, rv) = node::entries(&n, mid, cnt);
     drop(n);
     let r = tm.new_block(BlockKind::Node)?;
     let blk = tm.get_mut(r)?;
-    node::init(blk, leaf, vs);
+    node::init_like(blk, leaf, vs, max);
     node::set_entries(blk, &rk, &rv);
     node::set_nr(tm.get_mut(b)?, mid);
     Ok((r, rk[0]))
@@ -405,11 +437,16 @@ fn rebalance(tm: &mut Tm, parent: u64, l: usize) -> Result<()> {
     drop(p);
     let ln = tm.read(lb, BlockKind::Node)?;
     let rn = tm.read(rb, BlockKind::Node)?;
-    if node::is_leaf(&ln) != node::is_leaf(&rn) || node::value_size(&ln) != node::value_size(&rn) {
+    // Same kind, value size and capacity, so that their entries fit
+    // either node whichever way they are shared out.
+    if node::is_leaf(&ln) != node::is_leaf(&rn)
+        || node::value_size(&ln) != node::value_size(&rn)
+        || node::max(&ln) != node::max(&rn)
+    {
         return Err(corrupt(parent, "B-tree siblings of different kinds"));
     }
     let vs = node::value_size(&ln);
-    let max = node::max(&ln).min(node::max(&rn));
+    let max = node::max(&ln);
     let (mut keys, mut vals) = node::entries(&ln, 0, node::nr(&ln));
     let (rk, rv) = node::entries(&rn, 0, node::nr(&rn));
     drop((ln, rn));

@@ -54,9 +54,18 @@ pub fn init(b: &mut Block, leaf: bool, value_size: usize) {
     put32(b, 24, value_size as u32);
 }
 
+/// Initialises an empty node with capacity `max`: a sibling made by a
+/// split keeps the capacity of the node it came from, so that siblings can
+/// always share their entries out (a tree another tool wrote may use a
+/// capacity other than dm's).
+pub fn init_like(b: &mut Block, leaf: bool, value_size: usize, max: usize) {
+    init(b, leaf, value_size);
+    put32(b, 20, max as u32);
+}
+
 /// Checks what the tree code relies on, so that a corrupt node is an error
-/// rather than an out-of-bounds access: one kind flag, a capacity that
-/// fits the block, a count within it, and the value size the tree expects
+/// rather than an out-of-bounds access: one kind flag, a capacity of three
+/// or more that fits the block, a count within it, and the value size the tree expects
 /// (8 for internal nodes, `leaf_value_size` for leaves).
 pub fn check(b: &Block, at: u64, leaf_value_size: usize) -> Result<()> {
     let f = flags(b);
@@ -72,7 +81,9 @@ pub fn check(b: &Block, at: u64, leaf_value_size: usize) -> Result<()> {
         ));
     }
     let m = max(b);
-    if m == 0 || HEADER + m * (8 + vs) > BLOCK_SIZE {
+    // Splitting needs three entries at least (dm gives every node of these
+    // trees far more).
+    if m < 3 || HEADER + m * (8 + vs) > BLOCK_SIZE {
         return Err(corrupt(at, format!("B-tree node capacity {m}")));
     }
     if nr(b) > m {

@@ -241,3 +241,59 @@ fn a_corrupt_node_is_an_error_not_a_panic() {
     let e = lookup(&mut tm, root, 5, 8).unwrap_err();
     assert!(e.to_string().contains("checksum"), "{e}");
 }
+
+/// Rough costs, for the record: `cargo test -p udm-pdata --release --
+/// --ignored --nocapture btree_costs`.
+#[test]
+#[ignore]
+fn btree_costs() {
+    let n = 1_000_000u64;
+    let io = MemIo::new(65536);
+    let mut tm = Tm::format(Box::new(io.clone()), 65536).unwrap();
+    let mut root = empty(&mut tm, 8).unwrap();
+    let t = std::time::Instant::now();
+    for k in 0..n {
+        root = insert(&mut tm, &mut NoRefs(8), root, k, &value(k, 0))
+            .unwrap()
+            .0;
+    }
+    let ins = t.elapsed();
+    commit(&mut tm, root);
+    let t = std::time::Instant::now();
+    let mut hits = 0;
+    for k in 0..n {
+        let key = k.wrapping_mul(0x9e37_79b9) % n;
+        hits += usize::from(
+            lookup_with(&mut tm, root, key, 8, |_| ())
+                .unwrap()
+                .is_some(),
+        );
+    }
+    let look = t.elapsed();
+    assert_eq!(hits, n as usize);
+    eprintln!(
+        "{n} sequential inserts: {:?}/op; {n} random lookups: {:?}/op",
+        ins / n as u32,
+        look / n as u32
+    );
+}
+
+#[test]
+fn a_node_too_small_to_split_is_refused_before_an_insert_splits_it() {
+    let io = MemIo::new(BLOCKS);
+    let mut tm = Tm::format(Box::new(io.clone()), BLOCKS).unwrap();
+    let mut root = empty(&mut tm, 8).unwrap();
+    root = insert(&mut tm, &mut NoRefs(8), root, 1, &value(1, 0))
+        .unwrap()
+        .0;
+    commit(&mut tm, root);
+    // A full leaf of capacity 1, checksummed: splitting it would leave a
+    // half with no entries.
+    let mut raw = tm.read_raw(root).unwrap();
+    crate::tm::put32(&mut raw, 20, 1);
+    crate::checksum::seal(&mut raw, BlockKind::Node);
+    crate::block::BlockIo::write(&mut io.clone(), root, &raw).unwrap();
+    let (mut tm, root) = reopen(&io);
+    let e = insert(&mut tm, &mut NoRefs(8), root, 2, &value(2, 0)).unwrap_err();
+    assert!(e.to_string().contains("capacity 1"), "{e}");
+}

@@ -128,3 +128,68 @@ impl DiskSpaceMap {
         self.counts.committed();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::block::MemIo;
+    use crate::tm::get64;
+
+    /// Commits `sm` with a test superblock holding both maps' roots.
+    fn commit(tm: &mut Tm, sm: &mut DiskSpaceMap) {
+        let data = sm.commit(tm).unwrap().encode();
+        tm.commit(0, |meta| {
+            let mut b = crate::block::zeroed();
+            b[16..144].copy_from_slice(meta);
+            b[144..272].copy_from_slice(&data);
+            b
+        })
+        .unwrap();
+        sm.committed();
+    }
+
+    fn reopen(io: &MemIo) -> (Tm, DiskSpaceMap) {
+        let mut raw = crate::block::zeroed();
+        crate::block::BlockIo::read(&mut io.clone(), 0, &mut raw).unwrap();
+        let mut tm = Tm::open(Box::new(io.clone()), &SmRoot::decode(&raw[16..48])).unwrap();
+        let sm = DiskSpaceMap::load(&mut tm, &SmRoot::decode(&raw[144..176])).unwrap();
+        (tm, sm)
+    }
+
+    #[test]
+    fn counts_survive_commit_and_reload_across_bitmaps_and_overflow() {
+        let io = MemIo::new(2048);
+        let mut tm = Tm::format(Box::new(io.clone()), 2048).unwrap();
+        let nr = 3 * ENTRIES_PER_BITMAP + 100;
+        let mut sm = DiskSpaceMap::format(&mut tm, nr).unwrap();
+        let mut model = vec![0u32; nr as usize];
+        let mut rng = 77u64;
+        for round in 0..6 {
+            for _ in 0..5000 {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                let b = rng % nr;
+                let n = [0, 1, 2, 3, 7, 70000][(rng >> 40) as usize % 6];
+                sm.counts.set(b, n).unwrap();
+                model[b as usize] = n;
+            }
+            commit(&mut tm, &mut sm);
+            if round % 2 == 1 {
+                (tm, sm) = reopen(&io);
+            }
+            for (b, n) in model.iter().enumerate() {
+                assert_eq!(
+                    sm.counts.get(b as u64).unwrap(),
+                    *n,
+                    "block {b} in round {round}"
+                );
+            }
+            let used = model.iter().filter(|n| **n > 0).count() as u64;
+            assert_eq!(sm.counts.nr_allocated(), used);
+        }
+        // The superblock's own record of the metadata map is consistent.
+        let sb = tm.read(0, BlockKind::Superblock).unwrap();
+        assert_eq!(get64(&sb, 16), 2048);
+    }
+}

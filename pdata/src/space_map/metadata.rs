@@ -157,6 +157,9 @@ pub fn commit(tm: &mut Tm) -> Result<SmRoot> {
     };
     tm.sm.index_block = index;
     let pages = tm.sm.counts.nr_pages();
+    if pages > MAX_BITMAPS {
+        return Err(corrupt(index, "metadata space map has too many bitmaps"));
+    }
     let mut moved = vec![false; pages];
     loop {
         let mut any = false;
@@ -194,9 +197,6 @@ pub fn commit(tm: &mut Tm) -> Result<SmRoot> {
         }
     }
     tm.put(index, BlockKind::Index, ib);
-    if pages > MAX_BITMAPS {
-        return Err(corrupt(index, "metadata space map has too many bitmaps"));
-    }
     Ok(SmRoot {
         nr_blocks: tm.sm.counts.nr_blocks(),
         nr_allocated: tm.sm.counts.nr_allocated(),

@@ -139,6 +139,8 @@ pub struct Counts {
     overflow: BTreeMap<u64, u32>,
     touched: BTreeSet<u64>,
     nr_allocated: u64,
+    /// Blocks free now and at the last commit: what [`Counts::alloc`] can hand out.
+    nr_allocatable: u64,
     hint: u64,
     what: &'static str,
 }
@@ -153,6 +155,7 @@ impl Counts {
             overflow: BTreeMap::new(),
             touched: BTreeSet::new(),
             nr_allocated: 0,
+            nr_allocatable: 0,
             hint: 0,
             what,
         };
@@ -218,6 +221,7 @@ impl Counts {
             overflow,
             touched: BTreeSet::new(),
             nr_allocated,
+            nr_allocatable: nr_blocks - nr_allocated,
             hint: 0,
             what,
         };
@@ -262,6 +266,12 @@ impl Counts {
         self.nr_allocated
     }
 
+    /// Blocks [`Counts::alloc`] can hand out before the commit: free now
+    /// and at the last commit (blocks freed since are not).
+    pub fn nr_allocatable(&self) -> u64 {
+        self.nr_allocatable
+    }
+
     /// Block `b`'s count.
     pub fn get(&self, b: u64) -> Result<u32> {
         self.check(b)?;
@@ -288,11 +298,22 @@ impl Counts {
             }
         }
         let (p, w, i) = Self::place(b);
+        let was_free = entry(self.old[p][w], i) == 0;
         let page = Arc::make_mut(&mut self.pages[p]);
         page[w] = with_entry(page[w], i, n.min(3));
         match (old, n) {
-            (0, 1..) => self.nr_allocated += 1,
-            (1.., 0) => self.nr_allocated -= 1,
+            (0, 1..) => {
+                self.nr_allocated += 1;
+                if was_free {
+                    self.nr_allocatable -= 1;
+                }
+            }
+            (1.., 0) => {
+                self.nr_allocated -= 1;
+                if was_free {
+                    self.nr_allocatable += 1;
+                }
+            }
             _ => {}
         }
         Ok(())
@@ -371,6 +392,7 @@ impl Counts {
             // the old one, so it still reads as changed.
             self.old.push(Arc::new([0u64; WORDS]));
         }
+        self.nr_allocatable += nr_blocks - self.nr_blocks;
         self.nr_blocks = nr_blocks;
     }
 
@@ -419,6 +441,7 @@ impl Counts {
     /// The counts become the committed ones.
     pub fn committed(&mut self) {
         self.old = self.pages.clone();
+        self.nr_allocatable = self.nr_blocks - self.nr_allocated;
     }
 }
 
@@ -465,7 +488,9 @@ mod tests {
         assert_eq!(c.alloc().unwrap(), 2);
         let e = c.alloc().unwrap_err();
         assert!(crate::is_no_space(&e), "{e}");
+        assert_eq!(c.nr_allocatable(), 0);
         c.committed();
+        assert_eq!(c.nr_allocatable(), 1);
         assert_eq!(c.alloc().unwrap(), 0);
         assert_eq!(c.nr_allocated(), 3);
     }

@@ -26,6 +26,8 @@ use udm_pdata::space_map::SmRoot;
 use udm_pdata::tm::{get32, get64, put32, put64, Tm};
 
 pub use udm_pdata::block::BlockIo;
+
+pub(crate) mod fuzzing;
 pub use udm_pdata::is_no_space;
 
 /// dm-thin's superblock magic.
@@ -43,6 +45,24 @@ const MIN_DATA_BLOCK: u32 = 128;
 const MAX_DATA_BLOCK: u32 = 2 * 1024 * 1024;
 /// The fewest metadata blocks a pool is formatted on.
 const MIN_METADATA_BLOCKS: u64 = 16;
+/// The most new metadata blocks one change to one mapping can take on a
+/// metadata device of `total` blocks: a shadow and a split at each level of
+/// both levels of trees, a new root for each, and a margin. No tree is
+/// deeper than one whose root has two children and whose other nodes the
+/// least (84 children, a third of 252) that fills `total` blocks.
+fn op_blocks(total: u64) -> u64 {
+    let (mut levels, mut nodes) = (2u64, 2u64);
+    while nodes < total {
+        nodes = nodes.saturating_mul(84);
+        levels += 1;
+    }
+    4 * levels + 8
+}
+
+/// dm's reserve of metadata blocks for commits: a tenth, at most 16 MiB.
+fn metadata_reserve(total: u64) -> u64 {
+    (total / 10).min(4096)
+}
 
 // Superblock field offsets (struct thin_disk_superblock).
 const SB_FLAGS: usize = 4;
@@ -252,11 +272,14 @@ impl ValueType for SubtreeRefs<'_> {
 
 /// A thin pool's metadata. Single-threaded: the pool wraps it in a mutex.
 ///
-/// After an error from a call that changes the metadata (other than
-/// [`ThinMetadata::alloc_data_block`] running out of space, or an argument
-/// refused before anything changed) the transaction is in an unknown state:
-/// every later change is refused until [`ThinMetadata::abort`], as dm's
-/// pool falls back to read-only mode.
+/// Running out of space, data or metadata, is told by [`is_no_space`] and
+/// changes nothing: a change is refused before it starts unless the
+/// metadata device has room for its worst case beyond the blocks kept for
+/// commits (see [`ThinMetadata::metadata_free`]), so what was done before
+/// still commits. After any other error from a call that changes the
+/// metadata, once it has started (an I/O error, corruption found), the
+/// transaction is in an unknown state: every later change is refused until
+/// [`ThinMetadata::abort`], as dm's pool falls back to read-only mode.
 pub struct ThinMetadata {
     tm: Tm,
     data_sm: DiskSpaceMap,
@@ -267,6 +290,10 @@ pub struct ThinMetadata {
     committed: Box<Block>,
     read_only: bool,
     failed: bool,
+    /// Whether anything changed since the last commit (a commit with
+    /// nothing to write writes nothing, so a periodic commit of an idle
+    /// pool costs no I/O).
+    dirty: bool,
 }
 
 impl ThinMetadata {
@@ -319,6 +346,7 @@ impl ThinMetadata {
             )));
         }
         let mut tm = Tm::format(io, nr)?;
+        tm.set_reserve(metadata_reserve(nr));
         let data_sm = DiskSpaceMap::format(&mut tm, nr_data_blocks)?;
         let mapping_root = btree::empty(&mut tm, 8)?;
         let details_root = btree::empty(&mut tm, 24)?;
@@ -344,6 +372,7 @@ impl ThinMetadata {
             committed: zeroed(),
             read_only: false,
             failed: false,
+            dirty: true,
         };
         md.commit()?;
         Ok(md)
@@ -378,6 +407,7 @@ impl ThinMetadata {
         }
         let ctx = |e: Error| e.context("thin metadata");
         let mut tm = Tm::open(io, &meta_root).map_err(ctx)?;
+        tm.set_reserve(metadata_reserve(meta_root.nr_blocks));
         let data_root = SmRoot::decode(&b0[SB_DATA_SM..SB_DATA_SM + 32]);
         let data_sm = DiskSpaceMap::load(&mut tm, &data_root).map_err(ctx)?;
         let mut details = BTreeMap::new();
@@ -413,6 +443,7 @@ impl ThinMetadata {
             committed: Box::new(*b0),
             read_only,
             failed: false,
+            dirty: false,
         };
         if let Some(n) = nr_data_blocks {
             let have = md.data_sm.counts.nr_blocks();
@@ -428,6 +459,17 @@ impl ThinMetadata {
         Ok(md)
     }
 
+    /// Refuses a change to mappings or devices, changing nothing, unless
+    /// the metadata device has room for the most it can take beyond the
+    /// commit reserve: running out half-way would leave the transaction
+    /// to be aborted, as dm's pool does when its metadata runs out.
+    fn room_for_change(&self) -> Result<(), Error> {
+        if self.metadata_free() < op_blocks(self.tm.sm.counts.nr_blocks()) {
+            return Err(udm_pdata::no_space("thin pool metadata device"));
+        }
+        Ok(())
+    }
+
     /// Runs a change, refusing it on a read-only or failed pool and marking
     /// the pool failed if it errs half-way.
     fn change<R>(&mut self, f: impl FnOnce(&mut Self) -> Result<R, Error>) -> Result<R, Error> {
@@ -440,6 +482,7 @@ impl ThinMetadata {
                 "thin pool metadata failed an operation: abort the transaction first",
             ));
         }
+        self.dirty = true;
         let r = f(self);
         if r.is_err() {
             self.failed = true;
@@ -448,8 +491,8 @@ impl ThinMetadata {
     }
 
     fn subtree(&mut self, dev: u32) -> Result<u64, Error> {
-        let v = btree::lookup(&mut self.tm, self.sb.mapping_root, u64::from(dev), 8)?;
-        v.map(|v| le64(&v)).ok_or_else(|| no_device(dev))
+        let v = btree::lookup_with(&mut self.tm, self.sb.mapping_root, u64::from(dev), 8, le64)?;
+        v.ok_or_else(|| no_device(dev))
     }
 
     /// Runs `f` on `dev`'s mapping tree and stores the root it returns.
@@ -512,6 +555,7 @@ impl ThinMetadata {
     /// Creates thin device `dev` with no mappings; a dev id in use is an error.
     pub fn create_thin(&mut self, dev: u32) -> Result<(), Error> {
         self.check_new_dev(dev)?;
+        self.room_for_change()?;
         self.change(|md| {
             let sub = btree::empty(&mut md.tm, 8)?;
             let refs = &mut SubtreeRefs(&mut md.data_sm);
@@ -543,6 +587,7 @@ impl ThinMetadata {
     /// both and a write to either copies first.
     pub fn create_snap(&mut self, dev: u32, origin: u32) -> Result<(), Error> {
         self.check_new_dev(dev)?;
+        self.room_for_change()?;
         if !self.details.contains_key(&origin) {
             return Err(no_device(origin));
         }
@@ -583,6 +628,7 @@ impl ThinMetadata {
         if !self.details.contains_key(&dev) {
             return Err(no_device(dev));
         }
+        self.room_for_change()?;
         self.change(|md| {
             let key = u64::from(dev);
             md.sb.details_root =
@@ -628,10 +674,9 @@ impl ThinMetadata {
             .ok_or_else(|| no_device(dev))?
             .snapshotted_time;
         let sub = self.subtree(dev)?;
-        let Some(v) = btree::lookup(&mut self.tm, sub, vblock, 8)? else {
+        let Some(bt) = btree::lookup_with(&mut self.tm, sub, vblock, 8, le64)? else {
             return Ok(None);
         };
-        let bt = le64(&v);
         Ok(Some(Lookup {
             block: bt >> 24,
             shared: snapshotted > (bt & 0xff_ffff) as u32,
@@ -652,6 +697,7 @@ impl ThinMetadata {
             )));
         }
         let v = (data_block << 24 | u64::from(self.sb.time & 0xff_ffff)).to_le_bytes();
+        self.room_for_change()?;
         self.change(|md| {
             let new = md.with_subtree(dev, |tm, dsm, sub| {
                 let refs = &mut DataRefs(dsm);
@@ -664,7 +710,8 @@ impl ThinMetadata {
                 Ok((root, old.is_none()))
             })?;
             if new {
-                md.details_mut(dev)?.mapped_blocks += 1;
+                let d = md.details_mut(dev)?;
+                d.mapped_blocks = d.mapped_blocks.saturating_add(1);
             }
             Ok(())
         })
@@ -677,6 +724,9 @@ impl ThinMetadata {
     }
 
     /// Unmaps `[begin, end)` of `dev`; returns how many blocks were mapped.
+    /// Running out of metadata space part of the way is an error (told by
+    /// [`is_no_space`]) after the blocks before it were unmapped, with the
+    /// pool still usable: each removal is checked for room first.
     pub fn remove_range(&mut self, dev: u32, begin: u64, end: u64) -> Result<u64, Error> {
         if !self.details.contains_key(&dev) {
             return Err(no_device(dev));
@@ -684,20 +734,46 @@ impl ThinMetadata {
         if begin >= end {
             return Ok(0);
         }
+        self.room_for_change()?;
+        let reserve = self.tm.reserve() + op_blocks(self.tm.sm.counts.nr_blocks());
         self.change(|md| {
-            let n = md.with_subtree(dev, |tm, dsm, sub| {
+            let (n, full) = md.with_subtree(dev, |tm, dsm, mut root| {
                 let refs = &mut DataRefs(dsm);
-                let (root, gone) = btree::remove_range(tm, refs, sub, begin, end)?;
-                for v in &gone {
-                    refs.dec(tm, v)?;
+                let mut at = begin;
+                let mut n = 0u64;
+                while at < end {
+                    let Some((k, _)) = btree::lookup_next(tm, root, at, 8)? else {
+                        break;
+                    };
+                    if k >= end {
+                        break;
+                    }
+                    // Room for this removal (and the top level's update)?
+                    if tm.free_blocks() < reserve {
+                        return Ok((root, (n, true)));
+                    }
+                    let (r, v) = btree::remove(tm, refs, root, k)?;
+                    root = r;
+                    if let Some(v) = v {
+                        refs.dec(tm, &v)?;
+                        n += 1;
+                    }
+                    match k.checked_add(1) {
+                        Some(k) => at = k,
+                        None => break,
+                    }
                 }
-                Ok((root, gone.len() as u64))
+                Ok((root, (n, false)))
             })?;
             if n > 0 {
                 let d = md.details_mut(dev)?;
                 d.mapped_blocks = d.mapped_blocks.saturating_sub(n);
             }
-            Ok(n)
+            Ok((n, full))
+        })
+        .and_then(|(n, full)| match full {
+            true => Err(udm_pdata::no_space("thin pool metadata device")),
+            false => Ok(n),
         })
     }
 
@@ -708,6 +784,7 @@ impl ThinMetadata {
         if self.read_only || self.failed {
             return self.change(|_| Ok(0));
         }
+        self.dirty = true;
         self.data_sm.counts.alloc().map_err(|e| {
             if is_no_space(&e) {
                 udm_pdata::no_space("thin pool data device")
@@ -717,42 +794,64 @@ impl ThinMetadata {
         })
     }
 
+    /// Drops the reference [`ThinMetadata::alloc_data_block`] gave, for a
+    /// block that was not mapped after all (its zeroing failed, or the
+    /// mapping was refused): free again once the transaction commits.
+    pub fn release_data_block(&mut self, block: u64) -> Result<(), Error> {
+        if block >= self.data_sm.counts.nr_blocks() {
+            return Err(Error::invalid(format!(
+                "data block {block} is beyond the data device"
+            )));
+        }
+        self.change(|md| md.data_sm.counts.dec(block).map(drop))
+    }
+
     /// Commits the transaction: the changed device details and space maps,
     /// every new block, a flush, then the superblock and a flush.
     pub fn commit(&mut self) -> Result<(), Error> {
-        if self.read_only {
+        if self.read_only || (!self.dirty && !self.failed) {
             return Ok(());
         }
         self.change(|md| {
-            for dev in std::mem::take(&mut md.changed) {
-                if let Some(d) = md.details.get(&dev) {
-                    md.sb.details_root = btree::insert(
-                        &mut md.tm,
-                        &mut NoRefs(24),
-                        md.sb.details_root,
-                        u64::from(dev),
-                        &d.encode(),
-                    )?
-                    .0;
-                }
+            md.tm.use_reserve(true);
+            let r = md.commit_changes();
+            md.tm.use_reserve(false);
+            r
+        })?;
+        self.dirty = false;
+        Ok(())
+    }
+
+    fn commit_changes(&mut self) -> Result<(), Error> {
+        let md = self;
+        for dev in std::mem::take(&mut md.changed) {
+            if let Some(d) = md.details.get(&dev) {
+                md.sb.details_root = btree::insert(
+                    &mut md.tm,
+                    &mut NoRefs(24),
+                    md.sb.details_root,
+                    u64::from(dev),
+                    &d.encode(),
+                )?
+                .0;
             }
-            let data_root = md.data_sm.commit(&mut md.tm)?.encode();
-            let sb = md.sb.clone();
-            let mut written = None;
-            md.tm.commit(0, |meta_root| {
-                let b = sb.encode(&data_root, meta_root);
-                written = Some(b.clone());
-                b
-            })?;
-            md.data_sm.committed();
-            if let Some(mut b) = written {
-                // As written: located at 0 and sealed.
-                put64(&mut b, 8, 0);
-                checksum::seal(&mut b, BlockKind::Superblock);
-                md.committed = b;
-            }
-            Ok(())
-        })
+        }
+        let data_root = md.data_sm.commit(&mut md.tm)?.encode();
+        let sb = md.sb.clone();
+        let mut written = None;
+        md.tm.commit(0, |meta_root| {
+            let b = sb.encode(&data_root, meta_root);
+            written = Some(b.clone());
+            b
+        })?;
+        md.data_sm.committed();
+        if let Some(mut b) = written {
+            // As written: located at 0 and sealed.
+            put64(&mut b, 8, 0);
+            checksum::seal(&mut b, BlockKind::Superblock);
+            md.committed = b;
+        }
+        Ok(())
     }
 
     /// Drops the transaction: back to the last commit, read again from the
@@ -851,8 +950,9 @@ impl ThinMetadata {
         })
     }
 
-    /// Grows the metadata device to `nr_blocks` (shrinking is refused, and
-    /// the space map counts at most 255 bitmaps' worth, as dm).
+    /// Grows the metadata to `nr_blocks` of its device, which must have
+    /// grown to hold them (shrinking is refused, and the space map counts at
+    /// most 255 bitmaps' worth, as dm).
     pub fn resize_metadata_dev(&mut self, nr_blocks: u64) -> Result<(), Error> {
         let have = self.tm.sm.counts.nr_blocks();
         let nr_blocks = nr_blocks.min(MAX_BLOCKS);
@@ -861,7 +961,7 @@ impl ThinMetadata {
                 "metadata device cannot shrink from {have} to {nr_blocks} blocks"
             )));
         }
-        if nr_blocks > self.tm.device_blocks() {
+        if nr_blocks > self.tm.refresh_device_size()? {
             return Err(Error::invalid(format!(
                 "metadata device has {} blocks, not {nr_blocks}",
                 self.tm.device_blocks()
@@ -869,6 +969,7 @@ impl ThinMetadata {
         }
         self.change(|md| {
             md.tm.sm.extend(nr_blocks)?;
+            md.tm.set_reserve(metadata_reserve(nr_blocks));
             md.sb.metadata_nr_blocks = nr_blocks;
             Ok(())
         })
@@ -878,6 +979,14 @@ impl ThinMetadata {
     pub fn data_usage(&self) -> (u64, u64) {
         let c = &self.data_sm.counts;
         (c.nr_allocated(), c.nr_blocks())
+    }
+
+    /// Free metadata blocks beyond those kept for commits (dm's
+    /// `dm_pool_get_free_metadata_block_count`): changes are refused when
+    /// this runs low, so the pool's low-water event and read-only switch
+    /// go by it.
+    pub fn metadata_free(&self) -> u64 {
+        self.tm.free_blocks().saturating_sub(self.tm.reserve())
     }
 
     /// Metadata blocks (used, total).
@@ -1001,7 +1110,11 @@ impl ThinMetadata {
         btree::range(&mut self.tm, sub, begin, end, 8, &mut |k, v| {
             let b = le64(v) >> 24;
             match runs.last_mut() {
-                Some((vb, db, len)) if *vb + *len == k && *db + *len == b => *len += 1,
+                Some((vb, db, len))
+                    if vb.checked_add(*len) == Some(k) && db.checked_add(*len) == Some(b) =>
+                {
+                    *len += 1
+                }
                 _ => runs.push((k, b, 1)),
             }
             Ok(())
