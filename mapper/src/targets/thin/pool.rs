@@ -607,10 +607,16 @@ impl Target for PoolTarget {
                     if !w.meta.device_exists(dev) {
                         return Err(bad(format!("delete: dev id {dev} does not exist")));
                     }
-                    if !w.sh.vols(Some(dev)).is_empty() {
-                        return Err(bad(format!(
-                            "delete: dev id {dev} is open (a thin table uses it): remove that device first"
-                        )));
+                    // A volume's device just removed lets go of its tables
+                    // on each reactor's next turn: give them a moment.
+                    let until = std::time::Instant::now() + Duration::from_millis(250);
+                    while !w.sh.vols(Some(dev)).is_empty() {
+                        if std::time::Instant::now() >= until {
+                            return Err(bad(format!(
+                                "delete: dev id {dev} is open (a thin table uses it): remove that device first"
+                            )));
+                        }
+                        std::thread::sleep(Duration::from_millis(5));
                     }
                     w.drain_all();
                     w.meta.delete_thin(dev)
