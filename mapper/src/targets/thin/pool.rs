@@ -95,6 +95,9 @@ pub(crate) struct Shared {
     vols: Mutex<Vec<Weak<Vol>>>,
     /// Events raised (low water mark, out of space, read-only).
     pub events: AtomicU64,
+    /// The metadata changed since the last commit (the worker's; read by
+    /// the fast path for FUA writes).
+    pub dirty: AtomicBool,
     stop: AtomicBool,
 }
 
@@ -276,6 +279,7 @@ impl Pool {
             cv: Condvar::new(),
             vols: Mutex::new(Vec::new()),
             events: AtomicU64::new(0),
+            dirty: AtomicBool::new(false),
             stop: AtomicBool::new(false),
         });
         let (tx, rx) = mpsc::channel();
@@ -463,7 +467,7 @@ impl PoolTarget {
                 return Err(bad("the pool is read-only".into()));
             }
             let r = f(w)?;
-            w.dirty = true;
+            w.set_dirty(true);
             if !w.commit().is_ok() {
                 return Err(bad("committing the metadata failed".into()));
             }

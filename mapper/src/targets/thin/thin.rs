@@ -166,19 +166,26 @@ fn remap_endio(mut bio: BioPtr) {
 }
 
 impl Target for Thin {
-    /// The fast path: a read of a mapped block, or a write (without FUA)
-    /// of a mapped block no other device shares, goes to the data device
+    /// The fast path: a read of a mapped block, or a write of a mapped
+    /// block no other device shares (with FUA: while the pool has nothing
+    /// to commit), goes to the data device
     /// with its sector rewritten, counted in the volume's epoch; a read of
     /// a block known unmapped (without an external origin) completes with
     /// zeroes. Everything else goes to the engine.
     #[inline]
     fn map(&self, mut bio: BioPtr, _ctx: &MapCtx<'_>) -> Map {
-        if bio.op.has_data() && !bio.flags.contains(BioFlags::FUA) && bio.can_push() {
+        if bio.op.has_data() && bio.can_push() {
             let (v, off) = self.split(bio.sector);
             let vol = &*self.vol;
             let e = vol.enter();
             let ent = vol.get(v);
-            if ent & MAPPED != 0 && (bio.op == Op::Read || ent & SHARED == 0) {
+            // A FUA write is durable on completion only if its mapping is
+            // committed: read after the entry, a clean pool says it is (the
+            // worker marks the pool dirty before a cache shows a change).
+            if ent & MAPPED != 0
+                && (bio.op == Op::Read || ent & SHARED == 0)
+                && !(bio.flags.contains(BioFlags::FUA) && self.pool.sh.dirty.load(Ordering::SeqCst))
+            {
                 let _ =
                     bio.push_end_io_ctx(remap_endio, Arc::as_ptr(&self.vol) as *mut (), e as u64);
                 bio.sector = (ent >> 2) * self.bs + off;

@@ -145,8 +145,6 @@ pub(crate) struct Worker {
     ready: VecDeque<Job>,
     /// Writes held while the data device is full, since when.
     no_space: VecDeque<(Instant, Job)>,
-    /// Changed since the last commit.
-    pub dirty: bool,
     last_commit: Instant,
     /// The low water mark's event was raised (and not re-armed since).
     lwm_raised: bool,
@@ -206,7 +204,6 @@ impl Worker {
             cells: HashMap::new(),
             ready: VecDeque::new(),
             no_space: VecDeque::new(),
-            dirty: false,
             last_commit: Instant::now(),
             lwm_raised: false,
             zeroes: AlignedBuf::default(),
@@ -226,13 +223,13 @@ impl Worker {
             if let Some(j) = job {
                 self.run_job(j);
             }
-            if self.dirty && self.last_commit.elapsed() >= COMMIT_PERIOD {
+            if self.dirty() && self.last_commit.elapsed() >= COMMIT_PERIOD {
                 let _ = self.commit();
             }
             self.expire_no_space();
             self.refresh_stat();
         }
-        if self.dirty {
+        if self.dirty() {
             let _ = self.commit();
         }
         // Nothing maps through the pool any more (it is being dropped);
@@ -248,9 +245,20 @@ impl Worker {
 
     /// How long the worker may sleep: until the next commit or no-space
     /// deadline, at most a second.
+    /// Whether the metadata changed since the last commit.
+    pub fn dirty(&self) -> bool {
+        self.sh.dirty.load(Ordering::SeqCst)
+    }
+
+    /// Records a change (before the caches show it: a FUA write that sees
+    /// a mapping then sees it uncommitted) or a commit (after it).
+    pub fn set_dirty(&self, on: bool) {
+        self.sh.dirty.store(on, Ordering::SeqCst);
+    }
+
     fn timeout(&self) -> Duration {
         let mut t = COMMIT_PERIOD;
-        if self.dirty {
+        if self.dirty() {
             t = t.min(COMMIT_PERIOD.saturating_sub(self.last_commit.elapsed()));
         }
         if let Some((since, _)) = self.no_space.front() {
@@ -427,7 +435,7 @@ impl Worker {
             let s = self.meta_failed(e);
             return b.reply.send(Action::Complete(s));
         }
-        self.dirty = true;
+        self.set_dirty(true);
         self.set_entry(dev, v, UNMAPPED);
         let passdown = {
             let c = self.sh.lock_cfg();
@@ -458,7 +466,7 @@ impl Worker {
             if s.is_ok() {
                 match self.meta.insert(dev, v, block) {
                     Ok(()) => {
-                        self.dirty = true;
+                        self.set_dirty(true);
                         self.set_entry(dev, v, mapped(block, false));
                     }
                     Err(e) => s = self.meta_failed(e),
@@ -481,7 +489,7 @@ impl Worker {
     fn alloc(&mut self) -> Result<Option<u64>, Status> {
         match self.meta.alloc_data_block() {
             Ok(Some(b)) => {
-                self.dirty = true;
+                self.set_dirty(true);
                 let (used, total) = self.meta.data_usage();
                 let lwm = self.sh.lock_cfg().low_water_blocks;
                 if total - used.min(total) <= lwm && !self.lwm_raised {
@@ -533,7 +541,7 @@ impl Worker {
         }
         if nr_blocks > total {
             self.meta.resize_data_dev(nr_blocks)?;
-            self.dirty = true;
+            self.set_dirty(true);
             self.lwm_raised = false;
         }
         {
@@ -553,7 +561,7 @@ impl Worker {
         let (_, total) = self.meta.metadata_usage();
         if nr_blocks > total {
             self.meta.resize_metadata_dev(nr_blocks)?;
-            self.dirty = true;
+            self.set_dirty(true);
         }
         Ok(())
     }
@@ -562,7 +570,7 @@ impl Worker {
     /// transaction is dropped) and raises an event. Returns the bio status.
     fn meta_failed(&mut self, _e: Error) -> Status {
         let _ = self.meta.abort();
-        self.dirty = false;
+        self.set_dirty(false);
         {
             let mut st = self.sh.lock_stat();
             st.meta_failed = true;
@@ -583,7 +591,7 @@ impl Worker {
     /// first, so that no committed mapping points at data that is not
     /// durable (dm does the same since 5.2).
     pub fn commit(&mut self) -> Status {
-        if !self.dirty {
+        if !self.dirty() {
             return Status::Ok;
         }
         if self.sh.data_dev.caps().supports(Op::Flush) {
@@ -595,7 +603,7 @@ impl Worker {
         if let Err(e) = self.meta.commit() {
             return self.meta_failed(e);
         }
-        self.dirty = false;
+        self.set_dirty(false);
         self.last_commit = Instant::now();
         Status::Ok
     }
