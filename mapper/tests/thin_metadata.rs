@@ -454,6 +454,23 @@ fn abort_goes_back_to_the_last_commit() {
     assert_eq!(md.transaction_id(), 7);
     assert!(md.set_transaction_id(8, 9).is_err());
     md.check_counts().unwrap();
+    {
+        // A pool that gives up on its metadata marks it and aborts: it
+        // comes back read-only, the last commit readable.
+        let io = MemIo::new(256);
+        let mut md =
+            ThinMetadata::open_or_format(Box::new(io.clone()), DATA_BLOCK_SECTORS, 100, false)
+                .unwrap();
+        md.create_thin(1).unwrap();
+        md.commit().unwrap();
+        md.create_thin(2).unwrap();
+        md.set_needs_check().unwrap();
+        md.abort().unwrap();
+        assert!(md.needs_check());
+        assert_eq!(md.devices(), vec![1]);
+        let e = md.create_thin(3).unwrap_err().to_string();
+        assert!(e.contains("read-only"), "{e}");
+    }
     // The count check sees a data block allocated and never mapped.
     let leaked = md.alloc_data_block().unwrap();
     md.commit().unwrap();
