@@ -173,10 +173,38 @@ fn thin_metadata_mutations_do_not_panic() {
                 let i = (next() % d.len() as u64) as usize;
                 match next() % 5 {
                     4 => {
-                        let base = starts[(next() % starts.len() as u64) as usize];
-                        let field = [16, 20, 24, 32, 40][(next() % 5) as usize];
-                        let v: u32 = [0, 1, 2, 3, 4, 84, 126, 251, 252, 253, 254, 336, u32::MAX]
-                            [(next() % 13) as usize];
+                        // The superblock (record 0) a third of the time.
+                        let r = if next() % 3 == 0 {
+                            0
+                        } else {
+                            next() % starts.len() as u64
+                        };
+                        let base = starts[r as usize];
+                        // Node header fields and first keys; the superblock's
+                        // space map roots, tree roots and sizes.
+                        const FIELDS: [usize; 16] = [
+                            16, 20, 24, 32, 40, 56, 64, 72, 80, 88, 192, 200, 208, 216, 320, 344,
+                        ];
+                        const VALUES: [u32; 16] = [
+                            0,
+                            1,
+                            2,
+                            3,
+                            4,
+                            5,
+                            10,
+                            63,
+                            64,
+                            84,
+                            126,
+                            252,
+                            254,
+                            336,
+                            16320,
+                            u32::MAX,
+                        ];
+                        let field = FIELDS[(next() % 16) as usize];
+                        let v = VALUES[(next() % 16) as usize];
                         if base + field + 4 <= d.len() {
                             d[base + field..base + field + 4].copy_from_slice(&v.to_le_bytes());
                         }

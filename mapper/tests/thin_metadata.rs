@@ -454,6 +454,23 @@ fn abort_goes_back_to_the_last_commit() {
     assert_eq!(md.transaction_id(), 7);
     assert!(md.set_transaction_id(8, 9).is_err());
     md.check_counts().unwrap();
+    {
+        // A pool that gives up on its metadata marks it and aborts: it
+        // comes back read-only, the last commit readable.
+        let io = MemIo::new(256);
+        let mut md =
+            ThinMetadata::open_or_format(Box::new(io.clone()), DATA_BLOCK_SECTORS, 100, false)
+                .unwrap();
+        md.create_thin(1).unwrap();
+        md.commit().unwrap();
+        md.create_thin(2).unwrap();
+        md.set_needs_check().unwrap();
+        md.abort().unwrap();
+        assert!(md.needs_check());
+        assert_eq!(md.devices(), vec![1]);
+        let e = md.create_thin(3).unwrap_err().to_string();
+        assert!(e.contains("read-only"), "{e}");
+    }
     // The count check sees a data block allocated and never mapped.
     let leaked = md.alloc_data_block().unwrap();
     md.commit().unwrap();
@@ -908,17 +925,72 @@ fn running_out_of_metadata_refuses_changes_and_keeps_what_was_done_committable()
     // Nothing was left half-done: all that fit commits, within the reserve.
     md.commit().unwrap();
     check_model(&mut md, &model, "with the metadata device full");
+    // A snapshot shares every leaf. With the device full again, and then
+    // a few blocks more than a change needs, all of the snapshot still
+    // unmaps: each leaf is copied before it changes, but the copies merged
+    // away are blocks of this transaction, free for the next copy at once.
+    md.create_snap(1, 0).unwrap();
+    model.insert(1, model[&0].clone());
+    md.commit().unwrap();
+    loop {
+        let b = md.alloc_data_block().unwrap();
+        if md.insert(0, key(v), b).is_err() {
+            md.release_data_block(b).unwrap();
+            break;
+        }
+        model.get_mut(&0).unwrap().insert(key(v), b);
+        v += 1;
+    }
+    let mut blocks = md.metadata_usage().1;
+    while md.metadata_free() < 30 {
+        blocks += 1;
+        OpenOptions::new()
+            .write(true)
+            .open(&f.path)
+            .unwrap()
+            .set_len(blocks * BLOCK)
+            .unwrap();
+        md.resize_metadata_dev(blocks).unwrap();
+    }
+    let n = md.remove_range(1, 0, u64::MAX).unwrap();
+    assert_eq!(n, model[&1].len() as u64);
+    model.get_mut(&1).unwrap().clear();
+    md.commit().unwrap();
+    check_model(&mut md, &model, "after unmapping a snapshot of a full pool");
+    if have_tools {
+        thin_check(&f.path, "after unmapping a snapshot of a full pool");
+    }
+    md.delete_thin(1).unwrap();
+    model.remove(&1);
+    md.commit().unwrap();
     if have_tools {
         thin_check(&f.path, "with the metadata device full");
     }
     // Unmapping takes metadata space too (copy-on-write): it goes as far as
     // the space freed by the commit lets it, and a bigger metadata device
     // lets it finish, as in dm.
-    match md.remove_range(0, 0, 500_000) {
-        Ok(_) => {}
-        Err(e) => assert!(is_no_space(&e), "{e}"),
-    }
+    let before = md.mapped_blocks(0).unwrap();
+    let removed = match md.remove_range(0, 0, 500_000) {
+        Ok(n) => n,
+        Err(e) => {
+            assert!(is_no_space(&e), "{e}");
+            before - md.mapped_blocks(0).unwrap()
+        }
+    };
     md.commit().unwrap();
+    // What it removed, if it stopped part of the way, is gone for good and
+    // the rest is intact.
+    let now = udm_mappings(&mut md);
+    let low = now[&0].range(..500_000).count() as u64;
+    assert_eq!(md.mapped_blocks(0).unwrap(), now[&0].len() as u64);
+    assert_eq!(before - removed, now[&0].len() as u64);
+    let mut kept = model[&0].clone();
+    kept.retain(|k, _| *k >= 500_000 || now[&0].contains_key(k));
+    assert_eq!(now[&0], kept, "{low} low blocks left");
+    md.check_counts().unwrap();
+    if have_tools {
+        thin_check(&f.path, "after unmapping part of the way");
+    }
     OpenOptions::new()
         .write(true)
         .open(&f.path)

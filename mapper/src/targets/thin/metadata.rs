@@ -855,13 +855,14 @@ impl ThinMetadata {
     }
 
     /// Drops the transaction: back to the last commit, read again from the
-    /// device.
+    /// device. Metadata marked needs_check comes back read-only (dm's pool
+    /// does not go back to writing until the metadata is repaired).
     pub fn abort(&mut self) -> Result<(), Error> {
-        let io = self.tm.take_io();
+        let mut io = self.tm.take_io();
         let mut b0 = zeroed();
-        let mut io = io;
         io.read(0, &mut b0)?;
-        let md = Self::open(io, &b0, self.sb.data_block_size, None, self.read_only)?;
+        let read_only = self.read_only || self.needs_check();
+        let md = Self::open(io, &b0, self.sb.data_block_size, None, read_only)?;
         *self = md;
         Ok(())
     }
