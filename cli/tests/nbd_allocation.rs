@@ -145,6 +145,47 @@ fn nbdcopy_makes_a_sparse_copy_that_compares_equal() {
     assert_eq!(next as u64, MIB + 4096);
 }
 
+/// Into a fresh RAM disk, nbdcopy of a sparse image writes only its data
+/// (its holes become zeroing requests on pages never written, which stay
+/// holes), and a trim gives whole pages back: the map shows both.
+#[test]
+fn nbdcopy_into_ram_keeps_the_holes_and_trim_makes_more() {
+    let s = serve_stack();
+    let img = s.dir.path("sparse.raw");
+    let f = std::fs::File::create(&img).unwrap();
+    f.set_len(8 * MIB).unwrap();
+    f.write_all_at(&[0x11; 8192], 2 * MIB).unwrap();
+    drop(f);
+    let dst = Serve::start(&["--dev", "d=ram:8M", "--export", "d"]);
+    run("nbdcopy", &[img.to_str().unwrap(), &dst.uri("d")]);
+    assert_eq!(
+        nbdinfo_map(&dst.uri("d")),
+        vec![
+            (0, 2 * MIB, HOLE),
+            (2 * MIB, 8192, DATA),
+            (2 * MIB + 8192, 6 * MIB - 8192, HOLE)
+        ]
+    );
+    // Trim of the stack's first 64 KiB and of part of a page: the whole
+    // pages become holes, the partial page stays data (zeroed).
+    run(
+        "qemu-io",
+        &[
+            "-f",
+            "raw",
+            "-c",
+            "discard 0 64k",
+            "-c",
+            "discard 1052672 2048",
+            &s.uri("t"),
+        ],
+    );
+    let mut want = MAP.to_vec();
+    want.drain(..2);
+    want.insert(0, (0, MIB + 4096, HOLE));
+    assert_eq!(nbdinfo_map(&s.uri("t")), want);
+}
+
 /// A file backend reports its holes by SEEK_DATA/SEEK_HOLE; a map of 3072
 /// alternating extents takes several replies of at most 1024 descriptors,
 /// which nbdinfo asks for in turn.

@@ -111,7 +111,8 @@ impl Mmap {
     /// Advice about the whole mapping (`madvise(2)`, `MADV_*`), e.g.
     /// `MADV_NOHUGEPAGE`, or `MADV_POPULATE_WRITE` to back every page now.
     /// Advice that throws the bytes away (`MADV_DONTNEED`, `MADV_FREE`,
-    /// `MADV_REMOVE`, ...) is refused: only the users' writes change them.
+    /// `MADV_REMOVE`, ...) is refused: only the users' writes change them
+    /// (a user that means to zero whole pages calls [`Mmap::discard`]).
     pub fn advise(&self, advice: i32) -> Result<()> {
         if DISCARDS.contains(&advice) {
             return Err(Error::invalid(format!(
@@ -124,6 +125,49 @@ impl Mmap {
         if unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.len, advice) } != 0 {
             return Err(Error::os(
                 format!("madvise({advice}) of {} bytes", self.len),
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Mmap {
+    /// Gives the memory of the `len` bytes from `off` back to the kernel
+    /// (`MADV_DONTNEED`): they read as zeroes afterwards, in a private
+    /// anonymous mapping ([`Mmap::anon`]), and take memory again only when
+    /// written. `off` and `len` must be multiples of the system's page size
+    /// and inside the mapping (else an `Invalid` error, and nothing
+    /// changes). What a RAM disk's discard does with whole pages.
+    ///
+    /// # Safety
+    /// This is a write of zeroes to the range (for an anonymous mapping; a
+    /// shared mapping of a file reads the file again): the caller must be
+    /// entitled to change those bytes now, as for any store through
+    /// [`Mmap::as_ptr`], and nothing may hold a Rust reference into them.
+    pub unsafe fn discard(&self, off: usize, len: usize) -> Result<()> {
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as usize;
+        if !off.is_multiple_of(page)
+            || !len.is_multiple_of(page)
+            || off.checked_add(len).is_none_or(|e| e > self.len)
+        {
+            return Err(Error::invalid(format!(
+                "discard of {len} bytes at {off}: not whole pages of {page} bytes inside the \
+                 mapping of {}",
+                self.len
+            )));
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: whole pages inside this live mapping; changing their bytes
+        // to zero is the caller's to allow (see # Safety).
+        let rc =
+            unsafe { libc::madvise(self.ptr.as_ptr().add(off).cast(), len, libc::MADV_DONTNEED) };
+        if rc != 0 {
+            return Err(Error::os(
+                format!("madvise(MADV_DONTNEED) of {len} bytes at {off}"),
                 std::io::Error::last_os_error(),
             ));
         }
@@ -256,6 +300,31 @@ mod tests {
             e.to_string().starts_with("madvise(-1) of 1048576 bytes: "),
             "{e}"
         );
+    }
+
+    #[test]
+    fn discarded_pages_read_zero_and_the_rest_is_kept() {
+        let m = Mmap::anon(4 * 4096).unwrap();
+        // SAFETY: inside the live read-write mapping; nothing else uses it.
+        unsafe { std::ptr::write_bytes(m.as_ptr(), 0x77, 4 * 4096) };
+        // SAFETY: nothing relies on the bytes; no references into them.
+        unsafe {
+            m.discard(4096, 2 * 4096).unwrap();
+            // Not whole pages inside the mapping: refused, nothing changes.
+            for (off, len) in [
+                (100, 4096),
+                (0, 100),
+                (4096, 4 * 4096),
+                (usize::MAX - 4095, 4096),
+            ] {
+                assert_eq!(m.discard(off, len).unwrap_err().kind(), ErrorKind::Invalid);
+            }
+        }
+        // SAFETY: as above, read only.
+        let b = unsafe { std::slice::from_raw_parts(m.as_ptr(), m.len()) };
+        assert!(b[..4096].iter().all(|&x| x == 0x77));
+        assert!(b[4096..3 * 4096].iter().all(|&x| x == 0));
+        assert!(b[3 * 4096..].iter().all(|&x| x == 0x77));
     }
 
     #[test]

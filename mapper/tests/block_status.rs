@@ -92,7 +92,9 @@ fn scripted(devs: &mut Devices, name: &str, sectors: u64, unit: u64, kinds: &[Al
 
 /// A RAM disk reports pages it never wrote as holes and written pages as
 /// data, at page (8-sector) granularity: a one-sector write makes its page
-/// data; discarding keeps the page data (it stays allocated, zeroed).
+/// data; a discard makes the pages it covers whole holes again (their
+/// memory goes back to the kernel) and leaves partial pages data, zeroed;
+/// write-zeroes keeps pages data.
 #[test]
 fn ram_reports_never_written_pages_as_holes() {
     let mut devs = Devices::new();
@@ -117,10 +119,22 @@ fn ram_reports_never_written_pages_as_holes() {
     // A range starting and ending inside pages is cut to it.
     assert_eq!(map(&ram, 20, 84), vec![(12, Data), (64, Hole), (8, Data)]);
     assert_eq!(map(&ram, 101, 2), vec![(2, Data)]);
-    // Discarded pages stay allocated: data (zeroed).
-    let done = t.run(&ram, common::Req::discard(16, 16));
-    assert_eq!(done.status, udm_core::Status::Ok);
-    assert_eq!(map(&ram, 0, 40), vec![(16, Hole), (16, Data), (8, Hole)]);
+    let ok = |r: common::Req| assert_eq!(t.run(&ram, r).status, udm_core::Status::Ok);
+    // Sectors 20..32: page 2 in part (stays data), page 3 whole (a hole).
+    ok(common::Req::discard(20, 12));
+    assert_eq!(map(&ram, 0, 40), vec![(16, Hole), (8, Data), (16, Hole)]);
+    assert!(t.read(&ram, 16, 16)[..4 * 512] == pattern(1, 16, 4)[..]);
+    assert!(t.read(&ram, 20, 12).iter().all(|&b| b == 0));
+    ok(common::Req::write_zeroes(96, 8));
+    assert_eq!(
+        map(&ram, 96, 8),
+        vec![(8, Data)],
+        "write-zeroes keeps page 12"
+    );
+    // The whole device: every page a hole again.
+    ok(common::Req::discard(0, 1024));
+    assert_eq!(map(&ram, 0, 1024), vec![(1024, Hole)]);
+    assert!(t.read(&ram, 0, 1024).iter().all(|&b| b == 0));
 }
 
 /// A RAM disk of alternating written and unwritten pages answers at most

@@ -44,6 +44,35 @@ fn ram_allocates_only_on_write() {
     );
 }
 
+/// A discard gives back the pages it covers whole (they read zero and count
+/// no more); pages it covers in part stay, zeroed there.
+#[test]
+fn ram_discard_frees_whole_pages() {
+    let dev = Arc::new(RamDevice::new("ram", DEV_BYTES).unwrap());
+    let h = Harness::new(
+        "ram discard",
+        Fixture::plain(dev.clone()),
+        ReactorConfig::default(),
+    );
+    assert_eq!(h.write(0, &[5u8; 4 * 4096]), Status::Ok);
+    assert_eq!(dev.allocated_bytes(), 4 * 4096);
+    // Sectors 4..24: page 0's second half, pages 1 and 2 whole.
+    assert_eq!(
+        h.dataless(Op::Discard, BioFlags::NONE, 4, 20 * 512),
+        Status::Ok
+    );
+    assert_eq!(dev.allocated_bytes(), 2 * 4096, "pages 1 and 2 freed");
+    let (st, got) = h.read(0, 4 * 4096);
+    assert_eq!(st, Status::Ok);
+    assert!(got[..2048].iter().all(|&b| b == 5));
+    assert!(got[2048..3 * 4096].iter().all(|&b| b == 0));
+    assert!(got[3 * 4096..].iter().all(|&b| b == 5));
+    // Written again, a freed page counts again.
+    assert_eq!(h.write(8, &[6u8; 512]), Status::Ok);
+    assert_eq!(dev.allocated_bytes(), 3 * 4096);
+    assert_eq!(h.read(8, 512), (Status::Ok, vec![6u8; 512]));
+}
+
 #[test]
 fn ram_prealloc_backs_every_page_and_the_disk_still_reads_zero_first() {
     let dev = Arc::new(RamDevice::new("ram", DEV_BYTES).unwrap());
