@@ -14,7 +14,7 @@ use udm_core::{
 use super::pool::{pool_of_device, Pool, MAX_DEV_ID};
 use super::vol::{Vol, MAPPED, SHARED, UNMAPPED};
 use super::worker::{Action, BioJob, DoneJob, Insert, Job, Reply, SendBio};
-use crate::target::{CtrCtx, DevArea, Map, MapCtx, StatusType, Target, TargetType};
+use crate::target::{CtrCtx, DevArea, EndIoWhen, Map, MapCtx, StatusType, Target, TargetType};
 
 /// The `thin` target type.
 pub const THIN: TargetType = TargetType {
@@ -32,15 +32,18 @@ pub const THIN: TargetType = TargetType {
 /// The most blocks one [`Target::block_status`] call looks at.
 const MAX_STATUS_BLOCKS: usize = 1 << 16;
 
-/// Index of the data device in the thin target's devices.
-const DATA: usize = 0;
-/// Index of the engine.
-const ENGINE: usize = 1;
+/// Index of the engine in the thin target's devices (0: where the core
+/// says a bio went that the target completed itself).
+const ENGINE: usize = 0;
+/// Indices of the data device, listed twice: a remapped bio goes to the
+/// one of the epoch it counted in, so that its end_io knows which count
+/// to drop without a frame of the target's own.
+const DATA: [usize; 2] = [1, 2];
 
 struct Thin {
     pool: Arc<Pool>,
     vol: Arc<Vol>,
-    devs: [DevArea; 2],
+    devs: [DevArea; 3],
     /// Sectors per block, and its log2 when a power of two.
     bs: u64,
     shift: Option<u32>,
@@ -124,14 +127,19 @@ fn thin_ctr(ctx: &CtrCtx<'_>, argv: &[&str]) -> Result<Box<dyn Target>, Error> {
     Ok(Box::new(Thin {
         devs: [
             DevArea {
+                dev: engine,
+                start: 0,
+                len: ctx.len,
+            },
+            DevArea {
                 dev: sh.data_dev.clone(),
                 start: 0,
                 len: data_lim.sectors,
             },
             DevArea {
-                dev: engine,
+                dev: sh.data_dev.clone(),
                 start: 0,
-                len: ctx.len,
+                len: data_lim.sectors,
             },
         ],
         pool: pool.clone(),
@@ -155,10 +163,11 @@ impl Thin {
     }
 }
 
-/// A remapped bio completes: it no longer counts in its volume's epoch.
+/// A bio the engine remapped completes: it no longer counts in its
+/// volume's epoch.
 fn remap_endio(mut bio: BioPtr) {
-    // SAFETY: pushed by `Thin::map` or `EngineChannel::finish` with the
-    // volume, which the target (alive while its bios are in flight) holds.
+    // SAFETY: pushed by `EngineChannel::finish` with the volume, which the
+    // engine (alive while its bios are in flight) holds.
     let vol = unsafe { &*(bio.private() as *const Vol) };
     vol.exit(bio.ctx() as usize);
     bio.pop_end_io();
@@ -174,7 +183,7 @@ impl Target for Thin {
     /// zeroes. Everything else goes to the engine.
     #[inline]
     fn map(&self, mut bio: BioPtr, _ctx: &MapCtx<'_>) -> Map {
-        if bio.op.has_data() && bio.can_push() {
+        if bio.op.has_data() {
             let (v, off) = self.split(bio.sector);
             let vol = &*self.vol;
             let e = vol.enter();
@@ -186,10 +195,8 @@ impl Target for Thin {
                 && (bio.op == Op::Read || ent & SHARED == 0)
                 && !(bio.flags.contains(BioFlags::FUA) && self.pool.sh.dirty.load(Ordering::SeqCst))
             {
-                let _ =
-                    bio.push_end_io_ctx(remap_endio, Arc::as_ptr(&self.vol) as *mut (), e as u64);
                 bio.sector = (ent >> 2) * self.bs + off;
-                return Map::Remapped(bio, DATA);
+                return Map::Remapped(bio, DATA[e]);
             }
             vol.exit(e);
             if ent == UNMAPPED && bio.op == Op::Read && self.origin.is_none() {
@@ -206,6 +213,17 @@ impl Target for Thin {
 
     fn no_clone(&self) -> bool {
         true
+    }
+
+    /// Every bio: one remapped to the data device drops its count.
+    fn wants_end_io(&self) -> EndIoWhen {
+        EndIoWhen::Always
+    }
+
+    fn end_io(&self, _bio: &mut udm_core::Bio, dev: usize) {
+        if let Some(e) = DATA.iter().position(|&d| d == dev) {
+            self.vol.exit(e);
+        }
     }
 
     fn max_io_len(&self) -> u64 {
