@@ -412,3 +412,49 @@ fn bench_dispatch_auto_follows_the_device_and_queued_and_stream_allocate_nothing
     assert_eq!(code, 2);
     assert!(err.contains("'sorted'"), "{err}");
 }
+
+/// `--message` builds a thin pool and volumes between `--dev`s, in order:
+/// a volume, a snapshot of it, and the snapshot verified.
+#[test]
+fn messages_build_thin_volumes_between_devices() {
+    let (code, out, err) = udm(&[
+        "bench",
+        "--dev",
+        "meta=ram:8M",
+        "--dev",
+        "data=ram:64M",
+        "--dev",
+        "pool=0 131072 thin-pool meta data 128 0",
+        "--message",
+        "pool 0 create_thin 0",
+        "--dev",
+        "t=0 65536 thin pool 0",
+        "--message",
+        "pool create_snap 1 0",
+        "--dev",
+        "s=0 65536 thin pool 1",
+        "--target",
+        "s",
+        "--verify",
+        "--json",
+        "--iodepth",
+        "8",
+    ]);
+    assert_eq!(code, 0, "stdout: {out}\nstderr: {err}");
+    assert!(out.contains("\"mismatches\":0"), "{out}");
+    // A message before the device it needs fails, naming it.
+    let (code, _, err) = udm(&[
+        "bench",
+        "--dev",
+        "meta=ram:8M",
+        "--message",
+        "pool 0 create_thin 0",
+        "--dev",
+        "data=ram:64M",
+        "--target",
+        "data",
+    ]);
+    assert_ne!(code, 0);
+    assert!(err.contains("--message 'pool 0 create_thin 0'"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}

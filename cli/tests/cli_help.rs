@@ -75,6 +75,8 @@ fn targets_and_version_print_text_or_json() {
         "dust",
         "log-writes",
         "crypt",
+        "thin-pool",
+        "thin",
     ] {
         assert!(out.lines().any(|l| l.starts_with(t)), "{t}: {out}");
     }
@@ -93,6 +95,8 @@ fn targets_and_version_print_text_or_json() {
             "linear",
             "log-writes",
             "striped",
+            "thin",
+            "thin-pool",
             "writecache",
             "zero"
         ]
@@ -104,7 +108,8 @@ fn targets_and_version_print_text_or_json() {
         (linear["min_args"].as_u64(), linear["max_args"].as_u64()),
         (Some(2), Some(2))
     );
-    assert_eq!(types[8]["exclusive_args"], serde_json::json!([2]));
+    assert_eq!(types[10]["exclusive_args"], serde_json::json!([2]));
+    assert_eq!(types[9]["exclusive_args"], serde_json::json!([0, 1]));
     assert_eq!(types[6]["exclusive_args"], serde_json::json!([1]));
     let (_, out, _) = udm(&["version", "--json"]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();

@@ -619,3 +619,48 @@ fn export_add_names_an_unknown_protocol_option() {
     let err = d.fails(&["export", "add", "r"]);
     assert!(err.contains("--nbd") || err.contains("required"), "{err}");
 }
+
+/// A thin pool and its volumes through the daemon's verbs: messages make
+/// and delete volumes, status follows dm, a volume in use is not deleted.
+#[test]
+fn thin_pools_and_volumes_through_the_verbs() {
+    let d = Daemon::start(&[]);
+    d.ok(&["create", "meta", "ram:8M"]);
+    d.ok(&["create", "data", "ram:64M"]);
+    d.ok(&[
+        "create",
+        "pool",
+        "--table",
+        "0 131072 thin-pool meta data 128 64",
+    ]);
+    d.ok(&["message", "pool", "0", "create_thin", "0"]);
+    d.ok(&["create", "vol", "--table", "0 262144 thin pool 0"]);
+    d.ok(&["message", "pool", "0", "create_snap", "1", "0"]);
+    d.ok(&["create", "snap", "--table", "0 262144 thin pool 1"]);
+    assert_eq!(
+        d.ok(&["status", "vol"]),
+        "vol: 0 262144 thin 0 -\n",
+        "nothing mapped yet"
+    );
+    let st = d.ok(&["status", "pool"]);
+    assert!(
+        st.starts_with("pool: 0 131072 thin-pool 0 ")
+            && st.contains(" 0/1024 - rw discard_passdown queue_if_no_space - "),
+        "{st}"
+    );
+    let t = d.ok(&["table", "snap"]);
+    assert!(t.contains("table:  0 262144 thin pool 1"), "{t}");
+    let e = d.fails(&["message", "pool", "0", "delete", "1"]);
+    assert!(e.contains("dev id 1 is open"), "{e}");
+    let e = d.fails(&["message", "pool", "0", "create_thin", "0"]);
+    assert!(e.contains("dev id 0 is in use"), "{e}");
+    d.ok(&["remove", "snap"]);
+    d.ok(&["message", "pool", "0", "delete", "1"]);
+    d.ok(&["message", "pool", "0", "set_transaction_id", "0", "1"]);
+    assert!(d
+        .ok(&["status", "pool"])
+        .starts_with("pool: 0 131072 thin-pool 1 "));
+    let e = d.fails(&["create", "t2", "--table", "0 8 thin pool 9"]);
+    assert!(e.contains("dev id 9 does not exist"), "{e}");
+    assert_eq!(d.ok(&["remove", "--all"]), "vol\npool\ndata\nmeta\n");
+}

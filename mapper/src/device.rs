@@ -246,6 +246,23 @@ impl MappedDevice {
     }
 }
 
+impl Drop for MappedDevice {
+    /// The device is gone: each reactor lets go of its channel (its
+    /// reactor-local reference), so that the channel and its tables (and
+    /// their targets: a pool's volume, a writecache's worker) go as soon
+    /// as nothing else holds them, not when the reactor ends. A submitter
+    /// that still holds the channel keeps it, and its I/O, alive.
+    fn drop(&mut self) {
+        let key = self.key;
+        for h in &lock(&self.ctl).reactors {
+            // A closed reactor took its locals with it.
+            h.send(move |r| {
+                r.remove_local(key);
+            });
+        }
+    }
+}
+
 fn channel_of(r: &Reactor, key: u64) -> Option<Rc<MapperChannel>> {
     r.local(key)?.downcast::<MapperChannel>().ok()
 }

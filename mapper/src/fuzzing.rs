@@ -46,3 +46,15 @@ pub fn table(data: &[u8], resolver: &dyn DeviceResolver) -> bool {
 pub fn writecache_meta(data: &[u8]) {
     crate::targets::writecache::fuzz_load(data)
 }
+
+/// Takes `data` through a thin pool's metadata open, reads, a change and a
+/// commit: see `targets::thin::metadata::fuzzing` for how the bytes make a metadata
+/// device whose checksums hold. Returns whether the metadata opened.
+pub fn thin_metadata(data: &[u8]) -> bool {
+    crate::targets::thin::metadata::fuzzing::load(data)
+}
+
+/// A metadata device's first blocks as a [`thin_metadata`] input, for seeds.
+pub fn thin_metadata_records(image: &[u8]) -> Vec<u8> {
+    crate::targets::thin::metadata::fuzzing::records(image)
+}

@@ -86,6 +86,8 @@ impl Registry {
                 targets::dust::DUST,
                 targets::log_writes::LOG_WRITES,
                 targets::crypt::CRYPT,
+                targets::thin::THIN_POOL,
+                targets::thin::THIN,
             ],
         }
     }

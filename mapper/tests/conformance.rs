@@ -1,7 +1,7 @@
 //! The conformance suite every block device in udm must pass: the backends
 //! (ram, null, file in each of its modes, powercut) and the targets over
 //! them (linear, striped, zero, error, writecache, flakey, delay, dust,
-//! log-writes, crypt). [`conformance`] takes a
+//! log-writes, crypt, thin-pool and thin). [`conformance`] takes a
 //! device factory and what the device promises ([`Expect`]: whether reads
 //! return data, zeroes, nothing or errors; its exact caps; its logical block
 //! size; whether discard leaves zeroes) and runs each check against a fresh
@@ -550,4 +550,114 @@ fn linear_over_a_read_only_file_refuses_writes_and_reads_data() {
     assert_eq!(h.dataless(Op::Flush, BioFlags::NONE, 0, 0), Status::Ok);
     drop(h);
     assert_eq!(std::fs::read(&f.path).unwrap(), data, "the file changed");
+}
+
+// ---------------------------------------------------------------------------
+// Thin volumes.
+
+/// A pool over ram (64 KiB blocks, room for four volumes' worth) with
+/// device 0 created; the pool device is added to `devs` as "pool".
+fn thin_pool(devs: &mut Devices) -> Arc<udm_mapper::MappedDevice> {
+    devs.ram("meta", 8192);
+    devs.ram("data", 4 * DEV_SECTORS);
+    let pool = devs.mapped(
+        "pool",
+        &format!("0 {} thin-pool meta data 128 0", 4 * DEV_SECTORS),
+    );
+    pool.message(0, &["create_thin", "0"]).unwrap();
+    devs.add(common::as_dev(&pool));
+    pool
+}
+
+/// Writes zeroes over the whole of `dev` (every block provisioned).
+fn provision(dev: &Arc<dyn BlockDevice>) {
+    let t = common::Tester::new();
+    let chunk = 1 << 20;
+    for off in (0..DEV_BYTES).step_by(chunk) {
+        t.write(dev, off / 512, vec![0u8; chunk]);
+    }
+}
+
+/// A fresh thin volume: every block is provisioned by the checks' writes.
+#[test]
+fn thin_fresh_conforms() {
+    conformance(
+        || {
+            let mut devs = Devices::new();
+            thin_pool(&mut devs);
+            Fixture::plain(mapped(
+                &devs,
+                "thin",
+                &format!("0 {DEV_SECTORS} thin pool 0"),
+            ))
+        },
+        Expect {
+            // Only whole 64 KiB blocks are unmapped by a discard.
+            discard_zeroes: false,
+            ..Expect::data("thin (fresh)", wc_caps())
+        },
+    );
+}
+
+/// A thin volume whose every block is provisioned: the fast path.
+#[test]
+fn thin_provisioned_conforms() {
+    conformance(
+        || {
+            let mut devs = Devices::new();
+            thin_pool(&mut devs);
+            let dev = mapped(&devs, "thin", &format!("0 {DEV_SECTORS} thin pool 0"));
+            provision(&dev);
+            Fixture::plain(dev)
+        },
+        Expect {
+            discard_zeroes: false,
+            ..Expect::data("thin (provisioned)", wc_caps())
+        },
+    );
+}
+
+/// A snapshot of a provisioned volume: every write breaks sharing.
+#[test]
+fn thin_snapshot_conforms() {
+    conformance(
+        || {
+            let mut devs = Devices::new();
+            let pool = thin_pool(&mut devs);
+            let origin = mapped(&devs, "origin", &format!("0 {DEV_SECTORS} thin pool 0"));
+            provision(&origin);
+            pool.message(0, &["create_snap", "1", "0"]).unwrap();
+            Fixture::plain(mapped(
+                &devs,
+                "snap",
+                &format!("0 {DEV_SECTORS} thin pool 1"),
+            ))
+        },
+        Expect {
+            discard_zeroes: false,
+            ..Expect::data("thin (snapshot)", wc_caps())
+        },
+    );
+}
+
+/// A volume over an external origin (never written, so zeroes): reads of
+/// unprovisioned blocks go to the origin, partial writes copy from it.
+#[test]
+fn thin_external_origin_conforms() {
+    conformance(
+        || {
+            let mut devs = Devices::new();
+            thin_pool(&mut devs);
+            devs.ram("base", DEV_SECTORS);
+            Fixture::plain(mapped(
+                &devs,
+                "thin",
+                &format!("0 {DEV_SECTORS} thin pool 0 base"),
+            ))
+        },
+        Expect {
+            discard_zeroes: false,
+            ..Expect::data("thin (external origin)", wc_caps())
+        },
+    );
 }

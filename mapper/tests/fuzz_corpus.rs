@@ -1,4 +1,4 @@
-//! Every file of the fuzz corpora (`fuzz/corpus/table/`,
+//! Every file of the fuzz corpora (`fuzz/corpus/table/`, `fuzz/corpus/thin_metadata/`,
 //! `fuzz/corpus/writecache_meta/`) through the same entry points the fuzz
 //! targets call: inputs that once crashed stay fixed, checked by plain
 //! `cargo test` without nightly or libFuzzer.
@@ -58,5 +58,168 @@ fn the_table_corpus_runs_clean() {
 fn the_writecache_metadata_corpus_runs_clean() {
     for (_name, data) in corpus("writecache_meta").unwrap() {
         fuzzing::writecache_meta(&data);
+    }
+}
+
+/// The thin metadata seeds: metadata devices of the fuzz target's size in
+/// its record form, made by udm (see `write_thin_metadata_seeds`).
+fn thin_metadata_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    use udm_mapper::targets::thin::metadata::ThinMetadata;
+    use udm_pdata::block::MemIo;
+    let make = |name: &'static str, f: &dyn Fn(&mut ThinMetadata)| {
+        let io = MemIo::new(64);
+        let mut md = ThinMetadata::open_or_format(Box::new(io.clone()), 128, 1000, false).unwrap();
+        f(&mut md);
+        md.commit().unwrap();
+        (name, fuzzing::thin_metadata_records(&io.image()))
+    };
+    let map = |md: &mut ThinMetadata, dev: u32, n: u64| {
+        for v in 0..n {
+            let b = md.alloc_data_block().unwrap();
+            md.insert(dev, v * 3, b).unwrap();
+        }
+    };
+    vec![
+        make("fresh", &|_| {}),
+        make("thin_and_snapshot", &|md| {
+            md.create_thin(0).unwrap();
+            map(md, 0, 20);
+            md.create_snap(1, 0).unwrap();
+            md.commit().unwrap();
+            let b = md.alloc_data_block().unwrap();
+            md.insert(1, 3, b).unwrap();
+        }),
+        make("two_level_tree", &|md| {
+            md.create_thin(5).unwrap();
+            map(md, 5, 600);
+        }),
+        make("held_root", &|md| {
+            md.create_thin(0).unwrap();
+            map(md, 0, 10);
+            md.reserve_metadata_snap().unwrap();
+            md.remove(0, 3).unwrap();
+        }),
+        make("shared_thrice", &|md| {
+            md.create_thin(0).unwrap();
+            map(md, 0, 5);
+            md.create_snap(1, 0).unwrap();
+            md.create_snap(2, 0).unwrap();
+            md.create_snap(3, 1).unwrap();
+        }),
+    ]
+}
+
+/// Writes the thin metadata seeds into the committed corpus:
+/// `cargo test -p udm-mapper --test fuzz_corpus -- --ignored write_thin`.
+#[test]
+#[ignore]
+fn write_thin_metadata_seeds() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/thin_metadata");
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, data) in thin_metadata_seeds() {
+        std::fs::write(dir.join(name), data).unwrap();
+    }
+}
+
+#[test]
+fn the_thin_metadata_corpus_runs_clean() {
+    let seeds = corpus("thin_metadata").unwrap();
+    assert!(seeds.len() >= 5, "the thin metadata corpus has its seeds");
+    for (name, data) in seeds {
+        let opened = fuzzing::thin_metadata(&data);
+        // udm's own seeds open; what the fuzzer adds may not.
+        if thin_metadata_seeds().iter().any(|(n, _)| *n == name) {
+            assert!(opened, "seed {name} opens");
+        }
+    }
+    // The seeds as made now open (the form has not drifted).
+    for (name, data) in thin_metadata_seeds() {
+        assert!(
+            fuzzing::thin_metadata(&data),
+            "seed {name} as made now opens"
+        );
+    }
+}
+
+/// A few thousand random mutations of the thin seeds (bytes flipped, set
+/// to 0 or 0xff, ranges copied over others) on stable Rust: the fuzz
+/// target's contract, no panic, without libFuzzer. `UDM_THIN_MUTATIONS=N`
+/// runs N per seed.
+#[test]
+fn thin_metadata_mutations_do_not_panic() {
+    let per_seed: u64 = std::env::var("UDM_THIN_MUTATIONS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(400);
+    let mut rng = 0x7417_3e7a_u64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    for (_name, seed) in thin_metadata_seeds() {
+        // Where each record's block starts, to aim at the header fields
+        // (entry count, capacity, value size) and the first keys.
+        let mut starts = Vec::new();
+        let mut at = 0;
+        while at + 3 <= seed.len() {
+            starts.push(at + 3);
+            at += 3 + u16::from_le_bytes([seed[at + 1], seed[at + 2]]) as usize;
+        }
+        for _ in 0..per_seed {
+            let mut d = seed.clone();
+            for _ in 0..1 + next() % 4 {
+                let i = (next() % d.len() as u64) as usize;
+                match next() % 5 {
+                    4 => {
+                        // The superblock (record 0) a third of the time.
+                        let r = if next() % 3 == 0 {
+                            0
+                        } else {
+                            next() % starts.len() as u64
+                        };
+                        let base = starts[r as usize];
+                        // Node header fields and first keys; the superblock's
+                        // space map roots, tree roots and sizes.
+                        const FIELDS: [usize; 16] = [
+                            16, 20, 24, 32, 40, 56, 64, 72, 80, 88, 192, 200, 208, 216, 320, 344,
+                        ];
+                        const VALUES: [u32; 16] = [
+                            0,
+                            1,
+                            2,
+                            3,
+                            4,
+                            5,
+                            10,
+                            63,
+                            64,
+                            84,
+                            126,
+                            252,
+                            254,
+                            336,
+                            16320,
+                            u32::MAX,
+                        ];
+                        let field = FIELDS[(next() % 16) as usize];
+                        let v = VALUES[(next() % 16) as usize];
+                        if base + field + 4 <= d.len() {
+                            d[base + field..base + field + 4].copy_from_slice(&v.to_le_bytes());
+                        }
+                    }
+                    0 => d[i] ^= 1 << (next() % 8),
+                    1 => d[i] = 0,
+                    2 => d[i] = 0xff,
+                    _ => {
+                        let j = (next() % d.len() as u64) as usize;
+                        let n = ((next() % 16) as usize).min(d.len() - i.max(j));
+                        d.copy_within(j..j + n, i);
+                    }
+                }
+            }
+            fuzzing::thin_metadata(&d);
+        }
     }
 }

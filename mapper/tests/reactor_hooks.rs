@@ -235,6 +235,8 @@ fn the_registry_lists_every_type_described() {
             "linear",
             "log-writes",
             "striped",
+            "thin",
+            "thin-pool",
             "writecache",
             "zero"
         ]

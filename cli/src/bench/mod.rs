@@ -39,8 +39,15 @@ lin and str on 4 KiB random reads at QD32.";
 #[command(after_help = AFTER_HELP)]
 pub struct BenchArgs {
     /// A device (repeatable; later ones may use earlier ones).
-    #[arg(long = "dev", value_name = "NAME=SPEC")]
-    devs: Vec<String>,
+    #[arg(long = "dev", value_name = "NAME=SPEC", value_parser = in_order)]
+    devs: Vec<InOrder>,
+    /// A message to a device made by an earlier --dev, sent before the
+    /// next --dev is made (repeatable, in order with them): e.g. --dev
+    /// 'pool=0 2097152 thin-pool meta data 128 0' --message 'pool 0
+    /// create_thin 0' --dev 't=0 2097152 thin pool 0'. SECTOR defaults
+    /// to 0.
+    #[arg(long = "message", value_name = "DEV [SECTOR] WORDS...", value_parser = in_order)]
+    messages: Vec<InOrder>,
     /// Device to drive.
     #[arg(long, value_name = "NAME")]
     target: Option<String>,
@@ -105,6 +112,80 @@ pub struct BenchArgs {
     dispatch: String,
 }
 
+/// A --dev or --message value and its place on the command line: clap
+/// calls the value parser as it meets each value, in order, so a counter
+/// there orders the two options' values among each other (which two
+/// separate lists would lose).
+#[derive(Clone, Debug)]
+struct InOrder {
+    seq: u64,
+    value: String,
+}
+
+fn in_order(s: &str) -> Result<InOrder, String> {
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    Ok(InOrder {
+        seq: SEQ.fetch_add(1, Ordering::Relaxed),
+        value: s.to_string(),
+    })
+}
+
+/// One step of building the stack: make a device, or send a message.
+enum Step<'a> {
+    Dev(&'a str),
+    Message(&'a str),
+}
+
+/// Makes the devices and sends the messages, in command-line order.
+fn build_stack(devs: &[InOrder], messages: &[InOrder]) -> Result<Control, Error> {
+    let mut steps: Vec<(u64, Step<'_>)> = devs
+        .iter()
+        .map(|d| (d.seq, Step::Dev(&d.value)))
+        .chain(messages.iter().map(|m| (m.seq, Step::Message(&m.value))))
+        .collect();
+    steps.sort_by_key(|(seq, _)| *seq);
+    let c = Control::default();
+    for (_, step) in steps {
+        match step {
+            Step::Dev(d) => {
+                let Some((name, spec)) = d.split_once('=') else {
+                    return Err(Error::invalid(format!(
+                        "--dev '{d}': expected NAME=SPEC (e.g. ram0=ram:1G)"
+                    )));
+                };
+                c.create(name.trim(), spec)?;
+            }
+            Step::Message(m) => send_message(&c, m)?,
+        }
+    }
+    Ok(c)
+}
+
+/// Sends `--message 'DEV [SECTOR] WORDS...'`.
+fn send_message(c: &Control, m: &str) -> Result<(), Error> {
+    let words: Vec<&str> = m.split_whitespace().collect();
+    let (dev, rest) = match words.split_first() {
+        Some((d, r)) => (*d, r),
+        None => {
+            return Err(Error::invalid(
+                "--message '': expected DEV [SECTOR] WORDS...",
+            ))
+        }
+    };
+    let numbered = rest
+        .split_first()
+        .and_then(|(s, r)| Some((s.parse::<u64>().ok()?, r)));
+    let (sector, argv) = numbered.unwrap_or((0, rest));
+    if argv.is_empty() {
+        return Err(Error::invalid(format!(
+            "--message '{m}': expected DEV [SECTOR] WORDS... (no words to send)"
+        )));
+    }
+    c.message(dev, sector, argv)
+        .map_err(|e| e.context(format!("--message '{m}'")))?;
+    Ok(())
+}
+
 /// Everything one run needs.
 struct BenchCfg {
     target: String,
@@ -129,7 +210,7 @@ struct BenchCfg {
 
 /// Runs `udm bench`.
 pub fn main(args: BenchArgs) -> Result<i32, Error> {
-    let devs = args.devs;
+    let (devs, messages) = (args.devs, args.messages);
     let target = args.target;
     let rw = Pattern::parse(&args.rw).ok_or_else(|| {
         Error::invalid(format!(
@@ -196,10 +277,15 @@ pub fn main(args: BenchArgs) -> Result<i32, Error> {
 
     // Before the devices exist: the threads they start inherit it.
     keep_off(&cfg.cpus)?;
+    if devs.is_empty() && !messages.is_empty() {
+        return Err(Error::invalid(
+            "--message needs the devices it is sent to (--dev)",
+        ));
+    }
     let stack = if devs.is_empty() {
         Control::build(DEFAULT_DEVS)?
     } else {
-        Control::build(&devs)?
+        build_stack(&devs, &messages)?
     };
     match target {
         Some(t) => {

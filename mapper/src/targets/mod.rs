@@ -8,5 +8,6 @@ pub mod flakey;
 pub mod linear;
 pub mod log_writes;
 pub mod striped;
+pub mod thin;
 pub mod writecache;
 pub mod zero;

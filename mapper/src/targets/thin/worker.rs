@@ -1,0 +1,742 @@
+//! The pool's worker (dm-thin's `do_worker`): one thread that owns the
+//! metadata and does everything off the fast path, one job at a time:
+//! lookups of blocks the reactors' caches do not know, provisioning
+//! (allocate, zero or copy, then insert the mapping once the data is
+//! written), discards, commits (on FLUSH/FUA and at least every second
+//! while dirty), messages, and holding writes while the data device is
+//! full. Its own I/O (zeroing, copying, passdown, the data flush before a
+//! commit) runs on a reactor of its own, waited for in place: the worker
+//! is a slow path by design.
+//!
+//! The bio prison: a virtual block being provisioned has a cell
+//! ([`Worker::cells`]) from the moment its block is allocated until its
+//! mapping is inserted; jobs for it wait there and run again after, so a
+//! block is never provisioned twice. Before a block is unmapped, the
+//! worker clears the cache entry and waits for the bios remapped earlier
+//! ([`Vol::drain`]), so that no write lands in a block after it is freed.
+
+use std::cell::Cell;
+use std::collections::{HashMap, VecDeque};
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use udm_core::{
+    AlignedBuf, BioPtr, BlockDevice, Channel, Error, ErrorKind, Op, Reactor, ReactorConfig,
+    ReactorHandle, Status, SECTOR_SHIFT,
+};
+
+use super::meta::{Lookup, MetaStore};
+use super::pool::{Mode, Shared};
+use super::vol::{mapped, Vol, UNKNOWN, UNMAPPED};
+
+/// How often a dirty pool commits at the latest (dm's `COMMIT_PERIOD`).
+const COMMIT_PERIOD: Duration = Duration::from_secs(1);
+/// How long writes wait for space before they fail (dm's
+/// `no_space_timeout`).
+pub(crate) const NO_SPACE_TIMEOUT: Duration = Duration::from_secs(60);
+/// The longest the worker waits for remapped bios to complete before it
+/// unmaps a block anyway (only a device that never completes hits it).
+const DRAIN_LIMIT: Duration = Duration::from_secs(30);
+/// The largest I/O the worker issues for zeroing and copying.
+const CHUNK: usize = 1 << 20;
+
+/// A bio handed to the worker: its reactor keeps it (it never leaves
+/// that reactor's thread); the worker only carries the pointer back.
+pub(crate) struct SendBio(pub *mut udm_core::Bio);
+
+// SAFETY: the worker never dereferences the pointer; it only sends it back
+// to the reactor the bio came from (`Reply::send`), which owns it again.
+unsafe impl Send for SendBio {}
+
+/// Where the answer for a bio goes: its reactor and the engine channel
+/// there (a reactor-local key).
+pub(crate) struct Reply {
+    pub handle: ReactorHandle,
+    pub key: u64,
+    pub bio: SendBio,
+}
+
+/// What the reactor does with a bio the worker answered.
+pub(crate) enum Action {
+    /// Complete it with this status.
+    Complete(Status),
+    /// Fill it with zeroes and complete it (a read of an unmapped block).
+    Zero,
+    /// Send it to this data sector, counted in the volume's epoch.
+    Remap { sector: u64, epoch: usize },
+    /// Read it from the external origin; only its first `inside` sectors
+    /// lie on the origin (the rest reads as zeroes).
+    Origin { inside: u64 },
+    /// Write it to this data sector, then tell the worker (`Job::Done`) to
+    /// insert the mapping and, for FUA, commit.
+    Write {
+        sector: u64,
+        insert: Option<Insert>,
+        fua: bool,
+    },
+}
+
+impl Reply {
+    /// Sends `a` for the bio back to its reactor.
+    pub fn send(self, a: Action) {
+        let Reply { handle, key, bio } = self;
+        // A reactor that is gone took its bios with it.
+        handle.send(move |r| super::thin::finish(r, key, bio, a));
+    }
+}
+
+/// A slow-path bio.
+pub(crate) struct BioJob {
+    pub vol: Arc<Vol>,
+    /// The volume's external origin, if any.
+    pub origin: Option<Arc<dyn BlockDevice>>,
+    pub op: Op,
+    /// Volume-relative.
+    pub sector: u64,
+    pub sectors: u64,
+    pub fua: bool,
+    pub reply: Reply,
+}
+
+/// The mapping a provisioning write makes once it has completed.
+#[derive(Clone, Copy)]
+pub(crate) struct Insert {
+    pub vblock: u64,
+    pub block: u64,
+    /// It replaces a mapping (a shared block's): the old block may be
+    /// freed by the insert.
+    pub replaces: bool,
+}
+
+/// A provisioning write (or FUA write) finished on its reactor.
+pub(crate) struct DoneJob {
+    pub vol: Arc<Vol>,
+    pub insert: Option<Insert>,
+    pub status: Status,
+    pub fua: bool,
+    pub reply: Reply,
+}
+
+/// A call from a control thread (a message, a status, a resize).
+pub(crate) type Call = Box<dyn FnOnce(&mut Worker) + Send>;
+
+/// What the worker is asked to do.
+pub(crate) enum Job {
+    Bio(BioJob),
+    Done(DoneJob),
+    Flush(Reply),
+    Call(Call),
+}
+
+/// The worker's state; it lives on the worker thread only.
+pub(crate) struct Worker {
+    pub sh: Arc<Shared>,
+    pub meta: Box<dyn MetaStore>,
+    reactor: Reactor,
+    data: Rc<dyn Channel>,
+    /// Channels to external origins, by the device's address.
+    origins: HashMap<usize, Rc<dyn Channel>>,
+    /// The bio prison: virtual blocks being provisioned, and the jobs
+    /// waiting for them.
+    cells: HashMap<(u32, u64), Vec<Job>>,
+    /// Jobs released from a cell, run before new ones.
+    ready: VecDeque<Job>,
+    /// Writes held while the data device is full, since when.
+    no_space: VecDeque<(Instant, Job)>,
+    last_commit: Instant,
+    /// The low water mark's event was raised (and not re-armed since).
+    lwm_raised: bool,
+    zeroes: AlignedBuf,
+    buf: AlignedBuf,
+}
+
+fn sync_done(bio: BioPtr) {
+    // SAFETY: private is the Rc<Cell> leaked in `Worker::io`, taken back once.
+    let done = unsafe { Rc::from_raw(bio.private() as *const Cell<Option<Status>>) };
+    done.set(Some(bio.status()));
+}
+
+impl Worker {
+    /// Runs the worker: `open` makes the metadata on this thread; its
+    /// result goes to `ready` (the pool's constructor waits for it).
+    pub fn run(
+        sh: Arc<Shared>,
+        open: impl FnOnce() -> Result<Box<dyn MetaStore>, Error>,
+        ready: mpsc::Sender<Result<(), Error>>,
+    ) {
+        let mut w = match Worker::new(sh, open) {
+            Ok(w) => w,
+            Err(e) => {
+                let _ = ready.send(Err(e));
+                return;
+            }
+        };
+        w.refresh_stat();
+        let _ = ready.send(Ok(()));
+        w.main_loop();
+    }
+
+    fn new(
+        sh: Arc<Shared>,
+        open: impl FnOnce() -> Result<Box<dyn MetaStore>, Error>,
+    ) -> Result<Worker, Error> {
+        let reactor = Reactor::new(ReactorConfig::default())
+            .map_err(|e| Error::os("thin-pool: creating the worker's reactor", e))?;
+        let data = sh.data_dev.clone().open(&reactor)?;
+        let meta = open()?;
+        let ro = sh.lock_cfg().read_only;
+        if ro {
+            sh.lock_stat().mode = Mode::ReadOnly;
+        }
+        if meta.needs_check() && !ro {
+            return Err(Error::invalid(
+                "thin-pool: the metadata is marked needs_check: repair it with thin_check/thin_repair, or open the pool read_only",
+            ));
+        }
+        Ok(Worker {
+            sh,
+            meta,
+            reactor,
+            data,
+            origins: HashMap::new(),
+            cells: HashMap::new(),
+            ready: VecDeque::new(),
+            no_space: VecDeque::new(),
+            last_commit: Instant::now(),
+            lwm_raised: false,
+            zeroes: AlignedBuf::default(),
+            buf: AlignedBuf::default(),
+        })
+    }
+
+    fn main_loop(&mut self) {
+        loop {
+            let job = match self.ready.pop_front() {
+                Some(j) => Some(j),
+                None => match self.sh.next_job(self.timeout()) {
+                    Ok(j) => j,
+                    Err(()) => break,
+                },
+            };
+            if let Some(j) = job {
+                self.run_job(j);
+            }
+            if self.dirty() && self.last_commit.elapsed() >= COMMIT_PERIOD {
+                let _ = self.commit();
+            }
+            self.expire_no_space();
+            self.refresh_stat();
+        }
+        if self.dirty() {
+            let _ = self.commit();
+        }
+        // Nothing maps through the pool any more (it is being dropped);
+        // anything still parked is answered.
+        for (_, j) in std::mem::take(&mut self.no_space) {
+            self.fail(j, Status::IoErr);
+        }
+        let parked: Vec<Job> = self.cells.drain().flat_map(|(_, v)| v).collect();
+        for j in parked {
+            self.fail(j, Status::IoErr);
+        }
+    }
+
+    /// How long the worker may sleep: until the next commit or no-space
+    /// deadline, at most a second.
+    /// Whether the metadata changed since the last commit.
+    pub fn dirty(&self) -> bool {
+        self.sh.dirty.load(Ordering::SeqCst)
+    }
+
+    /// Records a change (before the caches show it: a FUA write that sees
+    /// a mapping then sees it uncommitted) or a commit (after it).
+    pub fn set_dirty(&self, on: bool) {
+        self.sh.dirty.store(on, Ordering::SeqCst);
+    }
+
+    fn timeout(&self) -> Duration {
+        let mut t = COMMIT_PERIOD;
+        if self.dirty() {
+            t = t.min(COMMIT_PERIOD.saturating_sub(self.last_commit.elapsed()));
+        }
+        if let Some((since, _)) = self.no_space.front() {
+            t = t.min(NO_SPACE_TIMEOUT.saturating_sub(since.elapsed()));
+        }
+        t.max(Duration::from_millis(1))
+    }
+
+    fn run_job(&mut self, j: Job) {
+        match j {
+            Job::Bio(b) => self.bio(b),
+            Job::Done(d) => self.done(d),
+            Job::Flush(r) => {
+                let s = self.commit();
+                r.send(Action::Complete(s));
+            }
+            Job::Call(f) => f(self),
+        }
+    }
+
+    fn fail(&mut self, j: Job, s: Status) {
+        match j {
+            Job::Bio(b) => b.reply.send(Action::Complete(s)),
+            Job::Done(d) => d.reply.send(Action::Complete(s)),
+            Job::Flush(r) => r.send(Action::Complete(s)),
+            Job::Call(f) => f(self),
+        }
+    }
+
+    fn bs(&self) -> u64 {
+        self.sh.block_sectors
+    }
+
+    /// The live views of device `dev`.
+    fn vols_of(&self, dev: u32) -> Vec<Arc<Vol>> {
+        self.sh.vols(Some(dev))
+    }
+
+    fn set_entry(&self, dev: u32, vblock: u64, v: u64) {
+        for vol in self.vols_of(dev) {
+            vol.set(vblock, v);
+        }
+    }
+
+    /// Waits for every bio remapped so far, on every volume of the pool,
+    /// to complete (before a block may be freed).
+    pub fn drain_all(&self) {
+        for vol in self.sh.vols(None) {
+            vol.drain(DRAIN_LIMIT);
+        }
+    }
+
+    fn bio(&mut self, b: BioJob) {
+        let bs = self.bs();
+        let v = b.sector / bs;
+        let dev = b.vol.dev;
+        if b.op.is_write() && self.sh.lock_stat().mode == Mode::ReadOnly {
+            return b.reply.send(Action::Complete(Status::IoErr));
+        }
+        if b.op.is_write() {
+            if let Some(q) = self.cells.get_mut(&(dev, v)) {
+                q.push(Job::Bio(b));
+                return;
+            }
+        }
+        let found = match self.meta.lookup(dev, v) {
+            Ok(f) => f,
+            Err(e) => {
+                let s = self.meta_failed(e);
+                return b.reply.send(Action::Complete(s));
+            }
+        };
+        // Read-only, every mapped block counts as shared: no write may take
+        // the fast path.
+        let ro = self.sh.lock_stat().mode == Mode::ReadOnly;
+        let entry = found.map_or(UNMAPPED, |m| mapped(m.block, m.shared || ro));
+        match b.op {
+            Op::Read => {
+                self.set_entry(dev, v, entry);
+                self.read(b, found)
+            }
+            Op::Write => {
+                self.set_entry(dev, v, entry);
+                self.write(b, found)
+            }
+            Op::Discard => self.discard(b, found),
+            _ => b.reply.send(Action::Complete(Status::NotSupp)),
+        }
+    }
+
+    fn read(&mut self, b: BioJob, found: Option<Lookup>) {
+        let bs = self.bs();
+        if let Some(m) = found {
+            let epoch = b.vol.enter();
+            let sector = m.block * bs + b.sector % bs;
+            return b.reply.send(Action::Remap { sector, epoch });
+        }
+        match &b.origin {
+            Some(o) => {
+                let olen = o.limits().sectors;
+                if b.sector >= olen {
+                    b.reply.send(Action::Zero)
+                } else {
+                    let inside = (olen - b.sector).min(b.sectors);
+                    b.reply.send(Action::Origin { inside })
+                }
+            }
+            None => b.reply.send(Action::Zero),
+        }
+    }
+
+    fn write(&mut self, b: BioJob, found: Option<Lookup>) {
+        let bs = self.bs();
+        let (v, off) = (b.sector / bs, b.sector % bs);
+        if let Some(m) = found.filter(|m| !m.shared) {
+            let sector = m.block * bs + off;
+            if b.fua {
+                return b.reply.send(Action::Write {
+                    sector,
+                    insert: None,
+                    fua: true,
+                });
+            }
+            let epoch = b.vol.enter();
+            return b.reply.send(Action::Remap { sector, epoch });
+        }
+        let block = match self.alloc() {
+            Ok(Some(block)) => block,
+            Ok(None) => return self.out_of_space(Job::Bio(b)),
+            Err(s) => return b.reply.send(Action::Complete(s)),
+        };
+        let whole = off == 0 && b.sectors == bs;
+        let s = if whole {
+            Status::Ok
+        } else if let Some(m) = found {
+            self.copy(m.block * bs, block * bs, bs)
+        } else if let Some(o) = b.origin.clone() {
+            self.copy_origin(&o, v * bs, block * bs)
+        } else if self.sh.lock_cfg().skip_block_zeroing {
+            Status::Ok
+        } else {
+            self.zero(block * bs, bs)
+        };
+        if !s.is_ok() {
+            return b.reply.send(Action::Complete(s));
+        }
+        self.cells.insert((b.vol.dev, v), Vec::new());
+        b.reply.send(Action::Write {
+            sector: block * bs + off,
+            insert: Some(Insert {
+                vblock: v,
+                block,
+                replaces: found.is_some(),
+            }),
+            fua: b.fua,
+        });
+    }
+
+    fn discard(&mut self, b: BioJob, found: Option<Lookup>) {
+        let bs = self.bs();
+        let (dev, v) = (b.vol.dev, b.sector / bs);
+        // Only whole blocks are unmapped (the core splits discards at
+        // block boundaries); a partial one changes nothing, as dm.
+        let Some(m) = found.filter(|_| b.sector.is_multiple_of(bs) && b.sectors == bs) else {
+            return b.reply.send(Action::Complete(Status::Ok));
+        };
+        if let Some(q) = self.cells.get_mut(&(dev, v)) {
+            q.push(Job::Bio(b));
+            return;
+        }
+        self.set_entry(dev, v, UNKNOWN);
+        self.drain_all();
+        if let Err(e) = self.meta.remove_range(dev, v, v + 1) {
+            let s = self.meta_failed(e);
+            return b.reply.send(Action::Complete(s));
+        }
+        self.set_dirty(true);
+        self.set_entry(dev, v, UNMAPPED);
+        let passdown = {
+            let c = self.sh.lock_cfg();
+            !c.no_discard_passdown && !c.ignore_discard
+        };
+        if !m.shared && passdown && self.sh.data_dev.caps().supports(Op::Discard) {
+            // Advisory: a failed passdown does not fail the discard.
+            let _ = self.io_data(Op::Discard, m.block * bs, std::ptr::null_mut(), bs);
+        }
+        b.reply.send(Action::Complete(Status::Ok));
+    }
+
+    fn done(&mut self, d: DoneJob) {
+        let mut s = d.status;
+        let dev = d.vol.dev;
+        if let Some(Insert {
+            vblock: v,
+            block,
+            replaces,
+        }) = d.insert
+        {
+            if s.is_ok() && replaces {
+                // The old block loses a reference and may be freed: the
+                // reads remapped to it finish first, and new ones wait here.
+                self.set_entry(dev, v, UNKNOWN);
+                self.drain_all();
+            }
+            if s.is_ok() {
+                match self.meta.insert(dev, v, block) {
+                    Ok(()) => {
+                        self.set_dirty(true);
+                        self.set_entry(dev, v, mapped(block, false));
+                    }
+                    Err(e) => s = self.meta_failed(e),
+                }
+            }
+            if let Some(waiting) = self.cells.remove(&(dev, v)) {
+                for j in waiting.into_iter().rev() {
+                    self.ready.push_front(j);
+                }
+            }
+        }
+        if d.fua && s.is_ok() {
+            s = self.commit();
+        }
+        d.reply.send(Action::Complete(s));
+    }
+
+    /// A data block, or None when the data device is full; counts the low
+    /// water mark.
+    fn alloc(&mut self) -> Result<Option<u64>, Status> {
+        match self.meta.alloc_data_block() {
+            Ok(Some(b)) => {
+                self.set_dirty(true);
+                let (used, total) = self.meta.data_usage();
+                let lwm = self.sh.lock_cfg().low_water_blocks;
+                if total - used.min(total) <= lwm && !self.lwm_raised {
+                    self.lwm_raised = true;
+                    self.sh.events.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(Some(b))
+            }
+            Ok(None) => Ok(None),
+            Err(e) => Err(self.meta_failed(e)),
+        }
+    }
+
+    /// A write found no free block: fail it (`error_if_no_space`) or hold
+    /// it until the data device grows or the timeout.
+    fn out_of_space(&mut self, j: Job) {
+        {
+            let mut st = self.sh.lock_stat();
+            if st.mode == Mode::Write {
+                st.mode = Mode::OutOfDataSpace;
+                self.sh.events.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        if self.sh.lock_cfg().error_if_no_space {
+            return self.fail(j, Status::NoSpace);
+        }
+        self.no_space.push_back((Instant::now(), j));
+    }
+
+    fn expire_no_space(&mut self) {
+        while self
+            .no_space
+            .front()
+            .is_some_and(|(t, _)| t.elapsed() >= NO_SPACE_TIMEOUT)
+        {
+            if let Some((_, j)) = self.no_space.pop_front() {
+                self.fail(j, Status::NoSpace);
+            }
+        }
+    }
+
+    /// The data device grew to `nr_blocks`: held writes run again.
+    pub fn resize_data(&mut self, nr_blocks: u64) -> Result<(), Error> {
+        let (_, total) = self.meta.data_usage();
+        if nr_blocks < total {
+            return Err(Error::invalid(format!(
+                "thin-pool: the data device shrank from {total} to {nr_blocks} blocks; pools do not shrink"
+            )));
+        }
+        if nr_blocks > total {
+            self.meta.resize_data_dev(nr_blocks)?;
+            self.set_dirty(true);
+            self.lwm_raised = false;
+        }
+        {
+            let mut st = self.sh.lock_stat();
+            if st.mode == Mode::OutOfDataSpace {
+                st.mode = Mode::Write;
+            }
+        }
+        for (_, j) in std::mem::take(&mut self.no_space) {
+            self.ready.push_back(j);
+        }
+        Ok(())
+    }
+
+    /// The metadata device grew to `nr_blocks` (of 4 KiB).
+    pub fn resize_metadata(&mut self, nr_blocks: u64) -> Result<(), Error> {
+        let (_, total) = self.meta.metadata_usage();
+        if nr_blocks > total {
+            self.meta.resize_metadata_dev(nr_blocks)?;
+            self.set_dirty(true);
+        }
+        Ok(())
+    }
+
+    /// A metadata operation failed: as dm, the pool turns read-only (the
+    /// transaction is dropped) and raises an event. Returns the bio status.
+    fn meta_failed(&mut self, _e: Error) -> Status {
+        let _ = self.meta.abort();
+        self.set_dirty(false);
+        {
+            let mut st = self.sh.lock_stat();
+            st.meta_failed = true;
+            if st.mode != Mode::ReadOnly {
+                st.mode = Mode::ReadOnly;
+                self.sh.events.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.sh.read_only_caches();
+        // What the caches say may be of the dropped transaction.
+        for v in self.sh.vols(None) {
+            v.forget();
+        }
+        Status::IoErr
+    }
+
+    /// Commits the transaction if it changed: the data device is flushed
+    /// first, so that no committed mapping points at data that is not
+    /// durable (dm does the same since 5.2).
+    pub fn commit(&mut self) -> Status {
+        if !self.dirty() {
+            return Status::Ok;
+        }
+        if self.sh.data_dev.caps().supports(Op::Flush) {
+            let s = self.io_data(Op::Flush, 0, std::ptr::null_mut(), 0);
+            if !s.is_ok() {
+                return s;
+            }
+        }
+        if let Err(e) = self.meta.commit() {
+            return self.meta_failed(e);
+        }
+        self.set_dirty(false);
+        self.last_commit = Instant::now();
+        Status::Ok
+    }
+
+    /// Copies the status's numbers out of the metadata for readers on
+    /// other threads.
+    pub fn refresh_stat(&mut self) {
+        let mut st = self.sh.lock_stat();
+        st.transaction_id = self.meta.transaction_id();
+        st.data = self.meta.data_usage();
+        st.metadata = self.meta.metadata_usage();
+        st.held_root = self.meta.held_root();
+        st.needs_check = self.meta.needs_check();
+    }
+
+    /// One I/O of `sectors` at `sector` on the data device, waited for.
+    fn io_data(&mut self, op: Op, sector: u64, data: *mut u8, sectors: u64) -> Status {
+        let ch = self.data.clone();
+        self.io(&ch, op, sector, data, sectors)
+    }
+
+    fn io(&self, ch: &Rc<dyn Channel>, op: Op, sector: u64, data: *mut u8, sectors: u64) -> Status {
+        let done = Rc::new(Cell::new(None));
+        let mut bio = self.reactor.alloc_bio();
+        let len = (sectors << SECTOR_SHIFT) as usize;
+        if op.has_data() {
+            bio.op = op;
+            bio.sector = sector;
+            // SAFETY: the caller's buffer outlives this call, which waits
+            // for the bio to complete before it returns.
+            unsafe { bio.add_seg(data, len) };
+        } else {
+            bio.set_dataless(op, sector, len as u32);
+        }
+        bio.set_end_io(sync_done, Rc::into_raw(done.clone()) as *mut ());
+        ch.submit(bio);
+        self.reactor.run_until(|| done.get().is_some());
+        done.get().unwrap_or(Status::IoErr)
+    }
+
+    /// Sectors per I/O of zeroing and copying.
+    fn chunk_sectors(&self) -> u64 {
+        let max = self.sh.data_dev.limits().max_io_bytes as usize;
+        (CHUNK.min(max.max(4096)) >> SECTOR_SHIFT) as u64
+    }
+
+    /// Writes zeroes over `sectors` at `sector` of the data device.
+    fn zero(&mut self, sector: u64, sectors: u64) -> Status {
+        let step = self.chunk_sectors();
+        if self.zeroes.len() < (step << SECTOR_SHIFT) as usize {
+            self.zeroes = AlignedBuf::new((step << SECTOR_SHIFT) as usize);
+        }
+        let mut done = 0;
+        while done < sectors {
+            let n = step.min(sectors - done);
+            let p = self.zeroes.as_mut_ptr();
+            let s = self.io_data(Op::Write, sector + done, p, n);
+            if !s.is_ok() {
+                return s;
+            }
+            done += n;
+        }
+        Status::Ok
+    }
+
+    /// Copies `sectors` from `from` to `to` on the data device.
+    fn copy(&mut self, from: u64, to: u64, sectors: u64) -> Status {
+        let step = self.chunk_sectors();
+        self.ensure_buf(step);
+        let mut done = 0;
+        while done < sectors {
+            let n = step.min(sectors - done);
+            let p = self.buf.as_mut_ptr();
+            let s = self.io_data(Op::Read, from + done, p, n);
+            if !s.is_ok() {
+                return s;
+            }
+            let s = self.io_data(Op::Write, to + done, p, n);
+            if !s.is_ok() {
+                return s;
+            }
+            done += n;
+        }
+        Status::Ok
+    }
+
+    fn ensure_buf(&mut self, sectors: u64) {
+        if self.buf.len() < (sectors << SECTOR_SHIFT) as usize {
+            self.buf = AlignedBuf::new((sectors << SECTOR_SHIFT) as usize);
+        }
+    }
+
+    /// Copies the block at virtual sector `vsector` of external origin `o`
+    /// to data sector `to`, zeroes past the origin's end.
+    fn copy_origin(&mut self, o: &Arc<dyn BlockDevice>, vsector: u64, to: u64) -> Status {
+        let key = Arc::as_ptr(o) as *const () as usize;
+        let ch = match self.origins.get(&key) {
+            Some(c) => c.clone(),
+            None => match o.clone().open(&self.reactor) {
+                Ok(c) => {
+                    self.origins.insert(key, c.clone());
+                    c
+                }
+                Err(_) => return Status::IoErr,
+            },
+        };
+        let bs = self.bs();
+        let olen = o.limits().sectors;
+        let inside = olen.saturating_sub(vsector).min(bs);
+        let step = self.chunk_sectors();
+        self.ensure_buf(step);
+        let mut done = 0;
+        while done < inside {
+            let n = step.min(inside - done);
+            let p = self.buf.as_mut_ptr();
+            let s = self.io(&ch, Op::Read, vsector + done, p, n);
+            if !s.is_ok() {
+                return s;
+            }
+            let s = self.io_data(Op::Write, to + done, p, n);
+            if !s.is_ok() {
+                return s;
+            }
+            done += n;
+        }
+        if inside < bs {
+            return self.zero(to + inside, bs - inside);
+        }
+        Status::Ok
+    }
+}
+
+/// An error for a message the worker could not answer (it stopped).
+pub(crate) fn worker_gone() -> Error {
+    Error::new(ErrorKind::Io, "thin-pool: the pool's worker has stopped")
+}
