@@ -177,10 +177,10 @@ fn remap_endio(mut bio: BioPtr) {
 impl Target for Thin {
     /// The fast path: a read of a mapped block, or a write of a mapped
     /// block no other device shares (with FUA: while the pool has nothing
-    /// to commit), goes to the data device
-    /// with its sector rewritten, counted in the volume's epoch; a read of
-    /// a block known unmapped (without an external origin) completes with
-    /// zeroes. Everything else goes to the engine.
+    /// to commit), goes to the data device with its sector rewritten,
+    /// counted in the volume's epoch (the device index says which); a
+    /// read of a block known unmapped (without an external origin)
+    /// completes with zeroes. Everything else goes to the engine.
     #[inline]
     fn map(&self, mut bio: BioPtr, _ctx: &MapCtx<'_>) -> Map {
         if bio.op.has_data() {
