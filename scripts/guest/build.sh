@@ -20,7 +20,7 @@ ROOT=$(cd "$HERE/../.." && pwd)
 W=${GUEST_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/udm/guest}
 mkdir -p "$W"
 # Bumped when the image's contents change: an older cached image is rebuilt.
-BASE_VERSION=6
+BASE_VERSION=7
 built() {
     [ -f "$W/base.cpio.gz" ] && [ -f "$W/vmlinuz" ] && [ -x "$W/busybox" ] &&
         [ "$(cat "$W/base.version" 2>/dev/null)" = "$BASE_VERSION" ]
@@ -102,9 +102,11 @@ add_mod() {
     esac
     echo "$base" >>"$R/lib/modules/order"
 }
-for m in virtio virtio_ring virtio_pci virtio_blk brd dm-mod dm-log-writes dm-flakey dm-delay \
-    dm-dust dm-writecache dm-thin-pool dm-crypt xts essiv cbc aesni-intel ublk_drv nbd null_blk nvme \
-    crc32c_generic ext4; do
+# crc32c_generic first: libcrc32c (dm-persistent-data's) asks the crypto
+# API for crc32c when it loads.
+for m in crc32c_generic virtio virtio_ring virtio_pci virtio_blk brd dm-mod dm-log-writes dm-flakey \
+    dm-delay dm-dust dm-writecache dm-thin-pool dm-crypt xts essiv cbc aesni-intel ublk_drv nbd \
+    null_blk nvme ext4; do
     rel=$(grep -E "/$m\.ko(\.xz|\.zst)?:" "$MD/modules.dep" | cut -d: -f1 | head -1 || true)
     if [ -n "$rel" ]; then
         add_mod "$rel"

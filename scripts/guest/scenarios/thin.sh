@@ -30,14 +30,12 @@ th_write_after() {
     dd if=/tmp/th-b of="$1" bs=4k seek=300 oflag=direct 2>/dev/null &&
         dd if=/tmp/th-c of="$2" bs=4k seek=5121 oflag=direct 2>/dev/null
 }
-UBLK=10
-# udm_vol NAME POOL ID: a thin volume of udm's exported over ublk; prints
-# its node.
+# udm_vol NAME POOL ID UBLK_ID: a thin volume of udm's exported over ublk
+# as /dev/ublkbUBLK_ID; prints that node.
 udm_vol() {
     udm create "$1" --table "0 $VOL_SZ thin $2 $3" >/dev/null &&
-        udm export add "$1" --ublk --id $UBLK >/dev/null &&
-        { [ -e /dev/ublkb$UBLK ] || mdev -s; } && echo /dev/ublkb$UBLK
-    UBLK=$((UBLK + 1))
+        udm export add "$1" --ublk --id "$4" >/dev/null &&
+        { [ -e /dev/ublkb$4 ] || mdev -s; } && [ -b /dev/ublkb$4 ] && echo /dev/ublkb$4
 }
 udm_unvol() { udm export remove "$1" && udm remove "$1"; }
 
@@ -57,8 +55,8 @@ udm create lmeta file:/dev/ram0
 udm create ldata file:/dev/ram1
 check thin_udm_opens_linux_pool udm create lpool --table "0 $POOL_SZ thin-pool lmeta ldata $BS 0"
 udm status lpool
-D0=$(udm_vol lt0 lpool 0)
-D1=$(udm_vol lt1 lpool 1)
+D0=$(udm_vol lt0 lpool 0 10)
+D1=$(udm_vol lt1 lpool 1 11)
 check thin_udm_reads_linux_origin cmp /tmp/lt0 "$D0"
 check thin_udm_reads_linux_snap cmp /tmp/lt1 "$D1"
 udm status lt0
@@ -69,10 +67,10 @@ udm create umeta file:/dev/ram2
 udm create udata file:/dev/ram3
 check thin_udm_pool udm create upool --table "0 $POOL_SZ thin-pool umeta udata $BS 0"
 check thin_udm_vol udm message upool 0 create_thin 0
-U0=$(udm_vol ut0 upool 0)
+U0=$(udm_vol ut0 upool 0 12)
 check thin_udm_origin_writes th_write_origin "$U0"
 check thin_udm_snap sh -c 'udm suspend ut0 && udm message upool 0 create_snap 1 0 && udm resume ut0'
-U1=$(udm_vol ut1 upool 1)
+U1=$(udm_vol ut1 upool 1 13)
 check thin_udm_after_writes th_write_after "$U0" "$U1"
 dd if="$U0" of=/tmp/ut0 bs=1M 2>/dev/null
 dd if="$U1" of=/tmp/ut1 bs=1M 2>/dev/null
@@ -108,19 +106,19 @@ udm create cmeta file:/dev/ram2
 udm create cdata file:/dev/ram3
 udm create cpool --table "0 $POOL_SZ thin-pool cmeta cdata $BS 0 1 skip_block_zeroing"
 udm message cpool 0 create_thin 5
-C5=$(udm_vol c5 cpool 5)
+C5=$(udm_vol c5 cpool 5 14)
 check thin_udm_chain_5 th_fio "$C5" 0
 udm suspend c5 && udm message cpool 0 create_snap 6 5 && udm resume c5
-C6=$(udm_vol c6 cpool 6)
+C6=$(udm_vol c6 cpool 6 15)
 check thin_udm_chain_6 th_fio "$C6" 4M
 udm suspend c6 && udm message cpool 0 create_snap 7 6 && udm resume c6
-C7=$(udm_vol c7 cpool 7)
+C7=$(udm_vol c7 cpool 7 16)
 check thin_udm_chain_7 th_fio "$C7" 8M
 # A filesystem on a fresh volume.
 udm message cpool 0 create_thin 9
-C9=$(udm_vol c9 cpool 9)
-check thin_udm_mkfs mke2fs -t ext4 -q -F "$C9"
-check thin_udm_fsck e2fsck -fn "$C9"
+C9=$(udm_vol c9 cpool 9 17)
+check thin_udm_mkfs /sbin/mke2fs -t ext4 -q -F "$C9"
+check thin_udm_fsck /sbin/e2fsck -fn "$C9"
 udm status cpool
 for v in c9 c7 c6 c5; do udm_unvol $v; done
 udm remove cpool; udm remove cmeta; udm remove cdata
