@@ -53,6 +53,31 @@
 
 mod bounce;
 pub mod cipher;
+#[cfg(target_arch = "x86_64")]
+mod xts_vaes;
+/// Elsewhere than x86_64 there is no VAES: XTS is always the portable path.
+#[cfg(not(target_arch = "x86_64"))]
+mod xts_vaes {
+    /// No value: [`XtsVaes::new`] never makes one.
+    pub enum XtsVaes {}
+    impl XtsVaes {
+        pub fn new(_: &[u8], _: &[u8]) -> Option<XtsVaes> {
+            None
+        }
+        pub fn encrypt(&self, _: &[u8; 16], _: &mut [u8]) {
+            match *self {}
+        }
+        pub fn decrypt(&self, _: &[u8; 16], _: &mut [u8]) {
+            match *self {}
+        }
+        pub fn encrypt_to(&self, _: &[u8; 16], _: &[u8], _: &mut [u8]) {
+            match *self {}
+        }
+        pub fn decrypt_to(&self, _: &[u8; 16], _: &[u8], _: &mut [u8]) {
+            match *self {}
+        }
+    }
+}
 pub mod key;
 
 use std::ptr::NonNull;
