@@ -112,6 +112,86 @@ impl XtsVaes {
         self.run::<false>(iv, src.as_ptr(), dst.as_mut_ptr(), dst.len());
     }
 
+    /// Encrypts consecutive units of `unit` bytes from `src` into `dst`
+    /// (of the same length, a multiple of `unit`); unit i's IV is `iv(i)`.
+    /// The tweaks of 4 units are encrypted at once, in one register.
+    pub fn encrypt_units_to(
+        &self,
+        unit: usize,
+        iv: impl FnMut(usize) -> [u8; 16],
+        src: &[u8],
+        dst: &mut [u8],
+    ) {
+        assert_eq!(src.len(), dst.len());
+        self.run_units::<true>(unit, iv, src.as_ptr(), dst.as_mut_ptr(), dst.len());
+    }
+
+    /// Decrypts consecutive units from `src` into `dst` (see
+    /// [`XtsVaes::encrypt_units_to`]).
+    pub fn decrypt_units_to(
+        &self,
+        unit: usize,
+        iv: impl FnMut(usize) -> [u8; 16],
+        src: &[u8],
+        dst: &mut [u8],
+    ) {
+        assert_eq!(src.len(), dst.len());
+        self.run_units::<false>(unit, iv, src.as_ptr(), dst.as_mut_ptr(), dst.len());
+    }
+
+    /// Decrypts consecutive units in place (see
+    /// [`XtsVaes::encrypt_units_to`]).
+    pub fn decrypt_units(&self, unit: usize, iv: impl FnMut(usize) -> [u8; 16], data: &mut [u8]) {
+        let p = data.as_mut_ptr();
+        self.run_units::<false>(unit, iv, p, p, data.len());
+    }
+
+    /// [`XtsVaes::run`] over `len / unit` units, their tweaks 4 at a time;
+    /// the same contract on `src`, `dst` and `len`, and `unit` a multiple
+    /// of 16.
+    fn run_units<const ENC: bool>(
+        &self,
+        unit: usize,
+        mut iv: impl FnMut(usize) -> [u8; 16],
+        src: *const u8,
+        dst: *mut u8,
+        len: usize,
+    ) {
+        // Whole units only, as `chunks_exact` on the portable path: a
+        // remainder shorter than a unit is left as it is.
+        assert!(unit > 0 && unit.is_multiple_of(16));
+        debug_assert!(len.is_multiple_of(unit));
+        let units = len / unit;
+        let keys = if ENC { &self.enc } else { &self.dec };
+        let mut u = 0;
+        while u < units {
+            let n = (units - u).min(4);
+            let mut ivs = [[0u8; 16]; 4];
+            for (j, v) in ivs.iter_mut().enumerate().take(n) {
+                *v = iv(u + j);
+            }
+            // SAFETY: an XtsVaes exists only where `detected()` found
+            // AVX-512F and VAES (see `new`), what `encrypt4` is compiled for.
+            let tw = unsafe { encrypt4(&self.tweak, self.tweak_rounds, &ivs) };
+            for (j, &t) in tw.iter().enumerate().take(n) {
+                let off = (u + j) * unit;
+                // SAFETY: as in `run`: the features were detected; unit
+                // u + j is bytes off..off + unit, inside the `len` bytes
+                // `src` and `dst` are valid for (u + j < units = len /
+                // unit), and the two are equal or disjoint.
+                unsafe {
+                    let (s, d) = (src.add(off), dst.add(off));
+                    match self.rounds {
+                        10 => xts::<ENC, 10>(keys, t, s, d, unit / 16),
+                        12 => xts::<ENC, 12>(keys, t, s, d, unit / 16),
+                        _ => xts::<ENC, 14>(keys, t, s, d, unit / 16),
+                    }
+                }
+            }
+            u += n;
+        }
+    }
+
     /// `len` bytes from `src` to `dst`, which are either the same pointer
     /// or two buffers that do not overlap, each valid for `len` bytes (the
     /// callers above take them from one `&mut [u8]`, or from a `&[u8]` and
@@ -220,6 +300,25 @@ fn encrypt_block(ks: &Schedule, nr: usize, block: &[u8; 16]) -> u128 {
     }
     x = _mm_aesenclast_si128(x, from_u128(u128::from_le_bytes(ks[nr])));
     to_u128(x)
+}
+
+/// Four blocks encrypted with `ks` (`nr` rounds) in one register: the
+/// first tweaks of four units.
+#[target_feature(enable = "avx512f,vaes")]
+fn encrypt4(ks: &Schedule, nr: usize, blocks: &[[u8; 16]; 4]) -> [u128; 4] {
+    let key = |i: usize| _mm512_broadcast_i32x4(from_u128(u128::from_le_bytes(ks[i])));
+    // SAFETY: `blocks` is 64 bytes, read as one unaligned vector.
+    let mut x = unsafe { _mm512_loadu_si512(blocks.as_ptr().cast::<__m512i>()) };
+    x = _mm512_xor_si512(x, key(0));
+    for i in 1..nr {
+        x = _mm512_aesenc_epi128(x, key(i));
+    }
+    x = _mm512_aesenclast_epi128(x, key(nr));
+    let mut out = [0u128; 4];
+    // SAFETY: `out` is 64 bytes, written as one unaligned vector; a u128's
+    // bytes on x86_64 are little-endian, as the tweak's.
+    unsafe { _mm512_storeu_si512(out.as_mut_ptr().cast::<__m512i>(), x) };
+    out
 }
 
 /// Multiplies each 128-bit lane (a tweak) by x^16 in GF(2^128): shifted
