@@ -1,4 +1,4 @@
-//! AES-XTS on VAES and AVX-512: one data unit at a time, 4 blocks per
+//! AES-XTS on VAES and AVX-512: data units of whole blocks, 4 blocks per
 //! 512-bit register and 4 registers in flight (16 blocks an iteration).
 //!
 //! The same function as `cipher.rs`'s portable XTS (IEEE 1619, tweak
@@ -8,10 +8,14 @@
 //!   decryption, made with `aesimc`, and k2's for the tweak) are expanded
 //!   once, when the [`Cipher`](super::cipher::Cipher) holding them is built,
 //!   and live where it lives (locked, undumped pages; zeroed on drop);
-//! - the first 16 tweaks of a unit are computed one by one (16 doublings),
-//!   then each register of 4 is multiplied by x^16 per iteration: a shift of
-//!   each 128-bit lane by two bytes, the two bytes shifted out reduced with
-//!   one carry-less multiply by 0x87 (VPCLMULQDQ);
+//! - consecutive units go in one call ([`XtsVaes::encrypt_units_to`] and
+//!   the like): the round keys are broadcast to the four lanes once a call,
+//!   and the first tweaks E_k2(IV) of 4 units are encrypted in one register;
+//! - a unit's first 16 tweaks are T * x^0..3 in one register (per-lane
+//!   shifts, the bits shifted out reduced with one carry-less multiply by
+//!   0x87, VPCLMULQDQ), then that times x^4, x^8 and x^12; each register
+//!   of 4 is then multiplied by x^16 per iteration: a shift of each
+//!   128-bit lane by two bytes, the two bytes shifted out times 0x87;
 //! - round key 0 and the tweak are XORed in one three-way XOR, and the last
 //!   round's key is XORed with the tweak first, so that `aesenclast` (or
 //!   `aesdeclast`) applies the output tweak too;
@@ -21,7 +25,7 @@
 //!
 //! It is chosen at run time: [`XtsVaes::new`] gives `None` unless the CPU
 //! has VAES, VPCLMULQDQ, AVX-512F and AVX-512BW (and AES-NI, for the key
-//! expansion and the tweak), and the caller then keeps the portable path.
+//! expansion), and the caller then keeps the portable path.
 
 use core::arch::x86_64::*;
 
@@ -152,7 +156,7 @@ impl XtsVaes {
     fn run_units<const ENC: bool>(
         &self,
         unit: usize,
-        mut iv: impl FnMut(usize) -> [u8; 16],
+        iv: impl FnMut(usize) -> [u8; 16],
         src: *const u8,
         dst: *mut u8,
         len: usize,
@@ -163,32 +167,17 @@ impl XtsVaes {
         debug_assert!(len.is_multiple_of(unit));
         let units = len / unit;
         let keys = if ENC { &self.enc } else { &self.dec };
-        let mut u = 0;
-        while u < units {
-            let n = (units - u).min(4);
-            let mut ivs = [[0u8; 16]; 4];
-            for (j, v) in ivs.iter_mut().enumerate().take(n) {
-                *v = iv(u + j);
+        let (tk, tnr) = (&self.tweak, self.tweak_rounds);
+        // SAFETY: an XtsVaes exists only where `detected()` found every
+        // feature `xts_units` is compiled for (see `new`); `src` and `dst`
+        // are valid for `len` bytes and equal or disjoint (this function's
+        // contract, kept by its callers), and `units * unit <= len`.
+        unsafe {
+            match self.rounds {
+                10 => xts_units::<ENC, 10>(keys, tk, tnr, iv, src, dst, unit, units),
+                12 => xts_units::<ENC, 12>(keys, tk, tnr, iv, src, dst, unit, units),
+                _ => xts_units::<ENC, 14>(keys, tk, tnr, iv, src, dst, unit, units),
             }
-            // SAFETY: an XtsVaes exists only where `detected()` found
-            // AVX-512F and VAES (see `new`), what `encrypt4` is compiled for.
-            let tw = unsafe { encrypt4(&self.tweak, self.tweak_rounds, &ivs) };
-            for (j, &t) in tw.iter().enumerate().take(n) {
-                let off = (u + j) * unit;
-                // SAFETY: as in `run`: the features were detected; unit
-                // u + j is bytes off..off + unit, inside the `len` bytes
-                // `src` and `dst` are valid for (u + j < units = len /
-                // unit), and the two are equal or disjoint.
-                unsafe {
-                    let (s, d) = (src.add(off), dst.add(off));
-                    match self.rounds {
-                        10 => xts::<ENC, 10>(keys, t, s, d, unit / 16),
-                        12 => xts::<ENC, 12>(keys, t, s, d, unit / 16),
-                        _ => xts::<ENC, 14>(keys, t, s, d, unit / 16),
-                    }
-                }
-            }
-            u += n;
         }
     }
 
@@ -199,28 +188,10 @@ impl XtsVaes {
     #[inline]
     fn run<const ENC: bool>(&self, iv: &[u8; 16], src: *const u8, dst: *mut u8, len: usize) {
         debug_assert!(len.is_multiple_of(16));
-        let t = self.tweak_of(iv);
-        let keys = if ENC { &self.enc } else { &self.dec };
-        // SAFETY: an XtsVaes exists only where `detected()` found every
-        // feature `xts` is compiled for (see `new`); `src` and `dst` are
-        // valid for `len` bytes and either equal or disjoint (this
-        // function's contract, kept by its four callers), which is what
-        // `xts` asks; `len / 16` whole blocks are read and written.
-        unsafe {
-            match self.rounds {
-                10 => xts::<ENC, 10>(keys, t, src, dst, len / 16),
-                12 => xts::<ENC, 12>(keys, t, src, dst, len / 16),
-                _ => xts::<ENC, 14>(keys, t, src, dst, len / 16),
-            }
+        let len = len / 16 * 16;
+        if len > 0 {
+            self.run_units::<ENC>(len, |_| *iv, src, dst, len);
         }
-    }
-
-    /// The unit's first tweak, E_k2(IV).
-    #[inline]
-    fn tweak_of(&self, iv: &[u8; 16]) -> u128 {
-        // SAFETY: an XtsVaes exists only where `detected()` found AES-NI
-        // (see `new`), the feature `encrypt_block` is compiled for.
-        unsafe { encrypt_block(&self.tweak, self.tweak_rounds, iv) }
     }
 }
 
@@ -288,18 +259,6 @@ fn to_u128(v: __m128i) -> u128 {
     let lo = _mm_cvtsi128_si64(v) as u64;
     let hi = _mm_cvtsi128_si64(_mm_unpackhi_epi64(v, v)) as u64;
     (hi as u128) << 64 | lo as u128
-}
-
-/// One block encrypted with `ks` (`nr` rounds), as a little-endian u128.
-#[target_feature(enable = "aes,sse2")]
-fn encrypt_block(ks: &Schedule, nr: usize, block: &[u8; 16]) -> u128 {
-    let mut x = from_u128(u128::from_le_bytes(*block));
-    x = _mm_xor_si128(x, from_u128(u128::from_le_bytes(ks[0])));
-    for k in &ks[1..nr] {
-        x = _mm_aesenc_si128(x, from_u128(u128::from_le_bytes(*k)));
-    }
-    x = _mm_aesenclast_si128(x, from_u128(u128::from_le_bytes(ks[nr])));
-    to_u128(x)
 }
 
 /// Four blocks encrypted with `ks` (`nr` rounds) in one register: the
@@ -373,25 +332,66 @@ fn one<const ENC: bool, const NR: usize>(x: __m512i, tw: __m512i, rk: &[__m512i;
     }
 }
 
-/// XTS over `blocks` 16-byte blocks from `src` to `dst` with the schedule
-/// `ks` (`enc` to encrypt, `dec` to decrypt) and first tweak `t`.
+/// XTS over `units` consecutive units of `unit` bytes from `src` to `dst`
+/// with the schedule `ks` (`enc` to encrypt, `dec` to decrypt) and the
+/// tweak key's `tk` (`tnr` rounds); unit i's IV is `iv(i)`. The round keys
+/// are broadcast once a call, the tweaks encrypted 4 units at a time.
 ///
 /// # Safety
-/// The CPU has AVX-512F, AVX-512BW, VAES and VPCLMULQDQ; `src` is valid
-/// for reads and `dst` for writes of `blocks * 16` bytes, and they are the
-/// same pointer or do not overlap.
+/// The CPU has AVX-512F, AVX-512BW, VAES and VPCLMULQDQ; `unit` is a
+/// multiple of 16; `src` is valid for reads and `dst` for writes of `units
+/// * unit` bytes, and they are the same pointer or do not overlap.
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bw,vaes,vpclmulqdq")]
-unsafe fn xts<const ENC: bool, const NR: usize>(
+unsafe fn xts_units<const ENC: bool, const NR: usize>(
     ks: &Schedule,
-    t: u128,
+    tk: &Schedule,
+    tnr: usize,
+    mut iv: impl FnMut(usize) -> [u8; 16],
     src: *const u8,
     dst: *mut u8,
-    blocks: usize,
+    unit: usize,
+    units: usize,
 ) {
     let mut rk = [_mm512_setzero_si512(); 15];
     for (r, k) in rk.iter_mut().zip(ks.iter()).take(NR + 1) {
         *r = _mm512_broadcast_i32x4(from_u128(u128::from_le_bytes(*k)));
     }
+    let mut u = 0;
+    while u < units {
+        let n = (units - u).min(4);
+        let mut ivs = [[0u8; 16]; 4];
+        for (j, v) in ivs.iter_mut().enumerate().take(n) {
+            *v = iv(u + j);
+        }
+        let tw = encrypt4(tk, tnr, &ivs);
+        for (j, &t) in tw.iter().enumerate().take(n) {
+            let off = (u + j) * unit;
+            // SAFETY: the features are this function's; unit u + j is
+            // bytes off..off + unit, inside the `units * unit` bytes `src`
+            // and `dst` are valid for, and the two are equal or disjoint.
+            unsafe { xts::<ENC, NR>(&rk, t, src.add(off), dst.add(off), unit / 16) };
+        }
+        u += n;
+    }
+}
+
+/// XTS over `blocks` 16-byte blocks from `src` to `dst` with the round
+/// keys `rk` (broadcast to every lane) and first tweak `t`.
+///
+/// # Safety
+/// The CPU has AVX-512F, AVX-512BW, VAES and VPCLMULQDQ; `src` is valid
+/// for reads and `dst` for writes of `blocks * 16` bytes, and they are the
+/// same pointer or do not overlap.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,vaes,vpclmulqdq")]
+unsafe fn xts<const ENC: bool, const NR: usize>(
+    rk: &[__m512i; 15],
+    t: u128,
+    src: *const u8,
+    dst: *mut u8,
+    blocks: usize,
+) {
     // The first 16 tweaks: T * x^0..3 in one register, then that times
     // x^4, x^8, x^12; after that x^16 a register per iteration.
     let poly = _mm512_set1_epi64(0x87);
@@ -411,10 +411,10 @@ unsafe fn xts<const ENC: bool, const NR: usize>(
         unsafe {
             let s = src.add(i * 16).cast::<__m512i>();
             let d = dst.add(i * 16).cast::<__m512i>();
-            let x0 = one::<ENC, NR>(_mm512_loadu_si512(s), tws[0], &rk);
-            let x1 = one::<ENC, NR>(_mm512_loadu_si512(s.add(1)), tws[1], &rk);
-            let x2 = one::<ENC, NR>(_mm512_loadu_si512(s.add(2)), tws[2], &rk);
-            let x3 = one::<ENC, NR>(_mm512_loadu_si512(s.add(3)), tws[3], &rk);
+            let x0 = one::<ENC, NR>(_mm512_loadu_si512(s), tws[0], rk);
+            let x1 = one::<ENC, NR>(_mm512_loadu_si512(s.add(1)), tws[1], rk);
+            let x2 = one::<ENC, NR>(_mm512_loadu_si512(s.add(2)), tws[2], rk);
+            let x3 = one::<ENC, NR>(_mm512_loadu_si512(s.add(3)), tws[3], rk);
             _mm512_storeu_si512(d, x0);
             _mm512_storeu_si512(d.add(1), x1);
             _mm512_storeu_si512(d.add(2), x2);
@@ -440,7 +440,7 @@ unsafe fn xts<const ENC: bool, const NR: usize>(
         // precedes the store.
         unsafe {
             let x = _mm512_maskz_loadu_epi32(mask, src.add(i * 16).cast::<i32>());
-            let x = one::<ENC, NR>(x, tw, &rk);
+            let x = one::<ENC, NR>(x, tw, rk);
             _mm512_mask_storeu_epi32(dst.add(i * 16).cast::<i32>(), mask, x);
         }
         i += n;
