@@ -1,13 +1,15 @@
 //! The cipher: dm-crypt's `<cipher>-<chainmode>-<ivmode>` string, parsed once
 //! at construction, and the per-sector transform it names.
 //!
-//! AES comes from RustCrypto's `aes` crate, which picks AES-NI at run time
-//! (and a constant-time software AES without it); the modes are written
-//! here because the field's XTS crate (`xts-mode`) encrypts one 16-byte
-//! block per call, 8x slower than handing `aes` 32 blocks at once (its
-//! AES-NI path pipelines 8). Measured on this host, 1 MiB in a loop, one
-//! core: `xts-mode` 0.6 GB/s; this file 4.2 GB/s at 512-byte sectors and
-//! 5.4 GB/s at 4 KiB (`openssl speed -evp aes-256-xts`: 6.5 and 8.1).
+//! XTS runs on `xts_vaes.rs` where the CPU has VAES and AVX-512 (chosen in
+//! [`Cipher::new`]). Otherwise AES comes from RustCrypto's `aes` crate,
+//! which picks AES-NI at run time (and a constant-time software AES
+//! without it); the modes are written here because the field's XTS crate
+//! (`xts-mode`) encrypts one 16-byte block per call, 8x slower than handing
+//! `aes` 32 blocks at once (its AES-NI path pipelines 8). Measured on this
+//! host, one core, AES-256: `xts-mode` 0.6 GB/s; this file 2.9-4.2 GB/s at
+//! 512-byte sectors and 3.9-5.4 GB/s at 4 KiB; `xts_vaes.rs` 15-16 and
+//! 20-21 GB/s (`openssl speed -evp aes-256-xts`: 4.5-6.5 and 5.5-8.1).
 //!
 //! What is computed, as dm-crypt and the IEEE 1619 / NIST definitions say:
 //! - XTS: the tweak T = E_k2(IV); block j of the sector is
