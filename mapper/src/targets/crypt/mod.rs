@@ -53,6 +53,31 @@
 
 mod bounce;
 pub mod cipher;
+#[cfg(target_arch = "x86_64")]
+mod xts_vaes;
+/// Elsewhere than x86_64 there is no VAES: XTS is always the portable path.
+#[cfg(not(target_arch = "x86_64"))]
+mod xts_vaes {
+    /// No value: [`XtsVaes::new`] never makes one.
+    pub enum XtsVaes {}
+    impl XtsVaes {
+        pub fn new(_: &[u8], _: &[u8]) -> Option<XtsVaes> {
+            None
+        }
+        pub fn encrypt(&self, _: &[u8; 16], _: &mut [u8]) {
+            match *self {}
+        }
+        pub fn decrypt(&self, _: &[u8; 16], _: &mut [u8]) {
+            match *self {}
+        }
+        pub fn encrypt_to(&self, _: &[u8; 16], _: &[u8], _: &mut [u8]) {
+            match *self {}
+        }
+        pub fn decrypt_to(&self, _: &[u8; 16], _: &[u8], _: &mut [u8]) {
+            match *self {}
+        }
+    }
+}
 pub mod key;
 
 use std::ptr::NonNull;
@@ -222,6 +247,21 @@ impl Crypt {
         let unit = self.opts.sector_size as usize;
         let rel = bio.sector;
         let step = 1u64 << self.shift;
+        if let [seg] = bio.segs() {
+            if seg.len == len {
+                // SAFETY: the one segment is the caller's buffer of `len`
+                // bytes, readable until the bio completes (add_seg's
+                // contract), and not the bounce buffer.
+                let src = unsafe { std::slice::from_raw_parts(seg.base, len) };
+                self.cipher.encrypt_units_to(
+                    unit,
+                    |i| self.iv_number(rel + i as u64 * step),
+                    src,
+                    dst,
+                );
+                return self.submit_write(bio, b, len, ctx);
+            }
+        }
         let mut cur = Cursor::default();
         for (i, d) in dst.chunks_exact_mut(unit).enumerate() {
             let n = self.iv_number(rel + i as u64 * step);
@@ -239,6 +279,13 @@ impl Crypt {
                 }
             }
         }
+        self.submit_write(bio, b, len, ctx)
+    }
+
+    /// Sends the bounce buffer `b`, `len` bytes encrypted, down in a clone
+    /// of the write `bio`.
+    fn submit_write(&self, bio: BioPtr, b: Bounce, len: usize, ctx: &MapCtx<'_>) -> Map {
+        let rel = bio.sector;
         let mut w = bio.alloc_clone();
         w.sector = rel + self.devs[0].start;
         // SAFETY: the buffer stays ours (not reused, not freed) until
@@ -264,14 +311,8 @@ impl Crypt {
         // in `map`; it is the caller's buffer, writable until the bio
         // completes (add_seg's contract), and not the lent memory.
         let dst = unsafe { std::slice::from_raw_parts_mut(bio.per_io[1] as *mut u8, len) };
-        for (i, (s, d)) in src
-            .chunks_exact(unit)
-            .zip(dst.chunks_exact_mut(unit))
-            .enumerate()
-        {
-            self.cipher
-                .decrypt_to(self.iv_number(rel + i as u64 * step), s, d);
-        }
+        self.cipher
+            .decrypt_units_to(unit, |i| self.iv_number(rel + i as u64 * step), src, dst);
     }
 
     /// Decrypts a completed read in the caller's buffers, unit by unit: a
@@ -281,6 +322,18 @@ impl Crypt {
         let unit = self.opts.sector_size as usize;
         let step = 1u64 << self.shift;
         let rel = bio.per_io[0];
+        let len = bio.len() as usize;
+        if let [seg] = bio.segs() {
+            if seg.len == len {
+                // SAFETY: the one segment is the caller's buffer of `len`
+                // bytes, writable until the bio completes (add_seg's
+                // contract).
+                let data = unsafe { std::slice::from_raw_parts_mut(seg.base, len) };
+                self.cipher
+                    .decrypt_units(unit, |i| self.iv_number(rel + i as u64 * step), data);
+                return;
+            }
+        }
         let mut cur = Cursor::default();
         let mut tmp = [0u8; 4096];
         for i in 0..bio.len() as usize / unit {
