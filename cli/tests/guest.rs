@@ -120,3 +120,29 @@ fn udm_crypt_writes_the_bytes_linux_dm_crypt_writes_and_opens_luks2() {
     }
     common::guest::run_scenarios(&["crypt"], &checks);
 }
+
+/// Pools move between Linux's dm-thin and udm's thin-pool both ways: a
+/// pool Linux made (a volume, a snapshot, writes apart) reads the same
+/// through udm, and one udm made reads the same through Linux; fio
+/// --verify through a chain of snapshots on each side; ext4 made and
+/// checked on a udm thin volume over ublk (`scripts/guest.sh thin`).
+#[test]
+fn thin_pools_move_between_linux_dm_thin_and_udm_both_ways() {
+    common::guest::run_scenarios(
+        &["thin"],
+        &[
+            "thin_udm_opens_linux_pool",
+            "thin_udm_reads_linux_origin",
+            "thin_udm_reads_linux_snap",
+            "thin_linux_opens_udm_pool",
+            "thin_linux_reads_udm_origin",
+            "thin_linux_reads_udm_snap",
+            "thin_linux_chain_7",
+            "thin_udm_chain_5",
+            "thin_udm_chain_6",
+            "thin_udm_chain_7",
+            "thin_udm_mkfs",
+            "thin_udm_fsck",
+        ],
+    );
+}

@@ -10,7 +10,8 @@ grep -q '^brd ' /proc/modules || insmod /lib/modules/brd.ko rd_size=65536 rd_nr=
 [ -e /dev/ublk-control ] || mdev -s
 export UDM_CONTROL=/tmp/udm-thin.sock
 : >/tmp/udm-thin.log
-udm daemon >/tmp/udm-thin.log 2>&1 &
+# Four volumes exported at once: 64 MiB of ublk buffers each.
+udm daemon --max-inflight 512M >/tmp/udm-thin.log 2>&1 &
 TH_PID=$!
 i=0
 until grep -q "daemon ready" /tmp/udm-thin.log; do
