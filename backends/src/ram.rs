@@ -39,12 +39,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use udm_core::{
-    check_bio, push_extent, Alloc, BioPtr, BlockDevice, Caps, Channel, Error, Extent, Limits, Mmap,
-    Op, Reactor, Status, BLOCK_STATUS_MAX_EXTENTS, SECTOR_SHIFT,
+    check_bio, push_extent, Alloc, BioFlags, BioPtr, BlockDevice, Caps, Channel, Error, Extent,
+    Limits, Mmap, Op, Reactor, Status, BLOCK_STATUS_MAX_EXTENTS, SECTOR_SHIFT,
 };
 
 const PAGE: usize = 4096;
 const PAGE_SHIFT: u32 = 12;
+/// What a never-written page reads as.
+static ZEROES: [u8; PAGE] = [0; PAGE];
 
 /// A RAM disk.
 pub struct RamDevice {
@@ -164,49 +166,69 @@ impl RamDevice {
         if unsafe { bio.lend(self.mem.as_ptr().add(pos)) } {
             return Status::Ok;
         }
-        let mut off = 0usize;
-        while pos < end {
-            let idx = pos >> PAGE_SHIFT;
-            let in_page = pos & (PAGE - 1);
-            let n = (PAGE - in_page).min(end - pos);
-            match bio.op {
-                Op::Read => match self.page(idx, false) {
+        let op = bio.op;
+        if matches!(op, Op::Read | Op::Write) {
+            // Segment by segment, page by page: a merged bio (a segment per
+            // request) is walked once, where copying at a byte offset of the
+            // bio rescans its segments for every page (a 32-segment bio of
+            // 4 KiB reads cost 75 instructions per segment more than 32 bios).
+            debug_assert!(!bio.flags.contains(BioFlags::LENT));
+            for s in bio.segs() {
+                let mut done = 0;
+                while done < s.len {
+                    let idx = pos >> PAGE_SHIFT;
+                    let in_page = pos & (PAGE - 1);
+                    let n = (PAGE - in_page).min(s.len - done);
+                    // SAFETY: `done + n <= s.len`: inside the segment, which
+                    // add_seg's contract keeps valid (writable for a read,
+                    // readable for a write) and unaliased until completion.
+                    let buf = unsafe { s.base.add(done) };
+                    let Some(p) = self.page(idx, op == Op::Write) else {
+                        if op == Op::Write {
+                            return Status::NoMem;
+                        }
+                        // A page never written reads as zeroes, copied as
+                        // before this walk. black_box keeps LLVM from
+                        // turning the copy into a memset, whose `rep stosb`
+                        // callgrind counts per byte (4 KiB: 3,700 more
+                        // instructions, hiding every other cost of such
+                        // reads).
+                        let zeroes = std::hint::black_box(ZEROES.as_ptr());
+                        // SAFETY: as above; ZEROES holds PAGE >= n bytes.
+                        unsafe { std::ptr::copy_nonoverlapping(zeroes, buf, n) };
+                        pos += n;
+                        done += n;
+                        continue;
+                    };
                     // SAFETY: pages are PAGE bytes inside the mapping, which
-                    // lives as long as the device; `in_page + n <= PAGE`.
-                    // Bytes have no invalid values; a concurrent write to the
-                    // same sectors from another reactor may tear the data, as
+                    // lives as long as the device; `in_page + n <= PAGE`; the
+                    // segment and the mapping are distinct memory. Bytes have
+                    // no invalid values; a concurrent write to the same
+                    // sectors from another reactor may tear the data, as
                     // overlapping I/O does on any block device.
-                    Some(p) => bio.copy_in(off, unsafe {
-                        std::slice::from_raw_parts(p.add(in_page), n)
-                    }),
-                    None => zero_part(bio, off, n),
-                },
-                Op::Write => match self.page(idx, true) {
-                    // SAFETY: as above; the slice is only written through here.
-                    Some(p) => bio.copy_out(off, unsafe {
-                        std::slice::from_raw_parts_mut(p.add(in_page), n)
-                    }),
-                    None => return Status::NoMem,
-                },
-                Op::Discard | Op::WriteZeroes => {
-                    // A discard takes the rest of the range at once (this is
-                    // its first page). Tested here, in the arm reads and
-                    // writes share with nothing, so their code stays as it
-                    // was (callgrind: the same instructions per I/O).
-                    if bio.op == Op::Discard {
-                        return self.discard(pos, end);
+                    unsafe {
+                        if op == Op::Read {
+                            std::ptr::copy_nonoverlapping(p.add(in_page), buf, n);
+                        } else {
+                            std::ptr::copy_nonoverlapping(buf, p.add(in_page), n);
+                        }
                     }
-                    if let Some(p) = self.page(idx, false) {
-                        // SAFETY: as above.
-                        unsafe { std::ptr::write_bytes(p.add(in_page), 0, n) };
-                    }
+                    pos += n;
+                    done += n;
                 }
-                Op::Flush => {}
             }
-            pos += n;
-            off += n;
+            return Status::Ok;
         }
-        Status::Ok
+        match op {
+            // Kept out of the read and write walk above, which must not
+            // pay for it.
+            Op::Discard => self.discard(pos, end),
+            Op::WriteZeroes => {
+                self.zero(pos, end);
+                Status::Ok
+            }
+            _ => Status::Ok,
+        }
     }
 }
 
@@ -269,11 +291,6 @@ impl RamDevice {
         }
         cleared
     }
-}
-
-fn zero_part(bio: &mut BioPtr, off: usize, n: usize) {
-    const ZEROES: [u8; PAGE] = [0; PAGE];
-    bio.copy_in(off, &ZEROES[..n]);
 }
 
 struct RamChannel {

@@ -377,8 +377,8 @@ fn json_field<'a>(out: &'a str, key: &str) -> &'a str {
         .unwrap_or_else(|| panic!("no {key} in {out}"))
 }
 
-/// Auto takes the device's report: RAM stream, a per-request delay queued;
-/// and queued and stream dispatch allocate nothing per I/O once warm.
+/// Auto takes the device's report: RAM per request, a per-request delay queued;
+/// and queued, stream and auto dispatch allocate nothing per I/O once warm.
 #[test]
 fn bench_dispatch_auto_follows_the_device_and_queued_and_stream_allocate_nothing_per_io() {
     let run = |dev: &str, extra: &[&str]| {
@@ -399,10 +399,10 @@ fn bench_dispatch_auto_follows_the_device_and_queued_and_stream_allocate_nothing
         out
     };
     let out = run("d=ram:64M", &[]);
-    assert_eq!(json_field(&out, "dispatch"), "\"stream\"", "{out}");
+    assert_eq!(json_field(&out, "dispatch"), "\"auto\"", "{out}");
     let out = run("d=null:64M,delay=20", &["--rw", "write"]);
     assert_eq!(json_field(&out, "dispatch"), "\"queued\"", "{out}");
-    for mode in ["queued", "stream"] {
+    for mode in ["queued", "stream", "auto"] {
         let out = run("d=null:1G", &["--rw", "write", "--dispatch", mode]);
         assert_eq!(json_field(&out, "dispatch"), format!("\"{mode}\""), "{out}");
         let allocs: f64 = json_field(&out, "allocs_per_io").parse().unwrap();

@@ -166,7 +166,7 @@ fn auto_picks_each_exports_mode_from_its_devices_report() {
     };
     assert!(
         line("r").contains(
-            "dispatch stream (auto: merging does not help (RAM: a request costs only its copy); only back-to-back requests merge)"
+            "dispatch auto (auto: merging does not help (RAM: a request costs only its copy); back-to-back requests merge while others are in flight, the rest go direct)"
         ),
         "{out}"
     );
@@ -228,7 +228,7 @@ fn export_add_takes_a_dispatch_and_info_and_dump_config_show_it() {
     );
     let info = d.ok(&["info", "r"]);
     assert!(
-        info.contains("Export dispatch:   r (nbd): stream (auto: merging does not help (RAM: a request costs only its copy); only back-to-back requests merge)"),
+        info.contains("Export dispatch:   r (nbd): auto (auto: merging does not help (RAM: a request costs only its copy); back-to-back requests merge while others are in flight, the rest go direct)"),
         "{info}"
     );
     // The data goes through either way.

@@ -1,7 +1,7 @@
 //! A vhost-user-blk load generator on libblkio's `virtio-blk-vhost-user`
 //! driver (no VM): random (`read`, `write`) or sequential (`seqread`,
 //! `seqwrite`) reads or writes of BS bytes at QD in flight on one queue for
-//! SECS seconds; prints `iops N`.
+//! SECS seconds; prints `iops N` (and, on stderr, `ios N`: the I/Os done).
 //!
 //! usage: vhost_bench SOCKET [SECS=5] [QD=32] [BS=4096] [read|write|seqread|seqwrite]
 
@@ -77,4 +77,6 @@ fn main() {
     }
     let el = t0.elapsed().as_secs_f64();
     println!("iops {:.0}", n as f64 / el);
+    // For per-I/O counts taken on the server (scripts/bench/server-cost.sh).
+    eprintln!("ios {n}");
 }

@@ -64,9 +64,14 @@ fn ram_and_null_do_not_gain_and_auto_streams_them() {
     );
     for d in [&*ram as &dyn BlockDevice, &null] {
         let (mode, why) = Dispatch::Auto.choose(d);
-        assert_eq!(mode, Dispatch::Stream, "{}", d.name());
+        assert_eq!(mode, Dispatch::Auto, "{}: chosen per request", d.name());
         assert!(why.starts_with("auto: merging does not help ("), "{why}");
-        assert!(why.ends_with("only back-to-back requests merge"), "{why}");
+        assert!(
+            why.ends_with(
+                "back-to-back requests merge while others are in flight, the rest go direct"
+            ),
+            "{why}"
+        );
     }
 }
 
@@ -98,7 +103,7 @@ fn an_o_direct_file_on_a_disk_gains_but_buffered_or_in_memory_does_not() {
         report(&*buffered),
         (false, "buffered: the page cache merges".into())
     );
-    assert_eq!(Dispatch::Auto.choose(&*buffered).0, Dispatch::Stream);
+    assert_eq!(Dispatch::Auto.choose(&*buffered).0, Dispatch::Auto);
 
     let shm = Scratch::new("/dev/shm", "shm");
     // tmpfs takes O_DIRECT on kernels since 6.6; skip where it does not.
@@ -145,7 +150,7 @@ fn a_mapped_device_gains_if_any_device_it_maps_to_does_and_names_it() {
             "maps to ram0: RAM: a request costs only its copy".into()
         )
     );
-    assert_eq!(Dispatch::Auto.choose(&*over_ram).0, Dispatch::Stream);
+    assert_eq!(Dispatch::Auto.choose(&*over_ram).0, Dispatch::Auto);
 
     let mixed = as_dev(&devs.mapped("m1", "0 2048 linear ram0 0\n2048 2048 linear disk0 0"));
     assert_eq!(

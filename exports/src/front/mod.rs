@@ -37,7 +37,10 @@
 //!   plug merge, which looks at the last request only): a request that
 //!   does not sends the run held before it, unsorted. Requests that need
 //!   more (sub-block, larger than one bio, dataless, or held back by a
-//!   read-modify-write) go as in direct mode. An export calls `unplug` at
+//!   read-modify-write) go as in direct mode. *Auto*, on a device that
+//!   merging does not help, holds as stream does only a request that
+//!   continues the one before while others are in flight; any other goes
+//!   as in direct mode, at direct's cost. An export calls `unplug` at
 //!   the end of each batch it receives (one receive, one virtqueue kick);
 //!   in direct mode it finds nothing held and returns.
 //! - Bounce buffers are charged to the process's in-flight budget when
@@ -264,7 +267,7 @@ pub struct Front {
     /// Direct, queued or stream: in the last two, aligned reads and writes
     /// are held in `plug` until [`Front::unplug`].
     mode: Cell<Dispatch>,
-    /// Stream dispatch: where the last aligned request ended.
+    /// Stream and auto dispatch: where the last aligned request ended.
     next_off: Cell<u64>,
     /// The device reports that merging helps it ([`Caps::MERGE`]).
     merge_helps: bool,
@@ -309,12 +312,12 @@ impl Front {
     }
 
     /// Sets how requests go to the device (direct until set): `Auto`
-    /// queues where the device reports that merging helps it, and streams
-    /// elsewhere. Requests held go at once when the mode changes.
+    /// queues where the device reports that merging helps it, and chooses
+    /// per request elsewhere (see [`Front::dispatch`]). Requests held go at
+    /// once when the mode changes.
     pub fn set_dispatch(&self, mode: Dispatch) {
         let mode = match mode {
             Dispatch::Auto if self.merge_helps => Dispatch::Queued,
-            Dispatch::Auto => Dispatch::Stream,
             m => m,
         };
         self.unplug();
@@ -332,7 +335,12 @@ impl Front {
         self.bounce_held.get()
     }
 
-    /// The dispatch in use: `Direct`, `Queued` or `Stream`.
+    /// The dispatch in use: `Direct`, `Queued`, `Stream`, or `Auto` on a
+    /// device that merging does not help: an aligned read or write that
+    /// continues the one before while other requests of the front are in
+    /// flight is held as in stream mode; a lone one, or one that does not
+    /// continue, goes on direct's path (a test and a store more than
+    /// direct), sending first what is held.
     pub fn dispatch(&self) -> Dispatch {
         self.mode.get()
     }

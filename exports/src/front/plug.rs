@@ -1,7 +1,8 @@
 //! Queued and stream dispatch (seed 004): requests held until the
 //! export's [`Front::unplug`], then sorted and merged into multi-segment
 //! bios (the kernel's plug list, `blk_finish_plug`); in stream mode, held
-//! only while each continues the one before (the kernel's plug merge).
+//! only while each continues the one before (the kernel's plug merge); in
+//! auto mode, only while it does and other requests are in flight.
 
 use udm_core::{BioFlags, BioPtr, Dispatch, Op, SECTOR_SHIFT};
 
@@ -32,13 +33,36 @@ impl Plugged {
 
 impl Front {
     /// Holds an aligned read or write of at most one bio until
-    /// [`Front::unplug`] and returns true (queued and stream dispatch);
-    /// false when the request is to go now. In stream mode only a request
-    /// that starts where the one before it ended is held (what is held goes
-    /// first when it cannot take this one); any other sends what is held
-    /// and goes now.
+    /// [`Front::unplug`] and returns true (queued, stream and auto
+    /// dispatch); false when the request is to go now. In stream mode only
+    /// a request that starts where the one before it ended is held (what is
+    /// held goes first when it cannot take this one); any other sends what
+    /// is held and goes now. Auto holds as stream does, but only while
+    /// other requests are in flight: a lone request could merge with
+    /// nothing, and holding it would only cost.
+    ///
+    /// Auto's test is inline, so that the requests it sends on direct's
+    /// path pay only it (a comparison, a store and a count) and not the call.
+    #[inline]
     pub(super) fn hold(&self, idx: usize, req: Request) -> bool {
-        let stream = self.mode.get() == Dispatch::Stream;
+        let mode = self.mode.get();
+        if mode == Dispatch::Queued {
+            return self.hold_run(idx, req, true);
+        }
+        let follows = self.next_off.replace(req.offset + req.len as u64) == req.offset;
+        if mode == Dispatch::Auto && !(follows && self.slots.borrow().len() > 1) {
+            self.unplug();
+            return false;
+        }
+        self.hold_run(idx, req, follows)
+    }
+
+    /// [`Front::hold`]'s work, out of line; `follows`: the request starts
+    /// where the one before it ended (always true in queued mode, which
+    /// does not ask).
+    #[inline(never)]
+    fn hold_run(&self, idx: usize, req: Request, follows: bool) -> bool {
+        let stream = self.mode.get() != Dispatch::Queued;
         // Stream mode sends a read the device may lend its memory to alone:
         // a merged bio cannot be lent, and on the memory-like devices that
         // lend (where auto streams) the copy saved is worth more than the
@@ -47,7 +71,6 @@ impl Front {
             && req.len <= self.max_bio
             && !(stream && req.flags.may_lend);
         if stream {
-            let follows = self.next_off.replace(req.offset + req.len as u64) == req.offset;
             if !(holdable && follows) {
                 self.unplug();
                 return false;
@@ -83,7 +106,7 @@ impl Front {
         true
     }
 
-    /// Stream dispatch: whether `p`, which starts where the last request
+    /// Stream and auto dispatch: whether `p`, which starts where the last request
     /// ended (`next_off`), can join the run held (or nothing is held)
     /// within the device's limits.
     fn continues_plug(&self, p: &Plugged) -> bool {

@@ -671,7 +671,7 @@ fn queued_sends_at_once_what_one_bio_cannot_carry() {
 fn auto_queues_only_where_the_device_reports_that_merging_helps() {
     let rig = Rig::new(MemDev::new());
     rig.front().set_dispatch(Dispatch::Auto);
-    assert_eq!(rig.front().dispatch(), Dispatch::Stream);
+    assert_eq!(rig.front().dispatch(), Dispatch::Auto, "chosen per request");
     let dev = Arc::new(MemDev {
         merge: true,
         ..Arc::into_inner(MemDev::new()).unwrap()
@@ -747,6 +747,55 @@ fn stream_holds_only_what_continues_the_request_before_and_sends_the_rest_as_it_
     );
     rig.run();
     assert_eq!(rig.results().len(), 2);
+}
+
+#[test]
+fn auto_holds_a_request_only_while_it_continues_the_one_before_and_others_are_in_flight() {
+    let rig = Rig::new(MemDev::new());
+    rig.front().set_dispatch(Dispatch::Auto);
+    let none = ReqFlags::default();
+    let b = BS as u64;
+    let mut w: Vec<Vec<u8>> = (0..8).map(|i| pattern(i, BS as usize)).collect();
+    let mut w = w.iter_mut();
+    let mut next = || w.next().unwrap();
+    // Lone requests (nothing else in flight) go at once, sequential or not:
+    // holding one could merge it with nothing.
+    rig.submit(0, FrontOp::Write, 0, next(), none);
+    assert_eq!(shapes(&rig.dev).len(), 1, "the first went at once");
+    rig.run();
+    rig.submit(1, FrontOp::Write, b, next(), none);
+    assert_eq!(shapes(&rig.dev).len(), 2, "a lone sequential one too");
+    // With 1 in flight, 2 continues it: held, and 3 joins it (a full bio:
+    // MAX_IO is two blocks).
+    rig.submit(2, FrontOp::Write, 2 * b, next(), none);
+    rig.submit(3, FrontOp::Write, 3 * b, next(), none);
+    assert_eq!(shapes(&rig.dev).len(), 2, "2 and 3 held as one run");
+    rig.front().unplug();
+    assert_eq!(shapes(&rig.dev)[2], (Op::Write, 2 * b, MAX_IO, 2));
+    // 4 continues 3 and is held; 7 does not continue it: 4 goes first,
+    // then 7 at once, though others are in flight.
+    rig.submit(4, FrontOp::Write, 4 * b, next(), none);
+    assert_eq!(shapes(&rig.dev).len(), 3, "4 held");
+    rig.submit(5, FrontOp::Write, 7 * b, next(), none);
+    assert_eq!(
+        shapes(&rig.dev)[3..],
+        [(Op::Write, 4 * b, BS, 1), (Op::Write, 7 * b, BS, 1)]
+    );
+    rig.front().unplug();
+    assert_eq!(shapes(&rig.dev).len(), 5, "nothing was left held");
+    rig.run();
+    let mut got = rig.results();
+    got.sort_by_key(|d| d.0);
+    assert_eq!(got, (0..6).map(|k| (k, Ok(()))).collect::<Vec<_>>());
+    let data = rig.dev.data.lock().unwrap();
+    for (k, blk) in [0u64, 1, 2, 3, 4, 7].into_iter().enumerate() {
+        let o = (blk * b) as usize;
+        assert_eq!(
+            data[o..o + BS as usize],
+            pattern(k as u8, BS as usize)[..],
+            "block {blk}"
+        );
+    }
 }
 
 #[test]

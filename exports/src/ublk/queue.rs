@@ -31,7 +31,7 @@ use udm_core::{Dispatch, Error, ErrorKind, Mmap, Poller, Ring, RingOp, WorkQueue
 use super::sys::{self, IoCmd, IoDesc};
 use crate::front::{Done, Front, FrontError, FrontOp, ReqFlags, Request, Submitted};
 
-/// Queued or stream dispatch: unplugs the front once the turn's requests
+/// Queued, stream or auto dispatch: unplugs the front once the turn's requests
 /// are in.
 struct Unplug {
     front: Rc<Front>,
@@ -68,7 +68,7 @@ pub(crate) struct Queue {
     cdev: RawFd,
     ring: Rc<Ring>,
     front: Rc<Front>,
-    /// Queued or stream dispatch: the reactor's work queue and what unplugs
+    /// Queued, stream or auto dispatch: the reactor's work queue and what unplugs
     /// the front.
     unplug: Option<(WorkQueue, Rc<Unplug>)>,
     read_only: bool,

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Issue 42's dispatch table: `udm bench` with direct, queued, stream and
+# auto dispatch over QD 1/4/32 x sequential/random x read/write, on a RAM
+# disk (prefilled) and on an O_DIRECT file on /dev/shm, in interleaved
+# rounds (the modes' order reverses every round); a markdown table of
+# medians: direct's IOPS, each mode's median per-round ratio to the direct
+# run beside it, and auto / the better of direct and queued.
+#
+#   scripts/bench/dispatch-table.sh [ROUNDS=3]
+#
+# Env: RUNTIME (seconds per run, default 1), BS (default 4k), DEVS (default
+# "ram file"), FILE (default /dev/shm/udm-dispatch-table.img, 256 MiB,
+# written once before the rounds), UDM (binary; default builds
+# target/release/udm).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROUNDS=${1:-3}
+RUNTIME=${RUNTIME:-1}
+BS=${BS:-4k}
+DEVS=${DEVS:-ram file}
+FILE=${FILE:-/dev/shm/udm-dispatch-table.img}
+if [ -z "${UDM:-}" ]; then
+    cargo build --release -q -p udm
+    UDM=target/release/udm
+fi
+OUT=$(mktemp)
+trap 'rm -f "$OUT"' EXIT
+MODES=(direct queued stream auto)
+for dev in $DEVS; do
+    case $dev in
+    ram) SPEC=d=ram:256M EXTRA=(--prefill) ;;
+    file)
+        [ -s "$FILE" ] || dd if=/dev/zero of="$FILE" bs=1M count=256 status=none
+        SPEC=d=file:$FILE EXTRA=()
+        ;;
+    esac
+    for r in $(seq "$ROUNDS"); do
+        echo "$dev: round $r/$ROUNDS" >&2
+        order=("${MODES[@]}")
+        (( r % 2 )) || mapfile -t order < <(printf '%s\n' "${MODES[@]}" | tac)
+        for rw in read randread write randwrite; do
+            for qd in 1 4 32; do
+                for m in "${order[@]}"; do
+                    iops=$("$UDM" bench --dev "$SPEC" --target d --rw "$rw" --bs "$BS" --iodepth "$qd" \
+                        --runtime "$RUNTIME" --dispatch "$m" "${EXTRA[@]}" --json |
+                        python3 -c 'import json,sys; print(json.load(sys.stdin)["iops"])')
+                    echo "$dev $rw $qd $r $m $iops" >>"$OUT"
+                done
+            done
+        done
+    done
+done
+python3 - "$OUT" <<'PY'
+import sys, statistics as st
+from collections import defaultdict
+runs = defaultdict(dict)
+for dev, rw, qd, r, m, iops in (l.split() for l in open(sys.argv[1])):
+    runs[(dev, rw, int(qd))].setdefault(int(r), {})[m] = float(iops)
+print("| device | rw | QD | direct IOPS | queued / direct | stream / direct | auto / direct | auto / max(direct, queued) |")
+print("|---|---|---|---|---|---|---|---|")
+for (dev, rw, qd), rounds in runs.items():
+    rs = rounds.values()
+    med = lambda f: st.median(f(v) for v in rs)
+    d = med(lambda v: v["direct"])
+    ratio = lambda m: med(lambda v: v[m] / v["direct"])
+    best = med(lambda v: v["auto"] / max(v["direct"], v["queued"]))
+    fmt = f"{d / 1e6:.2f} M" if d >= 1e6 else f"{d / 1e3:.0f} k"
+    print(f"| {dev} | {rw} | {qd} | {fmt} | {ratio('queued'):.2f} | {ratio('stream'):.2f} | {ratio('auto'):.2f} | {best:.2f} |")
+PY
