@@ -6,4 +6,6 @@
 use libfuzzer_sys::fuzz_target;
 use udm_mapper::fuzzing;
 
-fuzz_target!(|data: &[u8]| fuzzing::thin_metadata(data));
+fuzz_target!(|data: &[u8]| {
+    fuzzing::thin_metadata(data);
+});
