@@ -11,7 +11,8 @@ cargo fmt --all -- --check
 echo "== cargo clippy"
 cargo clippy --all-targets --release -- -D warnings
 echo "== cargo test"
-cargo test --release --workspace 2>&1 | tee target/test.log
+# --no-fail-fast: one run reports every failing binary, not just the first.
+cargo test --release --workspace --no-fail-fast 2>&1 | tee target/test.log
 echo "== fuzz (every target, briefly)"
 if ! FUZZ_MERGE=0 ./scripts/fuzz.sh "${FUZZ_SECONDS:-10}" >target/fuzz.log 2>&1; then
     tail -40 target/fuzz.log

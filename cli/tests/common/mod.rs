@@ -221,6 +221,12 @@ pub fn udm(args: &[&str]) -> (i32, String, String) {
 pub struct KillOnDrop(pub Option<Child>);
 
 impl KillOnDrop {
+    /// Whether the child has not exited yet.
+    pub fn running(&mut self) -> bool {
+        let c = self.0.as_mut().expect("running");
+        matches!(c.try_wait(), Ok(None))
+    }
+
     /// Waits for the child; returns its stdout and stderr together.
     pub fn wait_with_output(mut self) -> String {
         let c = self.0.take().expect("running");
