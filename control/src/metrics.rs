@@ -304,7 +304,10 @@ mod tests {
             parse_addr("0.0.0.0:9100").unwrap(),
             "0.0.0.0:9100".parse().unwrap()
         );
-        assert_eq!(parse_addr("[::]:9100").unwrap(), "[::]:9100".parse().unwrap());
+        assert_eq!(
+            parse_addr("[::]:9100").unwrap(),
+            "[::]:9100".parse().unwrap()
+        );
         let e = parse_addr("nope").unwrap_err().to_string();
         assert_eq!(
             e,

@@ -106,7 +106,10 @@ fn a_live_socket_is_refused_and_a_stale_one_reclaimed() {
     drop(bind(&p, Access::OWNER).unwrap()); // stale: replaced
     std::fs::remove_file(&p).unwrap();
     std::fs::write(&p, b"not a socket").unwrap();
-    assert!(bind(&p, Access::OWNER).unwrap_err().to_string().contains("not a socket"));
+    assert!(bind(&p, Access::OWNER)
+        .unwrap_err()
+        .to_string()
+        .contains("not a socket"));
     std::fs::remove_file(&p).unwrap();
 }
 

@@ -86,14 +86,11 @@ impl Access {
     /// Who is admitted, for a refusal's message.
     pub fn who(&self) -> String {
         let me = euid();
-        let users = if me == 0 {
-            "root".to_string()
-        } else {
-            format!("uid {me} and root")
-        };
-        match self.group {
-            Some(g) => format!("{users} and group {g}"),
-            None => format!("{users} only"),
+        match (me, self.group) {
+            (0, None) => "root only".into(),
+            (0, Some(g)) => format!("root and group {g}"),
+            (u, None) => format!("uid {u} and root only"),
+            (u, Some(g)) => format!("uid {u}, root and group {g}"),
         }
     }
 
@@ -166,14 +163,12 @@ impl Access {
         }
         let placed = (|| {
             if let Some(g) = self.group {
-                // SAFETY: cpath is a live NUL-terminated string; -1 keeps the owner.
-                if unsafe { libc::lchown(cpath.as_ptr(), u32::MAX, g) } != 0 {
-                    let e = std::io::Error::last_os_error();
-                    return Err(Error::os(
+                std::os::unix::fs::lchown(path, None, Some(g)).map_err(|e| {
+                    Error::os(
                         format!("{what}: giving it to group {g} (is udm's user a member?)"),
                         e,
-                    ));
-                }
+                    )
+                })?;
             }
             // Exactly the mode, whatever the umask took away.
             std::fs::set_permissions(path, std::fs::Permissions::from_mode(self.mode()))
@@ -287,17 +282,26 @@ pub fn check_dir(dir: &Path) -> Result<(), Error> {
 }
 
 /// Creates `dir` (and the directories above it that are missing) mode
-/// 0700 from the start; an existing directory is left as it is.
-pub fn make_private_dir(dir: &Path) -> Result<(), Error> {
+/// 0700 from the start; with a group, `dir` itself is then given to the
+/// group, mode 0750, so that its members reach the sockets in it. An
+/// existing directory is left as it is.
+pub fn make_private_dir(dir: &Path, access: Access) -> Result<(), Error> {
     use std::os::unix::fs::DirBuilderExt;
     if dir.as_os_str().is_empty() || dir.is_dir() {
         return Ok(());
     }
+    let what = || format!("socket directory '{}'", dir.display());
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
         .create(dir)
-        .map_err(|e| Error::os(format!("socket directory '{}'", dir.display()), e))
+        .map_err(|e| Error::os(what(), e))?;
+    if let Some(g) = access.group {
+        std::os::unix::fs::lchown(dir, None, Some(g)).map_err(|e| Error::os(what(), e))?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o750))
+            .map_err(|e| Error::os(what(), e))?;
+    }
+    Ok(())
 }
 
 /// The gid of `--socket-group GROUP`: a group name, or a number.
@@ -421,13 +425,17 @@ mod tests {
         // A directory below an open one is refused for its parent.
         std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
         let below = open.join("below");
-        make_private_dir(&below).unwrap();
-        assert_eq!(
-            std::fs::metadata(&below).unwrap().mode() & 0o7777,
-            0o700
-        );
+        make_private_dir(&below, Access::OWNER).unwrap();
+        assert_eq!(std::fs::metadata(&below).unwrap().mode() & 0o7777, 0o700);
         let e = check_dir(&below).unwrap_err().to_string();
         assert!(e.contains(&format!("'{}'", open.display())), "{e}");
+        // SAFETY: getegid has no preconditions.
+        let g = unsafe { libc::getegid() };
+        let grouped = d.path("grouped");
+        make_private_dir(&grouped, Access { group: Some(g) }).unwrap();
+        let m = std::fs::metadata(&grouped).unwrap();
+        assert_eq!((m.mode() & 0o7777, m.gid()), (0o750, g));
+        check_dir(&grouped).unwrap();
     }
 
     #[test]
@@ -435,6 +443,9 @@ mod tests {
         assert_eq!(parse_group("0").unwrap(), 0);
         assert_eq!(parse_group("root").unwrap(), 0);
         let e = parse_group("no-such-group-udm").unwrap_err();
-        assert_eq!(e.to_string(), "--socket-group 'no-such-group-udm': no such group");
+        assert_eq!(
+            e.to_string(),
+            "--socket-group 'no-such-group-udm': no such group"
+        );
     }
 }

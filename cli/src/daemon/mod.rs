@@ -110,7 +110,7 @@ pub fn main(a: DaemonArgs) -> Result<i32, Error> {
         .map(udm_control::metrics::parse_addr)
         .transpose()?;
     let path = udm_control::control_socket(a.control);
-    make_private_dir(&dir_of(&path))?;
+    make_private_dir(&dir_of(&path), access)?;
     let listener = udm_control::bind(&path, access)?;
     let ctl = Arc::new(Control::default());
     ctl.set_limits(limits_def);

@@ -64,12 +64,7 @@ impl Vhost {
     /// Exports of `reactors` queues unless told otherwise, each queue on
     /// its own reactor built as `reactor` says, drawing on `pool`, their
     /// sockets open to whom `access` admits.
-    pub fn new(
-        reactors: usize,
-        reactor: ReactorConfig,
-        pool: Arc<Pool>,
-        access: Access,
-    ) -> Vhost {
+    pub fn new(reactors: usize, reactor: ReactorConfig, pool: Arc<Pool>, access: Access) -> Vhost {
         Vhost {
             reactors: reactors.max(1),
             reactor,

@@ -627,7 +627,10 @@ mod tests {
             .err()
             .unwrap();
         assert_eq!(e.kind(), ErrorKind::Invalid);
-        assert!(e.to_string().starts_with("--recover: an unprivileged"), "{e}");
+        assert!(
+            e.to_string().starts_with("--recover: an unprivileged"),
+            "{e}"
+        );
     }
 
     /// A device that only describes itself.
