@@ -12,6 +12,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use udm_control::{Control, ControlServer, Holder};
+use udm_core::access::{parse_group, Access};
 use udm_core::{BlockDevice, CompletionMode, Error, ReactorConfig};
 use udm_exports::limits;
 use udm_exports::nbd::{server, Export, Limits, Listen, Server, ServerConfig};
@@ -70,9 +71,15 @@ pub struct ServeArgs {
     control: Option<PathBuf>,
     #[command(flatten)]
     completion: CompletionArgs,
-    /// Serve Prometheus metrics over HTTP at ADDR (e.g. 127.0.0.1:9100).
+    /// Serve Prometheus metrics over HTTP at ADDR: PORT or :PORT listens
+    /// on 127.0.0.1; any other address must be written out (HOST:PORT).
     #[arg(long, value_name = "ADDR")]
-    metrics: Option<std::net::SocketAddr>,
+    metrics: Option<String>,
+    /// Admit the members of GROUP (a name or gid) to the control socket and
+    /// the vhost-user-blk socket, besides udm's user and root (mode 0660,
+    /// owned by the group; docs/security.md).
+    #[arg(long, value_name = "GROUP")]
+    socket_group: Option<String>,
     /// Close a connection that has not finished its handshake (entered
     /// transmission) this many seconds after it was accepted; 0: never.
     #[arg(long, value_name = "SECS", default_value = "10")]
@@ -94,6 +101,10 @@ pub struct ServeArgs {
     /// queue per CPU; docs/ublk.md), instead of over NBD.
     #[arg(long, conflicts_with_all = ["listens", "export_max_connections", "vhost_user_blk"])]
     ublk: bool,
+    /// ublk: add the devices as udm's user's instead of root's
+    /// (UBLK_F_UNPRIVILEGED_DEV; docs/ublk.md).
+    #[arg(long, requires = "ublk")]
+    unprivileged: bool,
 }
 
 /// The built-in stack of `udm serve`.
@@ -193,13 +204,22 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
         control,
         completion,
         metrics,
+        socket_group,
         handshake_timeout,
         max_connections,
         export_max_connections,
         max_inflight,
         ublk,
+        unprivileged,
     } = a;
     let limits = parse_limits(&handshake_timeout, max_connections, &max_inflight)?;
+    let access = Access {
+        group: socket_group.as_deref().map(parse_group).transpose()?,
+    };
+    let metrics = metrics
+        .as_deref()
+        .map(udm_control::metrics::parse_addr)
+        .transpose()?;
     let export_caps = export_max_connections
         .iter()
         .map(|s| parse_export_cap(s))
@@ -276,7 +296,13 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
     }
     if ublk {
         let pool = limits::Pool::new(&limits)?;
-        return serve_ublk(stack, &table, &wanted, control, reactor, &pool, stop);
+        let ub = UblkServe {
+            control,
+            reactor,
+            unprivileged,
+            access,
+        };
+        return serve_ublk(stack, &table, &wanted, ub, &pool, stop);
     }
     if vhost_user_blk.is_some() && table.len() != 1 {
         return Err(Error::invalid(
@@ -304,7 +330,7 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
         })),
     };
     // Bound before any thread of ours starts: it sets the umask around bind.
-    let ctl_listener = udm_control::bind(&ctl_path)?;
+    let ctl_listener = udm_control::bind(&ctl_path, access)?;
     let unlink = Unlink(ctl_path.clone());
     let srv = match vhost_user_blk {
         Some(path) => {
@@ -320,6 +346,7 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
                     read_only: wanted[0].1,
                     budget: Some(limits::Pool::new(&limits)?.budget.clone()),
                     dispatch: e.dispatch,
+                    access,
                 },
             )?;
             println!(
@@ -363,7 +390,7 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
             );
         }
     }
-    let ctl = ControlServer::start(ctl_listener, ctl_path.clone(), stack.clone())?;
+    let ctl = ControlServer::start(ctl_listener, ctl_path.clone(), stack.clone(), access)?;
     let metrics = match metrics {
         Some(addr) => {
             let m = udm_control::serve_metrics(addr, stack.clone())?;
@@ -437,20 +464,33 @@ impl Srv {
     }
 }
 
+/// How `udm serve --ublk` serves.
+struct UblkServe {
+    control: Option<PathBuf>,
+    reactor: ReactorConfig,
+    unprivileged: bool,
+    access: Access,
+}
+
 /// `udm serve --ublk`: each export as `/dev/ublkbN` until SIGINT or
 /// SIGTERM, then the devices are deleted and flushed.
 fn serve_ublk(
     stack: Arc<Control>,
     table: &[Export],
     wanted: &[(String, bool)],
-    control: Option<PathBuf>,
-    reactor: ReactorConfig,
+    ub: UblkServe,
     pool: &limits::Pool,
     stop: (UnixStream, UnixStream),
 ) -> Result<i32, Error> {
     use udm_exports::ublk::{UblkConfig, UblkDevice};
+    let UblkServe {
+        control,
+        reactor,
+        unprivileged,
+        access,
+    } = ub;
     let ctl_path = control.unwrap_or_else(|| udm_control::default_path(None));
-    let ctl_listener = udm_control::bind(&ctl_path)?;
+    let ctl_listener = udm_control::bind(&ctl_path, access)?;
     let unlink = Unlink(ctl_path.clone());
     let mut devs = Vec::new();
     // `table` holds the exports of `wanted`, in order.
@@ -461,6 +501,7 @@ fn serve_ublk(
             depth: None,
             read_only: *ro,
             recover: false,
+            unprivileged,
             reactor,
             dispatch: e.dispatch,
         };
@@ -475,7 +516,7 @@ fn serve_ublk(
         );
         devs.push(d);
     }
-    let ctl = ControlServer::start(ctl_listener, ctl_path.clone(), stack.clone())?;
+    let ctl = ControlServer::start(ctl_listener, ctl_path.clone(), stack.clone(), access)?;
     std::mem::forget(unlink); // the control server removes it now
     println!("udm: control socket at {}", ctl_path.display());
     let _ = std::io::stdout().flush();

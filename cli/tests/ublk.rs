@@ -63,12 +63,27 @@ fn bad_ublk_options_are_refused_naming_the_option() {
         (&["--depth", "0"][..], "--depth 0"),
         (&["--depth", "4097"][..], "--depth 4097"),
         (&["--recover"][..], "--recover needs --id"),
+        (
+            &["--recover", "--id", "0", "--unprivileged"][..],
+            "--recover: an unprivileged ublk device has no crash recovery",
+        ),
     ] {
         let mut a = vec!["export", "add", "r", "--ublk"];
         a.extend_from_slice(args);
         let err = d.fails(&a);
         assert!(err.contains(want), "{args:?}: {err}");
     }
+    // Only ublk devices have an owner to choose.
+    let s = d.dir.path("v.sock");
+    let err = d.fails(&[
+        "export",
+        "add",
+        "r",
+        "--vhost-user-blk",
+        s.to_str().unwrap(),
+        "--unprivileged",
+    ]);
+    assert!(err.contains("takes no --unprivileged"), "{err}");
     let err = d.fails(&["export", "add", "nope", "--ublk"]);
     assert!(err.contains("unknown device 'nope'"), "{err}");
     assert_eq!(d.ok(&["export", "ls"]), "");

@@ -53,11 +53,25 @@ impl Client {
                 "request longer than {MAX_LINE} bytes"
             )));
         }
-        self.w
-            .write_all(line.as_bytes())
-            .map_err(|e| Error::os(what(), e))?;
+        let sent = self.w.write_all(line.as_bytes());
         let mut l = String::new();
-        let n = self.r.read_line(&mut l).map_err(|e| Error::os(what(), e))?;
+        if let Err(e) = sent {
+            // A server that refuses a connection (not admitted, too many)
+            // says why in one reply and closes, maybe before the request
+            // is sent: its reply is still there to read.
+            let closed = matches!(
+                e.kind(),
+                std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+            );
+            if !closed || !matches!(self.r.read_line(&mut l), Ok(n) if n > 0) {
+                return Err(Error::os(what(), e));
+            }
+        }
+        let n = if l.is_empty() {
+            self.r.read_line(&mut l).map_err(|e| Error::os(what(), e))?
+        } else {
+            l.len()
+        };
         if n == 0 {
             return Err(Error::new(
                 ErrorKind::Io,

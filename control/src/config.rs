@@ -76,6 +76,9 @@ pub struct ExportDef {
     /// Re-attach the device a udm that died left behind (ublk).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub recover: bool,
+    /// A device of the daemon's user, not root's (ublk).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub unprivileged: bool,
     /// `auto` (default), `direct` or `queued`: how requests go to the
     /// device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -102,6 +105,7 @@ impl ExportDef {
             depth: self.depth,
             id: self.id,
             recover: self.recover,
+            unprivileged: self.unprivileged,
             dispatch: self.dispatch.clone(),
         };
         opts.dispatch()
@@ -129,6 +133,7 @@ impl ExportDef {
             depth: e.opts.depth,
             id: e.opts.id,
             recover: e.opts.recover,
+            unprivileged: e.opts.unprivileged,
             dispatch: e.opts.dispatch,
         };
         match e.protocol.as_str() {

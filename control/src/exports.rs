@@ -52,6 +52,10 @@ pub struct ExportOpts {
     /// Re-attach the device a udm that died left behind (ublk).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub recover: bool,
+    /// Add the device as one of udm's user instead of root's (ublk's
+    /// `UBLK_F_UNPRIVILEGED_DEV`; docs/ublk.md).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub unprivileged: bool,
     /// How requests go to the device: `auto` (the default: from the
     /// device's report), `direct` or `queued` ([`Dispatch`]). Every
     /// protocol takes it.
@@ -89,6 +93,9 @@ impl ExportOpts {
         }
         if self.recover {
             v.push("--recover");
+        }
+        if self.unprivileged {
+            v.push("--unprivileged");
         }
         v
     }

@@ -34,6 +34,26 @@ pub struct MetricsServer {
     thread: Option<JoinHandle<()>>,
 }
 
+/// The address of `--metrics ADDR`: `PORT` or `:PORT` is loopback
+/// (127.0.0.1), so that no other host reaches the metrics unless an address
+/// is written out (`HOST:PORT`, `0.0.0.0:PORT`, `[::]:PORT`).
+pub fn parse_addr(s: &str) -> Result<SocketAddr, Error> {
+    let port = s.strip_prefix(':').unwrap_or(s);
+    if let Ok(p) = port.parse::<u16>() {
+        return Ok(SocketAddr::from(([127, 0, 0, 1], p)));
+    }
+    if let Ok(a) = s.parse::<SocketAddr>() {
+        return Ok(a);
+    }
+    use std::net::ToSocketAddrs;
+    match s.to_socket_addrs().map(|mut a| a.next()) {
+        Ok(Some(a)) => Ok(a),
+        _ => Err(Error::invalid(format!(
+            "--metrics '{s}': expected PORT, :PORT (both on 127.0.0.1) or HOST:PORT"
+        ))),
+    }
+}
+
 /// Serves `control`'s devices' metrics at `addr` (port 0: any free port;
 /// see [`MetricsServer::local_addr`]).
 pub fn serve_metrics(addr: SocketAddr, control: Arc<Control>) -> Result<MetricsServer, Error> {
@@ -273,6 +293,26 @@ mod tests {
         let mut r = String::new();
         s.read_to_string(&mut r).unwrap();
         r
+    }
+
+    #[test]
+    fn a_bare_port_is_loopback_and_other_addresses_are_written_out() {
+        let lo = |p| SocketAddr::from(([127, 0, 0, 1], p));
+        assert_eq!(parse_addr("9100").unwrap(), lo(9100));
+        assert_eq!(parse_addr(":9100").unwrap(), lo(9100));
+        assert_eq!(
+            parse_addr("0.0.0.0:9100").unwrap(),
+            "0.0.0.0:9100".parse().unwrap()
+        );
+        assert_eq!(
+            parse_addr("[::]:9100").unwrap(),
+            "[::]:9100".parse().unwrap()
+        );
+        let e = parse_addr("nope").unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "--metrics 'nope': expected PORT, :PORT (both on 127.0.0.1) or HOST:PORT"
+        );
     }
 
     #[test]

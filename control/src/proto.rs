@@ -243,6 +243,7 @@ pub fn code(kind: ErrorKind) -> &'static str {
         ErrorKind::Os => "os",
         ErrorKind::Io => "io",
         ErrorKind::TimedOut => "timed_out",
+        ErrorKind::Denied => "denied",
     }
 }
 
@@ -255,6 +256,7 @@ pub fn kind(code: &str) -> ErrorKind {
         "busy" => ErrorKind::Busy,
         "os" => ErrorKind::Os,
         "timed_out" => ErrorKind::TimedOut,
+        "denied" => ErrorKind::Denied,
         _ => ErrorKind::Io,
     }
 }

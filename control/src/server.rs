@@ -2,6 +2,12 @@
 //! its own threads (off the data path: every op goes through [`Control`],
 //! whose device methods message the reactors).
 //!
+//! Access: only udm's user, root and the `--socket-group`'s members
+//! ([`Access`]) are served, checked by the socket file's mode and again
+//! by each peer's credentials (`SO_PEERCRED`): anyone else gets one
+//! `denied` error reply naming their uid, the connection is closed and the
+//! refusal logged.
+//!
 //! Limits: a request line longer than [`MAX_LINE`] gets an error reply and
 //! the connection is closed; a connection idle for [`IDLE`] is closed, and
 //! one that starts a line but does not end it within [`LINE_DEADLINE`]; at
@@ -12,7 +18,7 @@
 
 use std::io::{BufRead, BufReader, ErrorKind as IoKind, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -20,6 +26,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use udm_core::access::Access;
 use udm_core::{Error, ErrorKind};
 
 use crate::dispatch::execute;
@@ -34,10 +41,11 @@ pub const IDLE: Duration = Duration::from_secs(60);
 /// the connection is closed (as the NBD server's handshake deadline).
 pub const LINE_DEADLINE: Duration = Duration::from_secs(10);
 
-/// Binds the control socket at `path`, mode 0600. A stale socket (nobody
-/// listening) is replaced; a live one or any other file is an error. Call
-/// before starting threads: it sets the process's umask around the bind.
-pub fn bind(path: &Path) -> Result<UnixListener, Error> {
+/// Binds the control socket at `path` as `access` says (mode 0600, or
+/// 0660 and the group's; its directory checked by
+/// [`udm_core::access::check_dir`]). A stale socket (nobody listening) is
+/// replaced; a live one or any other file is an error.
+pub fn bind(path: &Path, access: Access) -> Result<UnixListener, Error> {
     let what = || format!("control socket '{}'", path.display());
     if let Ok(m) = std::fs::symlink_metadata(path) {
         if !m.file_type().is_socket() {
@@ -54,15 +62,7 @@ pub fn bind(path: &Path) -> Result<UnixListener, Error> {
         }
         let _ = std::fs::remove_file(path);
     }
-    // SAFETY: umask only swaps the process's file-creation mask; restored below.
-    let old = unsafe { libc::umask(0o177) };
-    let l = UnixListener::bind(path);
-    // SAFETY: as above.
-    unsafe { libc::umask(old) };
-    let l = l.map_err(|e| Error::os(what(), e))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-        .map_err(|e| Error::os(what(), e))?;
-    Ok(l)
+    access.bind(path, &what())
 }
 
 /// Where a server puts its control socket when not told: beside its first
@@ -84,6 +84,7 @@ pub fn default_path(first_unix: Option<&Path>) -> PathBuf {
 struct Shared {
     ctl: Arc<Control>,
     conns: AtomicUsize,
+    access: Access,
 }
 
 /// A running control socket.
@@ -95,11 +96,13 @@ pub struct ControlServer {
 }
 
 impl ControlServer {
-    /// Serves `listener` (from [`bind`] at `path`) on its own thread.
+    /// Serves `listener` (from [`bind`] at `path`) on its own thread, to
+    /// the peers `access` admits.
     pub fn start(
         listener: UnixListener,
         path: PathBuf,
         ctl: Arc<Control>,
+        access: Access,
     ) -> Result<ControlServer, Error> {
         let mut fds = [0i32; 2];
         // SAFETY: pipe2 writes two fds into the array; result checked.
@@ -114,6 +117,7 @@ impl ControlServer {
         let shared = Arc::new(Shared {
             ctl,
             conns: AtomicUsize::new(0),
+            access,
         });
         let sh = shared.clone();
         let accept = std::thread::Builder::new()
@@ -187,6 +191,13 @@ fn accept_loop(l: UnixListener, stop: OwnedFd, sh: Arc<Shared>) {
                 continue;
             }
         };
+        if let Err(e) = sh.access.check(&s) {
+            // Before anything else: a refused peer learns nothing more.
+            tracing::warn!("control: refused a connection: {e}");
+            let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
+            let _ = (&s).write_all(Reply::from_result(None, Err(e)).to_line().as_bytes());
+            continue;
+        }
         if sh.conns.fetch_add(1, Ordering::AcqRel) >= MAX_CONNS {
             sh.conns.fetch_sub(1, Ordering::AcqRel);
             let _ = s.set_write_timeout(Some(Duration::from_secs(1)));

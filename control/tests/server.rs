@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use udm_control::report::{Info, Status, Tables};
 use udm_control::{bind, Client, Control, ControlServer, Op, RemoveMode, MAX_CONNS};
+use udm_core::access::Access;
 use udm_core::ErrorKind;
 
 fn sock(tag: &str) -> PathBuf {
@@ -23,8 +24,8 @@ fn sock(tag: &str) -> PathBuf {
 fn start(tag: &str) -> (ControlServer, Arc<Control>, PathBuf) {
     let p = sock(tag);
     let ctl = Arc::new(Control::default());
-    let l = bind(&p).unwrap();
-    let s = ControlServer::start(l, p.clone(), ctl.clone()).unwrap();
+    let l = bind(&p, Access::OWNER).unwrap();
+    let s = ControlServer::start(l, p.clone(), ctl.clone(), Access::OWNER).unwrap();
     (s, ctl, p)
 }
 
@@ -93,7 +94,7 @@ fn every_verb_runs_over_the_socket() {
 #[test]
 fn a_live_socket_is_refused_and_a_stale_one_reclaimed() {
     let (srv, _ctl, p) = start("live");
-    let e = bind(&p).unwrap_err();
+    let e = bind(&p, Access::OWNER).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Busy);
     assert!(
         e.to_string().contains("another server is listening on it"),
@@ -102,10 +103,13 @@ fn a_live_socket_is_refused_and_a_stale_one_reclaimed() {
     srv.shutdown();
     drop(std::os::unix::net::UnixListener::bind(&p).unwrap());
     assert!(p.exists());
-    drop(bind(&p).unwrap()); // stale: replaced
+    drop(bind(&p, Access::OWNER).unwrap()); // stale: replaced
     std::fs::remove_file(&p).unwrap();
     std::fs::write(&p, b"not a socket").unwrap();
-    assert!(bind(&p).unwrap_err().to_string().contains("not a socket"));
+    assert!(bind(&p, Access::OWNER)
+        .unwrap_err()
+        .to_string()
+        .contains("not a socket"));
     std::fs::remove_file(&p).unwrap();
 }
 

@@ -21,6 +21,9 @@ pub enum ErrorKind {
     Io,
     /// A wait ran out of time.
     TimedOut,
+    /// Refused: the caller is not admitted (a socket's peer, a directory
+    /// others could write).
+    Denied,
 }
 
 /// A control-path error. `Display` gives one line, naming what is wrong.

@@ -9,6 +9,8 @@
 //! - [`ReactorPool`]: reactor threads started, pinned, stopped and joined together.
 //! - [`Reactor`]: one per thread, run to completion, with its own io_uring
 //!   ([`Ring`]), descriptor cache and completion list.
+//! - [`access`]: who may connect to udm's unix sockets (their mode, their
+//!   directory, each peer's credentials).
 //! - `testing` (with the `test-util` feature only): what the test suites
 //!   share, such as a watchdog for waits on a reactor and temp directories.
 //!
@@ -20,6 +22,7 @@
 
 #![deny(missing_docs)]
 
+pub mod access;
 pub mod affinity;
 pub mod bio;
 pub mod buf;

@@ -164,6 +164,7 @@ impl Served {
                 read_only,
                 budget: Some(Arc::new(budget)),
                 dispatch,
+                access: udm_core::access::Access::OWNER,
             },
         )
         .unwrap();

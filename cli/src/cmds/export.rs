@@ -52,6 +52,11 @@ pub struct AddArgs {
     /// Re-attach the device a udm that died left behind (ublk).
     #[arg(long)]
     recover: bool,
+    /// Add the device as one of the daemon's user instead of root's (ublk:
+    /// UBLK_F_UNPRIVILEGED_DEV, for a daemon without CAP_SYS_ADMIN; no
+    /// crash recovery; docs/ublk.md).
+    #[arg(long)]
+    unprivileged: bool,
     /// How requests go to the device: queued sorts and merges each batch
     /// (for a disk or a network backend), direct hands each on at once,
     /// stream hands each on at once unless it continues the one before
@@ -80,6 +85,7 @@ impl AddArgs {
                 depth: self.depth,
                 id: self.id,
                 recover: self.recover,
+                unprivileged: self.unprivileged,
                 dispatch: self.dispatch,
             },
         }

@@ -13,11 +13,11 @@ mod ublk;
 mod vhost;
 
 use std::io::{Read, Write};
-use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use udm_control::{Config, Control, ControlServer, LimitsDef};
+use udm_core::access::{dir_of, make_private_dir, parse_group, Access};
 use udm_core::{BlockDevice, Error};
 use udm_exports::limits::{self, Limits};
 use udm_exports::nbd::server;
@@ -30,6 +30,11 @@ The control socket: --control PATH, else $UDM_CONTROL, else
 /run/udm/control as root, $XDG_RUNTIME_DIR/udm/control otherwise (mode
 0600; a second daemon on it is refused, a stale one reclaimed). Every
 other command finds the daemon the same way.
+
+Access (docs/security.md): the control socket and the vhost-user-blk
+sockets are mode 0600 (0660 and the group's with --socket-group), in
+directories no other user can write, and only udm's user, root and the
+group's members are served: each peer's credentials are checked too.
 
 Example:
   udm daemon &
@@ -68,10 +73,16 @@ pub struct DaemonArgs {
     /// (K, M, G; at least 64M) [default: 256M, or the config's [limits]].
     #[arg(long, value_name = "SIZE")]
     max_inflight: Option<String>,
-    /// Serve Prometheus metrics over HTTP at ADDR (e.g. 127.0.0.1:9100;
-    /// docs/stats.md).
+    /// Serve Prometheus metrics over HTTP at ADDR: PORT or :PORT listens
+    /// on 127.0.0.1; any other address must be written out (HOST:PORT,
+    /// e.g. 0.0.0.0:9100; docs/stats.md).
     #[arg(long, value_name = "ADDR")]
-    metrics: Option<std::net::SocketAddr>,
+    metrics: Option<String>,
+    /// Admit the members of GROUP (a name or gid) to the control socket and
+    /// the vhost-user-blk sockets, besides udm's user and root: the
+    /// sockets become mode 0660, owned by the group.
+    #[arg(long, value_name = "GROUP")]
+    socket_group: Option<String>,
 }
 
 /// Runs `udm daemon`.
@@ -90,9 +101,17 @@ pub fn main(a: DaemonArgs) -> Result<i32, Error> {
         None => None,
     };
     let (limits, limits_def) = resolve_limits(&a, config.as_ref())?;
+    let access = Access {
+        group: a.socket_group.as_deref().map(parse_group).transpose()?,
+    };
+    let metrics_addr = a
+        .metrics
+        .as_deref()
+        .map(udm_control::metrics::parse_addr)
+        .transpose()?;
     let path = udm_control::control_socket(a.control);
-    make_parent(&path)?;
-    let listener = udm_control::bind(&path)?;
+    make_private_dir(&dir_of(&path), access)?;
+    let listener = udm_control::bind(&path, access)?;
     let ctl = Arc::new(Control::default());
     ctl.set_limits(limits_def);
     // One budget and connection cap for every export of the daemon.
@@ -117,6 +136,7 @@ pub fn main(a: DaemonArgs) -> Result<i32, Error> {
                 a.reactors as usize,
                 reactor,
                 pool,
+                access,
             ))),
         );
     ctl.set_exports(Arc::new(exports));
@@ -126,7 +146,7 @@ pub fn main(a: DaemonArgs) -> Result<i32, Error> {
             return Err(e);
         }
     }
-    let metrics = match a.metrics {
+    let metrics = match metrics_addr {
         Some(addr) => {
             let m = udm_control::serve_metrics(addr, ctl.clone())?;
             println!("udm: metrics at http://{}/metrics", m.local_addr());
@@ -134,7 +154,7 @@ pub fn main(a: DaemonArgs) -> Result<i32, Error> {
         }
         None => None,
     };
-    let server = ControlServer::start(listener, path.clone(), ctl.clone())?;
+    let server = ControlServer::start(listener, path.clone(), ctl.clone(), access)?;
     println!("udm: daemon ready; control socket at {}", path.display());
     let _ = std::io::stdout().flush();
     notify_ready();
@@ -198,19 +218,6 @@ fn resolve_limits(a: &DaemonArgs, config: Option<&Config>) -> Result<(Limits, Li
     };
     let def = over(&def, flags);
     Ok((check(&def)?, def))
-}
-
-/// Makes the socket's directory (mode 0700) if it does not exist.
-fn make_parent(path: &Path) -> Result<(), Error> {
-    let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) else {
-        return Ok(());
-    };
-    if dir.is_dir() {
-        return Ok(());
-    }
-    std::fs::create_dir_all(dir)
-        .and_then(|()| std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)))
-        .map_err(|e| Error::os(format!("control socket directory '{}'", dir.display()), e))
 }
 
 /// Tells systemd (Type=notify) that the daemon is ready, when it runs under

@@ -93,6 +93,7 @@ impl Protocol for Ublk {
             depth: spec.opts.depth,
             read_only: spec.read_only,
             recover: spec.opts.recover,
+            unprivileged: spec.opts.unprivileged,
             reactor: self.reactor,
             dispatch,
         };

@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use udm_control::{Devices, ExportInfo, ExportSpec, Holder};
+use udm_core::access::Access;
 use udm_core::{Error, ErrorKind, ReactorConfig};
 use udm_exports::limits::Pool;
 use udm_exports::vhost::{Clients, Server, ServerConfig};
@@ -55,16 +56,20 @@ pub struct Vhost {
     reactor: ReactorConfig,
     /// The daemon's pool: bounce buffers are charged to its budget.
     pool: Arc<Pool>,
+    /// Who may connect to the sockets.
+    access: Access,
 }
 
 impl Vhost {
     /// Exports of `reactors` queues unless told otherwise, each queue on
-    /// its own reactor built as `reactor` says, drawing on `pool`.
-    pub fn new(reactors: usize, reactor: ReactorConfig, pool: Arc<Pool>) -> Vhost {
+    /// its own reactor built as `reactor` says, drawing on `pool`, their
+    /// sockets open to whom `access` admits.
+    pub fn new(reactors: usize, reactor: ReactorConfig, pool: Arc<Pool>, access: Access) -> Vhost {
         Vhost {
             reactors: reactors.max(1),
             reactor,
             pool,
+            access,
         }
     }
 }
@@ -90,6 +95,9 @@ impl Protocol for Vhost {
         }
         if o.recover {
             refused.push("--recover");
+        }
+        if o.unprivileged {
+            refused.push("--unprivileged");
         }
         if !refused.is_empty() {
             return Err(Error::invalid(format!(
@@ -125,6 +133,7 @@ impl Protocol for Vhost {
                     read_only: spec.read_only,
                     budget: Some(self.pool.budget.clone()),
                     dispatch,
+                    access: self.access,
                 },
             )?;
             let clients = srv.clients();

@@ -17,6 +17,11 @@
 //! process dies, the kernel keeps `/dev/ublkbN` and queues its I/O (the
 //! requests in flight are reissued) until a new process recovers it
 //! ([`UblkConfig::recover`]).
+//!
+//! A device is privileged (root's) unless added with
+//! [`UblkConfig::unprivileged`] (`UBLK_F_UNPRIVILEGED_DEV`): then it is its
+//! creator's, the kernel checks each command against the creator's access
+//! to `/dev/ublkcN`, and there is no crash recovery.
 
 pub mod ctrl;
 mod queue;
@@ -63,6 +68,14 @@ pub struct UblkConfig {
     /// Re-attach device `id`, left behind by a udm that died, instead of
     /// adding one.
     pub recover: bool,
+    /// Add the device as an unprivileged one (`UBLK_F_UNPRIVILEGED_DEV`):
+    /// it belongs to udm's user, who may command it without
+    /// CAP_SYS_ADMIN once a udev rule gives them `/dev/ublkcN` and
+    /// `/dev/ublkbN`. The kernel gives such a device no crash recovery,
+    /// and makes the device of a caller with CAP_SYS_ADMIN privileged
+    /// regardless. Off: a privileged device, commanded and (with the
+    /// nodes' default mode) opened by root only.
+    pub unprivileged: bool,
     /// How each queue's reactor is built (its ring gets 128-byte SQEs).
     pub reactor: ReactorConfig,
     /// How requests go to the device: `Direct` or `Queued` (each batch of
@@ -180,6 +193,16 @@ fn ctrl_err(what: &str, id: u32, e: std::io::Error) -> Error {
     }
 }
 
+/// The flags a new device is added with: crash recovery for a privileged
+/// device; an unprivileged one gets none (the kernel would drop it).
+pub fn add_flags(unprivileged: bool) -> u64 {
+    if unprivileged {
+        sys::UBLK_F_UNPRIVILEGED_DEV | sys::UBLK_F_CMD_IOCTL_ENCODE
+    } else {
+        sys::UBLK_F_USER_RECOVERY | sys::UBLK_F_USER_RECOVERY_REISSUE | sys::UBLK_F_CMD_IOCTL_ENCODE
+    }
+}
+
 impl UblkDevice {
     /// Serves `dev` as a new `/dev/ublkbN` (or recovers device `cfg.id`),
     /// and returns once the block device exists.
@@ -204,6 +227,11 @@ impl UblkDevice {
                 "--depth {depth}: give 1 to {}",
                 sys::UBLK_MAX_QUEUE_DEPTH
             )));
+        }
+        if cfg.recover && cfg.unprivileged {
+            return Err(Error::invalid(
+                "--recover: an unprivileged ublk device has no crash recovery (the kernel keeps none for it)",
+            ));
         }
         if cfg.recover && cfg.id.is_none() {
             return Err(Error::invalid(
@@ -268,9 +296,7 @@ impl UblkDevice {
                 queue_depth: depth as u16,
                 max_io_buf_bytes: buf_bytes,
                 dev_id: cfg.id.unwrap_or(u32::MAX),
-                flags: sys::UBLK_F_USER_RECOVERY
-                    | sys::UBLK_F_USER_RECOVERY_REISSUE
-                    | sys::UBLK_F_CMD_IOCTL_ENCODE,
+                flags: add_flags(cfg.unprivileged),
                 ..sys::DevInfo::default()
             };
             let want = info.dev_id;
@@ -286,9 +312,23 @@ impl UblkDevice {
                         format!("ublk device {want} was left by a server that died (--recover re-attaches it)"),
                     ));
                 }
+                if e.raw_os_error() == Some(libc::EPERM) && !cfg.unprivileged {
+                    return Err(Error::os(
+                        "ublk: ADD_DEV: only root (CAP_SYS_ADMIN) adds a privileged device; --unprivileged adds one of udm's user",
+                        e,
+                    ));
+                }
                 return Err(ctrl_err("ADD_DEV", want, e));
             }
             let id = info.dev_id;
+            let unprivileged = info.flags & sys::UBLK_F_UNPRIVILEGED_DEV != 0;
+            if cfg.unprivileged && !unprivileged {
+                // More closed than asked, not less: said, not refused.
+                tracing::warn!(
+                    "ublk: --unprivileged: the kernel made device {id} privileged (udm has CAP_SYS_ADMIN): only root opens its nodes"
+                );
+            }
+            ctrl.set_unprivileged(unprivileged);
             let mut p = params(&*dev, read_only, info.max_io_buf_bytes);
             if let Err(e) = ctrl.set_params(id, &mut p) {
                 let _ = ctrl.del(id);
@@ -318,7 +358,14 @@ impl UblkDevice {
             .read(true)
             .write(true)
             .open(&path)
-            .map_err(|e| Error::os(format!("opening {path}"), e))?
+            .map_err(|e| {
+                let hint = if e.kind() == std::io::ErrorKind::PermissionDenied {
+                    " (an unprivileged device's nodes are given to its owner by a udev rule: docs/ublk.md)"
+                } else {
+                    ""
+                };
+                Error::os(format!("opening {path}{hint}"), e)
+            })?
             .into();
         let (tx, rx) = mpsc::channel();
         for q in 0..queues {
@@ -551,6 +598,39 @@ mod tests {
         let msg = e.to_string();
         assert!(msg.starts_with(NOT_AVAILABLE), "{msg}");
         assert!(!msg.contains('\n'), "{msg}");
+    }
+
+    #[test]
+    fn devices_are_roots_unless_unprivileged_which_have_no_recovery() {
+        let root = add_flags(false);
+        assert_eq!(root & sys::UBLK_F_UNPRIVILEGED_DEV, 0);
+        assert_ne!(root & sys::UBLK_F_USER_RECOVERY_REISSUE, 0);
+        let user = add_flags(true);
+        assert_ne!(user & sys::UBLK_F_UNPRIVILEGED_DEV, 0);
+        assert_eq!(
+            user & (sys::UBLK_F_USER_RECOVERY | sys::UBLK_F_USER_RECOVERY_REISSUE),
+            0
+        );
+        // Refused before the kernel is asked anything.
+        let cfg = UblkConfig {
+            id: Some(0),
+            queues: Some(1),
+            depth: None,
+            read_only: false,
+            recover: true,
+            unprivileged: true,
+            reactor: ReactorConfig::default(),
+            dispatch: Dispatch::Auto,
+        };
+        let dev = Arc::new(Described(Limits::new(2048), Caps::empty()));
+        let e = UblkDevice::start(dev, cfg, &Arc::new(Budget::new(64 << 20, 1)))
+            .err()
+            .unwrap();
+        assert_eq!(e.kind(), ErrorKind::Invalid);
+        assert!(
+            e.to_string().starts_with("--recover: an unprivileged"),
+            "{e}"
+        );
     }
 
     /// A device that only describes itself.

@@ -42,6 +42,10 @@ pub const UBLK_MAX_QUEUE_DEPTH: u32 = 4096;
 pub const UBLK_F_URING_CMD_COMP_IN_TASK: u64 = 1 << 1;
 pub const UBLK_F_USER_RECOVERY: u64 = 1 << 3;
 pub const UBLK_F_USER_RECOVERY_REISSUE: u64 = 1 << 4;
+/// The device belongs to the user who added it (the kernel sets
+/// `owner_uid`/`owner_gid`); each command on it carries the path of its
+/// char device, which the caller must be able to open.
+pub const UBLK_F_UNPRIVILEGED_DEV: u64 = 1 << 5;
 pub const UBLK_F_CMD_IOCTL_ENCODE: u64 = 1 << 6;
 
 pub const UBLK_S_DEV_DEAD: u16 = 0;

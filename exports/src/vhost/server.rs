@@ -1,4 +1,6 @@
-//! The vhost-user-blk server of one export: the listening socket, the
+//! The vhost-user-blk server of one export: the listening socket (only
+//! udm's user, root and the [`Access`] group may connect: the socket's
+//! mode says so and each frontend's credentials are checked), the
 //! control thread that speaks the vhost-user protocol with one frontend
 //! at a time (and accepts the next when it goes: a frontend may
 //! reconnect), and the reactors that run the queues. Between messages
@@ -16,6 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use udm_core::access::Access;
 use udm_core::{
     BlockDevice, Dispatch, Error, PoolConfig, Reactor, ReactorConfig, ReactorPool, StopToken,
 };
@@ -51,6 +54,9 @@ pub struct ServerConfig {
     /// How requests go to the device (`Auto`: from its report); a queued
     /// front is unplugged at the end of each kick's batch.
     pub dispatch: Dispatch,
+    /// Who may connect: the socket's mode and group, and the frontends
+    /// whose credentials are accepted (others are disconnected at once).
+    pub access: Access,
 }
 
 /// The count of connected frontends (0 or 1), readable from any thread.
@@ -74,8 +80,10 @@ pub struct Server {
 }
 
 impl Server {
-    /// Binds the socket at `cfg.path` (a stale socket there is replaced;
-    /// any other file is left alone and bind fails).
+    /// Binds the socket at `cfg.path`, mode 0600 (0660 with a group, see
+    /// [`Access::bind`]; its directory must be one no one else can write).
+    /// A stale socket there is replaced; any other file is left alone and
+    /// bind fails.
     pub fn bind(dev: Arc<dyn BlockDevice>, cfg: ServerConfig) -> Result<Server, Error> {
         if cfg.queues == 0 || cfg.queues > 256 {
             return Err(Error::invalid(format!(
@@ -87,8 +95,9 @@ impl Server {
         if std::fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_socket()) {
             let _ = std::fs::remove_file(p);
         }
-        let listener = UnixListener::bind(p)
-            .map_err(|e| Error::os(format!("listen on {}", p.display()), e))?;
+        let listener = cfg
+            .access
+            .bind(p, &format!("vhost-user-blk socket '{}'", p.display()))?;
         listener
             .set_nonblocking(true)
             .map_err(|e| Error::os("listener", e))?;
@@ -167,7 +176,15 @@ impl Server {
                     continue;
                 }
             };
-            tracing::info!("vhost: {at}: frontend connected");
+            match self.cfg.access.check(&sock) {
+                Ok(p) => tracing::info!("vhost: {at}: frontend connected ({p})"),
+                Err(e) => {
+                    // Before a single message: it sees the connection close.
+                    tracing::warn!("vhost: {at}: refused a frontend: {e}");
+                    drop(sock);
+                    continue;
+                }
+            }
             self.shared.clients.store(1, Ordering::Relaxed);
             let stopped = self.converse(sock, stop_fd, &handles);
             self.shared.clients.store(0, Ordering::Relaxed);
