@@ -27,14 +27,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use udm_core::{
-    check_bio, Bio, BioFlags, BioPtr, Caps, Channel, Error, Poller, Reactor, Status, SECTOR_SHIFT,
+    check_bio, Bio, BioFlags, BioPtr, Caps, Channel, Error, Op, Poller, Reactor, Status,
+    SECTOR_SHIFT,
 };
 
 use crate::clone;
 use crate::stats::Shard;
 use crate::table::Table;
-use crate::table_io::{ChanState, FastMap, Stripes, TableIo, TargetIo};
-use crate::target::{Map, MapCtx};
+use crate::table_io::{block_map_endio, ChanState, FastMap, Stripes, TableIo, TargetIo};
+use crate::target::{BlockMap, Map, MapCtx};
+use crate::targets::thin::{MAPPED, SHARED};
 
 /// What the channel does with a new bio, fixed whenever the table, the
 /// suspension or the fast-path switch changes ([`MapperChannel::refresh`]),
@@ -51,6 +53,9 @@ enum Plan {
     /// A table of one target remapped by an offset while its remap gate
     /// is set (flakey up, dust with no bad blocks), with no max_io_len.
     Gated(GatedPlan),
+    /// A table of one block-mapped target (thin): a mapped block's bio is
+    /// remapped by its cache.
+    Blocks(BlocksPlan),
     /// Any other table: with `fast`, find the target and map by its
     /// [`FastMap`]; without (suspended, switched off, or a target did not
     /// opt in), the slow path.
@@ -129,6 +134,15 @@ struct GatedPlan {
     gate: *const AtomicBool,
 }
 
+/// [`Plan::Blocks`]: the target's cache and its data device's channels,
+/// by epoch (its devices 1 and 2, see [`BlockMap`]).
+#[derive(Clone, Copy)]
+struct BlocksPlan {
+    w: Window,
+    b: BlockMap,
+    data: [*const dyn Channel; 2],
+}
+
 /// [`Plan::Stripes`]: the target, its geometry and its stripes.
 #[derive(Clone, Copy)]
 struct StripesPlan {
@@ -166,6 +180,47 @@ impl GatedPlan {
         } else {
             ch.map_targets(bio)
         }
+    }
+}
+
+impl BlocksPlan {
+    /// Thin's fast path in full: a read, or a write without FUA, inside
+    /// one block its cache says is mapped (and, for a write, unshared) is
+    /// counted in flight, remapped and passed down; anything else goes to
+    /// the target's `map` by the general plan (which splits, provisions,
+    /// breaks sharing, zeroes and commits for FUA). (Out of line, as
+    /// striped's.)
+    #[inline(never)]
+    fn map(&self, mut bio: BioPtr, ch: &MapperChannel) {
+        let shift = self.b.shift;
+        let Some((rel, _)) = self.w.admit(&bio).filter(|&(rel, end)| {
+            (rel ^ (end - 1)) >> shift == 0 && !bio.flags.contains(BioFlags::FUA)
+        }) else {
+            return ch.map_targets(bio);
+        };
+        // SAFETY: the target that gave the BlockMap owns the cache, and the
+        // current TableIo (the plan is remade on every switch) owns it.
+        let vol = unsafe { &*self.b.vol };
+        // Counted before the cache is read (see `Vol::enter`).
+        let e = vol.enter();
+        let ent = vol.get(rel >> shift);
+        if ent & MAPPED == 0 || (bio.op != Op::Read && ent & SHARED != 0) {
+            vol.exit(e);
+            return ch.map_targets(bio);
+        }
+        // Cannot fail: admit() saw a free frame. The context word is the
+        // epoch, for `block_map_endio`.
+        let _ = bio.push_end_io_ctx(block_map_endio, self.w.tio as *mut (), e as u64);
+        // SAFETY: as in Window::push.
+        unsafe { &*self.w.tio }.get();
+        // Not a pure remap for as long as the caller may hold lent memory:
+        // the count, which keeps the block from being reused, ends at
+        // completion.
+        bio.flags.remove(BioFlags::MAY_LEND);
+        bio.sector = (ent >> 2 << shift) | (rel & ((1 << shift) - 1));
+        // SAFETY: `data` are the current TableIo's channels to the data
+        // device. Checked: the device below decides what fits it.
+        unsafe { (*self.data[e & 1]).submit(bio) }
     }
 }
 
@@ -254,6 +309,18 @@ impl TableIo {
                 g,
                 devs: t.devs.as_ptr(),
             }),
+            FastMap::Call(false) => match t.target().block_map() {
+                // The target splits at its blocks, and lists the data
+                // device as its devices 1 and 2.
+                Some(b) if t.max_io_len == 1 << b.shift && t.devs.len() == 3 => {
+                    Plan::Blocks(BlocksPlan {
+                        w,
+                        b,
+                        data: [t.devs[1], t.devs[2]],
+                    })
+                }
+                _ => general,
+            },
             _ => general,
         }
     }
@@ -423,6 +490,7 @@ impl Channel for MapperChannel {
             Plan::Offset(p) => p.map(bio, self),
             Plan::Stripes(p) => p.map(bio, self),
             Plan::Gated(p) => p.map(bio, self),
+            Plan::Blocks(p) => p.map(bio, self),
             Plan::Other { fast: true } => self.map_targets(bio),
             Plan::Other { fast: false } => self.submit_other(bio),
         }
@@ -454,6 +522,7 @@ impl MapperChannel {
             Plan::Offset(p) => p.map(bio, self),
             Plan::Stripes(p) => p.map(bio, self),
             Plan::Gated(p) => p.map(bio, self),
+            Plan::Blocks(p) => p.map(bio, self),
             Plan::Other { fast: true } => self.map_targets(bio),
             Plan::Other { fast: false } => self.submit_slow(bio),
         }

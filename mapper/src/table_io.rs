@@ -16,6 +16,7 @@ use udm_core::{
 use crate::stats::Shard;
 use crate::table::Table;
 use crate::target::{EndIoWhen, Map, Target};
+use crate::targets::thin::Vol;
 use crate::waiter::Guard;
 
 /// One target as a reactor sees it: everything the hot path reads, together.
@@ -164,6 +165,9 @@ pub(crate) struct TableIo {
     pub stats: Arc<Shard>,
     /// The reactor it is open on ([`Target::reactor_close`] gets it).
     reactor_id: usize,
+    /// The cache of a one-target table's [`Target::block_map`] (null for
+    /// none), for [`block_map_endio`].
+    block_vol: *const Vol,
 }
 
 impl TableIo {
@@ -229,8 +233,13 @@ impl TableIo {
         for t in &table.targets {
             t.target.reactor_open(reactor);
         }
+        let block_vol = match &table.targets[..] {
+            [t] => t.target.block_map().map_or(std::ptr::null(), |b| b.vol),
+            _ => std::ptr::null(),
+        };
         Ok(TableIo {
             reactor_id: reactor.id(),
+            block_vol,
             endio: match table
                 .targets
                 .iter()
@@ -386,6 +395,20 @@ fn noclone_endio(mut bio: BioPtr) {
     // SAFETY: this end_io is only ever pushed by `map_in`, with the
     // TableIo as private.
     let tio = unsafe { mapped_tio(&bio) };
+    bio.pop_end_io();
+    tio.done(&bio);
+    bio.endio();
+}
+
+/// The completion of a bio the block-mapped plan remapped: out of its
+/// epoch's count (the target's end_io for it), then as [`noclone_endio`].
+pub(crate) fn block_map_endio(mut bio: BioPtr) {
+    // SAFETY: pushed only by the block-mapped plan, with the TableIo as
+    // private.
+    let tio = unsafe { mapped_tio(&bio) };
+    // SAFETY: that plan exists only for a table whose TableIo has the
+    // cache (`block_vol`), which the table's target keeps alive.
+    unsafe { &*tio.block_vol }.exit(bio.ctx() as usize);
     bio.pop_end_io();
     tio.done(&bio);
     bio.endio();
