@@ -23,7 +23,7 @@
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::rc::{Rc, Weak};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use udm_core::{
@@ -36,7 +36,7 @@ use crate::stats::Shard;
 use crate::table::Table;
 use crate::table_io::{block_map_endio, ChanState, FastMap, Stripes, TableIo, TargetIo};
 use crate::target::{BlockMap, Map, MapCtx};
-use crate::targets::thin::{MAPPED, SHARED};
+use crate::targets::thin::{Vol, MAPPED, SHARED};
 
 /// What the channel does with a new bio, fixed whenever the table, the
 /// suspension or the fast-path switch changes ([`MapperChannel::refresh`]),
@@ -134,12 +134,14 @@ struct GatedPlan {
     gate: *const AtomicBool,
 }
 
-/// [`Plan::Blocks`]: the target's cache and its data device's channels,
-/// by epoch (its devices 1 and 2, see [`BlockMap`]).
+/// [`Plan::Blocks`]: the target's cache, this reactor's in-flight
+/// counters in it, and its data device's channels by epoch (its devices 1
+/// and 2, see [`BlockMap`]).
 #[derive(Clone, Copy)]
 struct BlocksPlan {
     w: Window,
     b: BlockMap,
+    counts: *const [AtomicU64; 2],
     data: [*const dyn Channel; 2],
 }
 
@@ -201,11 +203,17 @@ impl BlocksPlan {
         // SAFETY: the target that gave the BlockMap owns the cache, and the
         // current TableIo (the plan is remade on every switch) owns it.
         let vol = unsafe { &*self.b.vol };
+        // SAFETY: this reactor's counters in `vol` (TableIo::open, on this
+        // thread), which the bio's completion, also on this thread, updates.
+        let counts = unsafe { &*self.counts };
         // Counted before the cache is read (see `Vol::enter`).
-        let e = vol.enter();
+        let e = vol.enter_on(counts);
         let ent = vol.get(rel >> shift);
-        if ent & MAPPED == 0 || (bio.op != Op::Read && ent & SHARED != 0) {
-            vol.exit(e);
+        if ent & MAPPED == 0
+            || (bio.op != Op::Read && ent & SHARED != 0)
+            || ent >> 2 >= self.b.data_blocks
+        {
+            Vol::exit_on(counts, e);
             return ch.map_targets(bio);
         }
         // Cannot fail: admit() saw a free frame. The context word is the
@@ -219,8 +227,11 @@ impl BlocksPlan {
         bio.flags.remove(BioFlags::MAY_LEND);
         bio.sector = (ent >> 2 << shift) | (rel & ((1 << shift) - 1));
         // SAFETY: `data` are the current TableIo's channels to the data
-        // device. Checked: the device below decides what fits it.
-        unsafe { (*self.data[e & 1]).submit(bio) }
+        // device, and the bio passes its check: admitted by the window
+        // (Window: the table's limits are the data device's, and its block
+        // size a multiple of the device's), inside one block, and that
+        // block inside the data device's area.
+        unsafe { (*self.data[e & 1]).submit_nocheck(bio) }
     }
 }
 
@@ -309,13 +320,14 @@ impl TableIo {
                 g,
                 devs: t.devs.as_ptr(),
             }),
-            FastMap::Call(false) => match t.target().block_map() {
+            FastMap::Call(false) => match (t.target().block_map(), self.block_counts) {
                 // The target splits at its blocks, and lists the data
                 // device as its devices 1 and 2.
-                Some(b) if t.max_io_len == 1 << b.shift && t.devs.len() == 3 => {
+                (Some(b), Some(counts)) if t.max_io_len == 1 << b.shift && t.devs.len() == 3 => {
                     Plan::Blocks(BlocksPlan {
                         w,
                         b,
+                        counts,
                         data: [t.devs[1], t.devs[2]],
                     })
                 }

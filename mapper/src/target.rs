@@ -290,6 +290,10 @@ pub struct BlockMap {
     pub(crate) vol: *const crate::targets::thin::Vol,
     /// log2 of the block size in sectors.
     pub(crate) shift: u32,
+    /// Data blocks inside the data device's area (the table checked that
+    /// area against the device when it was built): a cache entry past it
+    /// (a pool grown since) goes to `map`.
+    pub(crate) data_blocks: u64,
 }
 
 /// Resolves a device named in a table: another udm device, or a path.

@@ -216,9 +216,11 @@ impl Target for Thin {
     /// The volume's cache, when blocks are a power of two: the core's plan
     /// then takes this `map`'s first case (without FUA) itself.
     fn block_map(&self) -> Option<BlockMap> {
+        let shift = self.shift?;
         Some(BlockMap {
             vol: Arc::as_ptr(&self.vol),
-            shift: self.shift?,
+            shift,
+            data_blocks: self.devs[DATA[0]].len >> shift,
         })
     }
 
