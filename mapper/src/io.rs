@@ -9,7 +9,8 @@
 //!
 //! Which way a new bio goes is the channel's [`Plan`], made again whenever
 //! the table, a suspend or the fast-path switch changes. A table of one
-//! linear or one power-of-two striped target (seed 000's devices) has a plan
+//! linear or one power-of-two striped target (seed 000's devices), or of
+//! one block-mapped target (thin, [`crate::Target::block_map`]), has a plan
 //! of its own that holds all its path reads and admits only bios that pass
 //! the device's own check, so they go down unchecked
 //! ([`Channel::submit_nocheck`]); other tables find their target and map by
