@@ -458,3 +458,47 @@ fn messages_build_thin_volumes_between_devices() {
     assert!(err.contains("--message 'pool 0 create_thin 0'"), "{err}");
     assert_eq!(err.trim().lines().count(), 1, "{err}");
 }
+
+/// `--target A,B` spreads the jobs over the devices, job i on the (i mod
+/// N)-th, each device's jobs over the same region of it (the smallest
+/// device's size): here two thin volumes of one pool, both verified whole.
+#[test]
+fn several_targets_spread_the_jobs_over_them() {
+    let pool = [
+        "bench",
+        "--dev",
+        "meta=ram:8M",
+        "--dev",
+        "data=ram:64M",
+        "--dev",
+        "pool=0 131072 thin-pool meta data 128 0",
+        "--message",
+        "pool 0 create_thin 0",
+        "--dev",
+        "t0=0 65536 thin pool 0",
+        "--message",
+        "pool 0 create_thin 1",
+        "--dev",
+        "t1=0 32768 thin pool 1",
+    ];
+    let mut args = pool.to_vec();
+    args.extend(["--target", "t0,t1", "--jobs", "2", "--verify", "--json"]);
+    let (code, out, err) = udm(&args);
+    assert_eq!(code, 0, "stdout: {out}\nstderr: {err}");
+    assert!(out.contains("\"mismatches\":0"), "{out}");
+    // 16 MiB (t1's size) of 4 KiB blocks on each volume.
+    assert_eq!(json_field(&out, "verified_blocks"), "8192", "{out}");
+    // Jobs that do not divide among the devices, and a device that does
+    // not exist: one line naming it.
+    for (extra, want) in [
+        (&["--target", "t0,t1", "--jobs", "3"][..], "--jobs 3"),
+        (&["--target", "t0,nope"][..], "--target 'nope'"),
+    ] {
+        let mut args = pool.to_vec();
+        args.extend(extra);
+        let (code, _, err) = udm(&args);
+        assert_ne!(code, 0);
+        assert!(err.contains(want), "{err}");
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+    }
+}

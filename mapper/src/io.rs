@@ -9,7 +9,8 @@
 //!
 //! Which way a new bio goes is the channel's [`Plan`], made again whenever
 //! the table, a suspend or the fast-path switch changes. A table of one
-//! linear or one power-of-two striped target (seed 000's devices) has a plan
+//! linear or one power-of-two striped target (seed 000's devices), or of
+//! one block-mapped target (thin, [`crate::Target::block_map`]), has a plan
 //! of its own that holds all its path reads and admits only bios that pass
 //! the device's own check, so they go down unchecked
 //! ([`Channel::submit_nocheck`]); other tables find their target and map by
@@ -23,18 +24,20 @@
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::rc::{Rc, Weak};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use udm_core::{
-    check_bio, Bio, BioFlags, BioPtr, Caps, Channel, Error, Poller, Reactor, Status, SECTOR_SHIFT,
+    check_bio, Bio, BioFlags, BioPtr, Caps, Channel, Error, Op, Poller, Reactor, Status,
+    SECTOR_SHIFT,
 };
 
 use crate::clone;
 use crate::stats::Shard;
 use crate::table::Table;
-use crate::table_io::{ChanState, FastMap, Stripes, TableIo, TargetIo};
-use crate::target::{Map, MapCtx};
+use crate::table_io::{block_map_endio, ChanState, FastMap, Stripes, TableIo, TargetIo};
+use crate::target::{BlockMap, Map, MapCtx};
+use crate::targets::thin::{Vol, MAPPED, SHARED};
 
 /// What the channel does with a new bio, fixed whenever the table, the
 /// suspension or the fast-path switch changes ([`MapperChannel::refresh`]),
@@ -51,6 +54,9 @@ enum Plan {
     /// A table of one target remapped by an offset while its remap gate
     /// is set (flakey up, dust with no bad blocks), with no max_io_len.
     Gated(GatedPlan),
+    /// A table of one block-mapped target (thin): a mapped block's bio is
+    /// remapped by its cache.
+    Blocks(BlocksPlan),
     /// Any other table: with `fast`, find the target and map by its
     /// [`FastMap`]; without (suspended, switched off, or a target did not
     /// opt in), the slow path.
@@ -129,6 +135,17 @@ struct GatedPlan {
     gate: *const AtomicBool,
 }
 
+/// [`Plan::Blocks`]: the target's cache, this reactor's in-flight
+/// counters in it, and its data device's channels by epoch (its devices 1
+/// and 2, see [`BlockMap`]).
+#[derive(Clone, Copy)]
+struct BlocksPlan {
+    w: Window,
+    b: BlockMap,
+    counts: *const [AtomicU64; 2],
+    data: [*const dyn Channel; 2],
+}
+
 /// [`Plan::Stripes`]: the target, its geometry and its stripes.
 #[derive(Clone, Copy)]
 struct StripesPlan {
@@ -166,6 +183,56 @@ impl GatedPlan {
         } else {
             ch.map_targets(bio)
         }
+    }
+}
+
+impl BlocksPlan {
+    /// Thin's fast path in full: a read, or a write without FUA, inside
+    /// one block its cache says is mapped (and, for a write, unshared) is
+    /// counted in flight, remapped and passed down; anything else goes to
+    /// the target's `map` by the general plan (which splits, provisions,
+    /// breaks sharing, zeroes and commits for FUA). (Out of line, as
+    /// striped's.)
+    #[inline(never)]
+    fn map(&self, mut bio: BioPtr, ch: &MapperChannel) {
+        let shift = self.b.shift;
+        let Some((rel, _)) = self.w.admit(&bio).filter(|&(rel, end)| {
+            (rel ^ (end - 1)) >> shift == 0 && !bio.flags.contains(BioFlags::FUA)
+        }) else {
+            return ch.map_targets(bio);
+        };
+        // SAFETY: the target that gave the BlockMap owns the cache, and the
+        // current TableIo (the plan is remade on every switch) owns it.
+        let vol = unsafe { &*self.b.vol };
+        // SAFETY: this reactor's counters in `vol` (TableIo::open, on this
+        // thread), which the bio's completion, also on this thread, updates.
+        let counts = unsafe { &*self.counts };
+        // Counted before the cache is read (see `Vol::enter`).
+        let e = vol.enter_on(counts);
+        let ent = vol.get(rel >> shift);
+        if ent & MAPPED == 0
+            || (bio.op != Op::Read && ent & SHARED != 0)
+            || ent >> 2 >= self.b.data_blocks
+        {
+            Vol::exit_on(counts, e);
+            return ch.map_targets(bio);
+        }
+        // Cannot fail: admit() saw a free frame. The context word is the
+        // epoch, for `block_map_endio`.
+        let _ = bio.push_end_io_ctx(block_map_endio, self.w.tio as *mut (), e as u64);
+        // SAFETY: as in Window::push.
+        unsafe { &*self.w.tio }.get();
+        // Not a pure remap for as long as the caller may hold lent memory:
+        // the count, which keeps the block from being reused, ends at
+        // completion.
+        bio.flags.remove(BioFlags::MAY_LEND);
+        bio.sector = (ent >> 2 << shift) | (rel & ((1 << shift) - 1));
+        // SAFETY: `data` are the current TableIo's channels to the data
+        // device, and the bio passes its check: admitted by the window
+        // (Window: the table's limits are the data device's, and its block
+        // size a multiple of the device's), inside one block, and that
+        // block inside the data device's area.
+        unsafe { (*self.data[e & 1]).submit_nocheck(bio) }
     }
 }
 
@@ -254,6 +321,19 @@ impl TableIo {
                 g,
                 devs: t.devs.as_ptr(),
             }),
+            FastMap::Call(false) => match (t.target().block_map(), self.block_counts) {
+                // The target splits at its blocks, and lists the data
+                // device as its devices 1 and 2.
+                (Some(b), Some(counts)) if t.max_io_len == 1 << b.shift && t.devs.len() == 3 => {
+                    Plan::Blocks(BlocksPlan {
+                        w,
+                        b,
+                        counts,
+                        data: [t.devs[1], t.devs[2]],
+                    })
+                }
+                _ => general,
+            },
             _ => general,
         }
     }
@@ -423,6 +503,7 @@ impl Channel for MapperChannel {
             Plan::Offset(p) => p.map(bio, self),
             Plan::Stripes(p) => p.map(bio, self),
             Plan::Gated(p) => p.map(bio, self),
+            Plan::Blocks(p) => p.map(bio, self),
             Plan::Other { fast: true } => self.map_targets(bio),
             Plan::Other { fast: false } => self.submit_other(bio),
         }
@@ -454,6 +535,7 @@ impl MapperChannel {
             Plan::Offset(p) => p.map(bio, self),
             Plan::Stripes(p) => p.map(bio, self),
             Plan::Gated(p) => p.map(bio, self),
+            Plan::Blocks(p) => p.map(bio, self),
             Plan::Other { fast: true } => self.map_targets(bio),
             Plan::Other { fast: false } => self.submit_slow(bio),
         }

@@ -29,5 +29,6 @@ pub use device::MappedDevice;
 pub use io::MapperChannel;
 pub use table::{parse, Registry, Table, TargetSpec};
 pub use target::{
-    CtrCtx, DevArea, DeviceResolver, EndIoWhen, Map, MapCtx, StatusType, Target, TargetType,
+    BlockMap, CtrCtx, DevArea, DeviceResolver, EndIoWhen, Map, MapCtx, StatusType, Target,
+    TargetType,
 };

@@ -6,7 +6,7 @@
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::rc::{Rc, Weak};
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::Arc;
 
 use udm_core::{
@@ -16,6 +16,7 @@ use udm_core::{
 use crate::stats::Shard;
 use crate::table::Table;
 use crate::target::{EndIoWhen, Map, Target};
+use crate::targets::thin::Vol;
 use crate::waiter::Guard;
 
 /// One target as a reactor sees it: everything the hot path reads, together.
@@ -164,6 +165,10 @@ pub(crate) struct TableIo {
     pub stats: Arc<Shard>,
     /// The reactor it is open on ([`Target::reactor_close`] gets it).
     reactor_id: usize,
+    /// This reactor's in-flight counters ([`Vol::counts`]) in the cache
+    /// of a one-target table's [`Target::block_map`], when they take plain
+    /// updates: the block-mapped plan exists only then.
+    pub block_counts: Option<*const [AtomicU64; 2]>,
 }
 
 impl TableIo {
@@ -229,8 +234,18 @@ impl TableIo {
         for t in &table.targets {
             t.target.reactor_open(reactor);
         }
+        // On this reactor's thread: its counters.
+        let block_counts = match &table.targets[..] {
+            // SAFETY: the target owns the cache and lives as long as this.
+            [t] => t
+                .target
+                .block_map()
+                .and_then(|b| unsafe { &*b.vol }.counts().map(|c| c as *const _)),
+            _ => None,
+        };
         Ok(TableIo {
             reactor_id: reactor.id(),
+            block_counts,
             endio: match table
                 .targets
                 .iter()
@@ -386,6 +401,23 @@ fn noclone_endio(mut bio: BioPtr) {
     // SAFETY: this end_io is only ever pushed by `map_in`, with the
     // TableIo as private.
     let tio = unsafe { mapped_tio(&bio) };
+    bio.pop_end_io();
+    tio.done(&bio);
+    bio.endio();
+}
+
+/// The completion of a bio the block-mapped plan remapped: out of its
+/// epoch's count (the target's end_io for it), then as [`noclone_endio`].
+pub(crate) fn block_map_endio(mut bio: BioPtr) {
+    // SAFETY: pushed only by the block-mapped plan, with the TableIo as
+    // private.
+    let tio = unsafe { mapped_tio(&bio) };
+    // That plan exists only where the TableIo has this reactor's counters
+    // (a bio completes on the reactor that submitted it).
+    if let Some(c) = tio.block_counts {
+        // SAFETY: the table's target owns the cache they are in.
+        Vol::exit_on(unsafe { &*c }, bio.ctx() as usize);
+    }
     bio.pop_end_io();
     tio.done(&bio);
     bio.endio();

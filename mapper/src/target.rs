@@ -198,6 +198,15 @@ pub trait Target: Send + Sync {
         None
     }
 
+    /// For a target that maps whole blocks through a cache of its own that
+    /// reactors read without a lock (thin): where that cache is, so that a
+    /// one-target table's plan remaps an already mapped block itself, with
+    /// no call to `map` and no end_io (see [`BlockMap`]). Only meaningful
+    /// with [`Target::no_clone`].
+    fn block_map(&self) -> Option<BlockMap> {
+        None
+    }
+
     /// For a target whose `map` stripes as dm's `striped` does with
     /// power-of-two geometry: chunk `c` (of `1 << chunk_shift` sectors) of
     /// the target goes to device `c & (n - 1)`, at chunk `c >> stripe_shift`
@@ -265,6 +274,26 @@ pub trait Target: Send + Sync {
     /// reactor's thread, possibly while the reactor itself is being
     /// dropped, so it gets the reactor's id, not the reactor.
     fn reactor_close(&self, _reactor_id: usize) {}
+}
+
+/// A block-mapped target's cache as the core's plan reads it
+/// ([`Target::block_map`]): thin's per-volume mapping cache and in-flight
+/// counts. The plan takes a read, or a write without FUA, that lies inside
+/// one block the cache says is mapped (and, for a write, not shared); it
+/// counts the bio in flight, remaps it to the data device (the target's
+/// device 1 or 2, by the count's epoch) and drops the count when it
+/// completes: what the target's `map` and `end_io` do for such a bio.
+/// Everything else goes to `map`.
+#[derive(Clone, Copy)]
+pub struct BlockMap {
+    /// The cache; the target that returned this owns it.
+    pub(crate) vol: *const crate::targets::thin::Vol,
+    /// log2 of the block size in sectors.
+    pub(crate) shift: u32,
+    /// Data blocks inside the data device's area (the table checked that
+    /// area against the device when it was built): a cache entry past it
+    /// (a pool grown since) goes to `map`.
+    pub(crate) data_blocks: u64,
 }
 
 /// Resolves a device named in a table: another udm device, or a path.

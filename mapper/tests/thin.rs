@@ -164,16 +164,53 @@ fn discards_unmap_whole_blocks_and_free_them() {
     let tr = Tester::new();
     tr.write(&dev, 0, pattern(1, 0, 4 * BS));
     assert!(p.status().contains(" 4/64 "), "{}", p.status());
-    // Blocks 1 and 2 whole, and half of block 3 (which stays).
+    // Blocks 1 and 2 whole, and half of block 3, which stays mapped: that
+    // half is passed down to the data device (a RAM disk, which then
+    // reads zeroes there), the rest of the block is kept.
     let d = tr.run(&dev, Req::discard(BS, 2 * BS + BS / 2));
     assert_eq!(d.status, Status::Ok);
     assert!(p.status().contains(" 2/64 "), "{}", p.status());
-    assert!(tr.read(&dev, BS, 2 * BS).iter().all(|&b| b == 0));
-    assert_sectors_eq(&tr.read(&dev, 3 * BS, BS), &pattern(1, 3 * BS, BS), "kept");
+    assert!(tr.read(&dev, BS, 2 * BS + BS / 2).iter().all(|&b| b == 0));
+    assert_sectors_eq(
+        &tr.read(&dev, 3 * BS + BS / 2, BS / 2),
+        &pattern(1, 3 * BS + BS / 2, BS / 2),
+        "kept",
+    );
     assert_eq!(
         thin_status(&t),
         format!("0 {} thin {} {}", 8 * BS, 2 * BS, 4 * BS - 1)
     );
+}
+
+#[test]
+fn a_partial_discard_reaches_the_data_device_only_with_passdown() {
+    for (features, passed) in [("", true), ("1 no_discard_passdown", false)] {
+        let p = pool(64, 0, features);
+        p.ok("create_thin 0");
+        let t = p.thin("t", 8 * BS, "pool 0");
+        let dev = as_dev(&t);
+        let tr = Tester::new();
+        tr.write(&dev, 0, pattern(1, 0, 2 * BS));
+        // Half of block 1, from its second quarter: the block stays.
+        let d = tr.run(&dev, Req::discard(BS + BS / 4, BS / 2));
+        assert_eq!(d.status, Status::Ok);
+        assert!(p.status().contains(" 2/64 "), "{features}: {}", p.status());
+        let got = tr.read(&dev, BS, BS);
+        let q = (BS / 4 * 512) as usize;
+        let want = pattern(1, BS, BS);
+        assert_sectors_eq(&got[..q], &want[..q], "before the discard");
+        assert_sectors_eq(&got[3 * q..], &want[3 * q..], "after the discard");
+        if passed {
+            assert!(
+                got[q..3 * q].iter().all(|&b| b == 0),
+                "{features}: passed down"
+            );
+        } else {
+            assert_sectors_eq(&got[q..3 * q], &want[q..3 * q], "not passed down");
+        }
+        // The other block is untouched either way.
+        assert_sectors_eq(&tr.read(&dev, 0, BS), &pattern(1, 0, BS), "block 0");
+    }
 }
 
 #[test]

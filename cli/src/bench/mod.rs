@@ -48,8 +48,10 @@ pub struct BenchArgs {
     /// to 0.
     #[arg(long = "message", value_name = "DEV [SECTOR] WORDS...", value_parser = in_order)]
     messages: Vec<InOrder>,
-    /// Device to drive.
-    #[arg(long, value_name = "NAME")]
+    /// Device to drive; several, comma-separated (NAME,NAME...), spread
+    /// the jobs over them: job i drives the (i mod N)-th, over the same
+    /// region of each (--jobs a multiple of N).
+    #[arg(long, value_name = "NAME[,NAME...]")]
     target: Option<String>,
     /// read|write|rw|randread|randwrite|randrw.
     #[arg(long, value_name = "MODE", default_value = "randread")]
@@ -289,10 +291,22 @@ pub fn main(args: BenchArgs) -> Result<i32, Error> {
     };
     match target {
         Some(t) => {
-            let dev = stack
-                .get(&t)
-                .ok_or_else(|| Error::invalid(format!("--target '{t}': no such device")))?;
-            let r = run(&dev, BenchCfg { target: t, ..cfg })?;
+            let devs = t
+                .split(',')
+                .map(|n| {
+                    stack
+                        .get(n)
+                        .ok_or_else(|| Error::invalid(format!("--target '{n}': no such device")))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            if !(cfg.jobs as usize).is_multiple_of(devs.len()) {
+                return Err(Error::invalid(format!(
+                    "--jobs {}: must be a multiple of the {} devices of --target",
+                    cfg.jobs,
+                    devs.len()
+                )));
+            }
+            let r = run(&devs, BenchCfg { target: t, ..cfg })?;
             Ok(if r.ok() { 0 } else { 1 })
         }
         None if devs.is_empty() => default_suite(&stack, cfg),
@@ -322,7 +336,7 @@ fn default_suite(stack: &Control, base: BenchCfg) -> Result<i32, Error> {
             cpus: base.cpus.clone(),
             ..base
         };
-        let r = run(&dev, cfg)?;
+        let r = run(&[dev], cfg)?;
         rows.push((name, r.iops));
     }
     if let Some(&(_, raw)) = rows.first() {
@@ -399,28 +413,37 @@ impl Report {
     }
 }
 
-fn run(dev: &Arc<dyn BlockDevice>, cfg: BenchCfg) -> Result<Report, Error> {
-    let limits = dev.limits();
-    if let Some(m) = dev.as_any().downcast_ref::<MappedDevice>() {
-        m.set_fast_path(cfg.fast_path)?;
+/// Runs the jobs, job i on `devs[i % devs.len()]` (which divides the
+/// number of jobs), each device's jobs over the same region of it.
+fn run(devs: &[Arc<dyn BlockDevice>], cfg: BenchCfg) -> Result<Report, Error> {
+    let dev = &devs[0];
+    // Without --size: the whole of the smallest device.
+    let region = cfg
+        .size
+        .unwrap_or_else(|| devs.iter().map(|d| d.limits().bytes()).min().unwrap_or(0));
+    for d in devs {
+        let limits = d.limits();
+        if let Some(m) = d.as_any().downcast_ref::<MappedDevice>() {
+            m.set_fast_path(cfg.fast_path)?;
+        }
+        if !cfg.bs.is_multiple_of(limits.logical_block_size) {
+            return Err(Error::invalid(format!(
+                "--bs {}: not a multiple of '{}''s logical block size {}",
+                cfg.bs,
+                d.name(),
+                limits.logical_block_size
+            )));
+        }
+        let dev_bytes = limits.bytes();
+        if region > dev_bytes {
+            return Err(Error::invalid(format!(
+                "--size {region}: larger than '{}' ({dev_bytes} bytes)",
+                d.name()
+            )));
+        }
     }
-    if !cfg.bs.is_multiple_of(limits.logical_block_size) {
-        return Err(Error::invalid(format!(
-            "--bs {}: not a multiple of '{}''s logical block size {}",
-            cfg.bs,
-            dev.name(),
-            limits.logical_block_size
-        )));
-    }
-    let dev_bytes = limits.bytes();
-    let region = cfg.size.unwrap_or(dev_bytes);
-    if region > dev_bytes {
-        return Err(Error::invalid(format!(
-            "--size {region}: larger than '{}' ({dev_bytes} bytes)",
-            dev.name()
-        )));
-    }
-    let per_job_blocks = region / cfg.bs as u64 / cfg.jobs as u64;
+    let per_dev_jobs = cfg.jobs as u64 / devs.len() as u64;
+    let per_job_blocks = region / cfg.bs as u64 / per_dev_jobs;
     if per_job_blocks == 0 {
         return Err(Error::invalid(format!(
             "region of {region} bytes is too small for {} jobs of --bs {}",
@@ -451,7 +474,8 @@ fn run(dev: &Arc<dyn BlockDevice>, cfg: BenchCfg) -> Result<Report, Error> {
             mix_read: cfg.mix_read,
             bs: cfg.bs,
             iodepth: cfg.iodepth,
-            region_start: (j as u64 * per_job_blocks * cfg.bs as u64) >> SECTOR_SHIFT,
+            region_start: ((j as u64 / devs.len() as u64) * per_job_blocks * cfg.bs as u64)
+                >> SECTOR_SHIFT,
             region_blocks: per_job_blocks,
             runtime: if cfg.verify { None } else { cfg.runtime },
             prefill: cfg.prefill,
@@ -464,11 +488,11 @@ fn run(dev: &Arc<dyn BlockDevice>, cfg: BenchCfg) -> Result<Report, Error> {
         cpus: cfg.cpus.clone(),
         ..PoolConfig::new("udm-job", cfg.jobs as usize, reactor)
     };
-    let (job_dev, job_ready, job_progress) = (dev.clone(), ready.clone(), progress.clone());
+    let (job_devs, job_ready, job_progress) = (devs.to_vec(), ready.clone(), progress.clone());
     let pool = ReactorPool::start(&pool_cfg, move |j, r: &Reactor, _: &StopToken| {
         let out = run_job(
             r,
-            job_dev.clone(),
+            job_devs[j % job_devs.len()].clone(),
             jobs[j].clone(),
             job_ready.clone(),
             job_progress[j].clone(),

@@ -54,3 +54,4 @@ mod worker;
 
 pub use pool::THIN_POOL;
 pub use thin::THIN;
+pub(crate) use vol::{Vol, MAPPED, SHARED};

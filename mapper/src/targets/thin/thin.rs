@@ -14,7 +14,9 @@ use udm_core::{
 use super::pool::{pool_of_device, Pool, MAX_DEV_ID};
 use super::vol::{Vol, MAPPED, SHARED, UNMAPPED};
 use super::worker::{Action, BioJob, DoneJob, Insert, Job, Reply, SendBio};
-use crate::target::{CtrCtx, DevArea, EndIoWhen, Map, MapCtx, StatusType, Target, TargetType};
+use crate::target::{
+    BlockMap, CtrCtx, DevArea, EndIoWhen, Map, MapCtx, StatusType, Target, TargetType,
+};
 
 /// The `thin` target type.
 pub const THIN: TargetType = TargetType {
@@ -209,6 +211,17 @@ impl Target for Thin {
 
     fn devices(&self) -> &[DevArea] {
         &self.devs
+    }
+
+    /// The volume's cache, when blocks are a power of two: the core's plan
+    /// then takes this `map`'s first case (without FUA) itself.
+    fn block_map(&self) -> Option<BlockMap> {
+        let shift = self.shift?;
+        Some(BlockMap {
+            vol: Arc::as_ptr(&self.vol),
+            shift,
+            data_blocks: self.devs[DATA[0]].len >> shift,
+        })
     }
 
     fn no_clone(&self) -> bool {

@@ -212,6 +212,32 @@ impl Vol {
         e
     }
 
+    /// This thread's own counters, which [`Vol::enter_on`] and
+    /// [`Vol::exit_on`] update with plain stores; `None` where updates
+    /// must be atomic (past [`SLOTS`] threads, or without membarrier).
+    pub fn counts(&self) -> Option<&[AtomicU64; 2]> {
+        let s = SLOT.with(|s| *s);
+        (s < SLOTS && membarrier_ok()).then(|| &self.slots[s].n)
+    }
+
+    /// [`Vol::enter`] with this thread's [`Vol::counts`] at hand.
+    #[inline(always)]
+    pub fn enter_on(&self, c: &[AtomicU64; 2]) -> usize {
+        let e = (self.epoch.load(Ordering::Acquire) & 1) as usize;
+        let c = &c[e];
+        c.store(c.load(Ordering::Relaxed).wrapping_add(1), Ordering::Release);
+        std::sync::atomic::compiler_fence(Ordering::SeqCst);
+        e
+    }
+
+    /// [`Vol::exit`] with the [`Vol::counts`] of the thread that entered
+    /// (which must be this one).
+    #[inline(always)]
+    pub fn exit_on(c: &[AtomicU64; 2], e: usize) {
+        let c = &c[e & 1];
+        c.store(c.load(Ordering::Relaxed).wrapping_sub(1), Ordering::Release);
+    }
+
     /// The match of [`Vol::enter`] (on any thread: the counts are summed).
     #[inline]
     pub fn exit(&self, e: usize) {

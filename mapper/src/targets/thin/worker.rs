@@ -420,11 +420,21 @@ impl Worker {
     fn discard(&mut self, b: BioJob, found: Option<Lookup>) {
         let bs = self.bs();
         let (dev, v) = (b.vol.dev, b.sector / bs);
-        // Only whole blocks are unmapped (the core splits discards at
-        // block boundaries); a partial one changes nothing, as dm.
-        let Some(m) = found.filter(|_| b.sector.is_multiple_of(bs) && b.sectors == bs) else {
+        let Some(m) = found else {
             return b.reply.send(Action::Complete(Status::Ok));
         };
+        // Only whole blocks are unmapped (the core splits discards at
+        // block boundaries). Part of a block stays mapped; as in dm, with
+        // passdown the data device is told of it, unless another device
+        // shares the block or it is being provisioned.
+        if !(b.sector.is_multiple_of(bs) && b.sectors == bs) {
+            if !m.shared && !self.cells.contains_key(&(dev, v)) && self.passdown() {
+                let at = m.block * bs + b.sector % bs;
+                // Advisory: a failed passdown does not fail the discard.
+                let _ = self.io_data(Op::Discard, at, std::ptr::null_mut(), b.sectors);
+            }
+            return b.reply.send(Action::Complete(Status::Ok));
+        }
         if let Some(q) = self.cells.get_mut(&(dev, v)) {
             q.push(Job::Bio(b));
             return;
@@ -437,15 +447,21 @@ impl Worker {
         }
         self.set_dirty(true);
         self.set_entry(dev, v, UNMAPPED);
-        let passdown = {
-            let c = self.sh.lock_cfg();
-            !c.no_discard_passdown && !c.ignore_discard
-        };
-        if !m.shared && passdown && self.sh.data_dev.caps().supports(Op::Discard) {
+        if !m.shared && self.passdown() {
             // Advisory: a failed passdown does not fail the discard.
             let _ = self.io_data(Op::Discard, m.block * bs, std::ptr::null_mut(), bs);
         }
         b.reply.send(Action::Complete(Status::Ok));
+    }
+
+    /// Whether discards go on to the data device: the pool passes them
+    /// down and the device takes them.
+    fn passdown(&self) -> bool {
+        let on = {
+            let c = self.sh.lock_cfg();
+            !c.no_discard_passdown && !c.ignore_discard
+        };
+        on && self.sh.data_dev.caps().supports(Op::Discard)
     }
 
     fn done(&mut self, d: DoneJob) {
