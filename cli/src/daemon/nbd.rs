@@ -120,6 +120,8 @@ impl Protocol for Nbd {
                     reactor: self.reactor,
                     limits: self.limits.clone(),
                     pool: Some(self.pool.clone()),
+                    tls: None,
+                    insecure: false,
                 },
             )?;
             let bound = srv
