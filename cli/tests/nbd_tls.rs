@@ -600,7 +600,10 @@ fn certificates_that_do_not_check_out_are_refused() {
     let cases = [
         // gnutls offers no certificate the server's CA did not sign.
         ("client-foreign", "TLS: peer sent no certificates"),
-        ("client-expired", "TLS: invalid peer certificate: certificate expired"),
+        (
+            "client-expired",
+            "TLS: invalid peer certificate: certificate expired",
+        ),
         (
             "client-intruder",
             "'CN=intruder,O=Example' is not in --tls-authz",
@@ -749,4 +752,108 @@ fn sighup_reloads_the_credentials_for_new_connections() {
     unsafe { libc::kill(pid, libc::SIGHUP) };
     s.wait_log("TLS credentials not reloaded", 1);
     run("nbdinfo", &[&uri(port, &pki.dir("client-other-ca"))]);
+}
+
+#[test]
+fn daemon_exports_take_tls_from_export_add_and_the_config_file() {
+    use common::daemon::Daemon;
+    let pki = Pki::new();
+    let creds = pki.dir("srv");
+    let port = free_port();
+    let dir = TempDir::new("tls-daemon");
+    let cfg = dir.path("udm.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[[device]]\nname = \"ram0\"\nspec = \"ram:32M\"\n\n\
+             [[device]]\nname = \"lin\"\ntable = \"0 65536 linear ram0 0\"\n\n\
+             [[export]]\ndevice = \"lin\"\nnbd = \"127.0.0.1:{port}\"\ntls = \"require\"\n\
+             tls_creds = \"{creds}\"\ntls_verify_peer = true\ntls_authz = [\"{CLIENT}\"]\n"
+        ),
+    )
+    .unwrap();
+    let d = Daemon::start(&["--config", cfg.to_str().unwrap()]);
+    let ls = d.ok(&["export", "ls"]);
+    assert!(ls.contains(&format!("nbds://127.0.0.1:{port}/lin")), "{ls}");
+    run("nbdinfo", &[&uri(port, &pki.dir("client"))]);
+    let out = fails("nbdinfo", &[&format!("nbd://127.0.0.1:{port}/lin")], &[]);
+    assert!(out.contains("Operation not supported"), "{out}");
+    fails("nbdinfo", &[&uri(port, &pki.dir("client-intruder"))], &[]);
+    // dump-config keeps it.
+    let dump = d.ok(&["dump-config"]);
+    assert!(
+        dump.contains("tls = \"require\"") && dump.contains(CLIENT),
+        "{dump}"
+    );
+
+    // export add: off loopback without TLS is refused, with it served.
+    let e = d.fails(&[
+        "export",
+        "add",
+        "--nbd",
+        "0.0.0.0:0",
+        "--export-name",
+        "x",
+        "lin",
+    ]);
+    assert!(
+        e.contains("not loopback") && e.contains("--insecure"),
+        "{e}"
+    );
+    let port2 = free_port();
+    let addr = format!("127.0.0.1:{port2}");
+    d.ok(&[
+        "export",
+        "add",
+        "--nbd",
+        &addr,
+        "--export-name",
+        "lin2",
+        "--tls",
+        "require",
+        "--tls-creds",
+        &creds,
+        "lin",
+    ]);
+    run(
+        "nbdinfo",
+        &[&format!(
+            "nbds://{addr}/lin2?tls-certificates={}",
+            pki.dir("client")
+        )],
+    );
+    let e = d.fails(&[
+        "export",
+        "add",
+        "--nbd",
+        "127.0.0.1:0",
+        "--tls",
+        "require",
+        "--tls-creds",
+        "rel/dir",
+        "--export-name",
+        "rel",
+        "lin",
+    ]);
+    assert!(e.contains("absolute path"), "{e}");
+    let e = d.fails(&[
+        "export",
+        "add",
+        "--vhost-user-blk",
+        &dir.path("v.sock").to_string_lossy(),
+        "--tls",
+        "require",
+        "--export-name",
+        "v",
+        "lin",
+    ]);
+    assert!(e.contains("--tls"), "{e}");
+    // SIGHUP reloads every export's credentials.
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(d.pid() as i32, libc::SIGHUP) };
+    let t0 = Instant::now();
+    while d.log().matches("TLS credentials reloaded").count() < 2 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "{}", d.log());
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }

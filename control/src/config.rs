@@ -80,6 +80,21 @@ pub struct ExportDef {
     /// device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dispatch: Option<String>,
+    /// NBD over TLS: `off`, `on` or `require`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<String>,
+    /// The TLS credentials' directory (QEMU's x509 layout).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_creds: Option<String>,
+    /// Require a client certificate signed by the CA.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub tls_verify_peer: bool,
+    /// Admit only client certificates with these subject names.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tls_authz: Vec<String>,
+    /// Serve plaintext on a TCP address off loopback.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub insecure: bool,
 }
 
 impl ExportDef {
@@ -103,6 +118,11 @@ impl ExportDef {
             id: self.id,
             recover: self.recover,
             dispatch: self.dispatch.clone(),
+            tls: self.tls.clone(),
+            tls_creds: self.tls_creds.clone(),
+            tls_verify_peer: self.tls_verify_peer,
+            tls_authz: self.tls_authz.clone(),
+            insecure: self.insecure,
         };
         opts.dispatch()
             .map_err(|e| e.context(format!("export of '{}'", self.device)))?;
@@ -130,6 +150,11 @@ impl ExportDef {
             id: e.opts.id,
             recover: e.opts.recover,
             dispatch: e.opts.dispatch,
+            tls: e.opts.tls,
+            tls_creds: e.opts.tls_creds,
+            tls_verify_peer: e.opts.tls_verify_peer,
+            tls_authz: e.opts.tls_authz,
+            insecure: e.opts.insecure,
         };
         match e.protocol.as_str() {
             "vhost-user-blk" => d.vhost_user_blk = Some(e.address),

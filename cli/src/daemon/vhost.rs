@@ -91,6 +91,7 @@ impl Protocol for Vhost {
         if o.recover {
             refused.push("--recover");
         }
+        refused.extend(o.nbd_names());
         if !refused.is_empty() {
             return Err(Error::invalid(format!(
                 "a vhost-user-blk export takes no {}",
