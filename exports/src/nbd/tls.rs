@@ -133,8 +133,19 @@ impl Tls {
     }
 }
 
+/// ring's suites with AES-128-GCM first, chosen by the server's order:
+/// clients (gnutls) prefer AES-256-GCM, which costs both sides more per
+/// byte at a strength TLS 1.3 does not need.
 fn provider() -> Arc<CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
+    let mut p = rustls::crypto::ring::default_provider();
+    let aes128 = [
+        rustls::CipherSuite::TLS13_AES_128_GCM_SHA256,
+        rustls::CipherSuite::TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256,
+        rustls::CipherSuite::TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256,
+    ];
+    p.cipher_suites
+        .sort_by_key(|s| !aes128.contains(&s.suite()));
+    Arc::new(p)
 }
 
 fn pem_err(path: &Path, what: &str, e: impl std::fmt::Display) -> Error {
@@ -226,6 +237,7 @@ fn build(opts: &TlsOptions) -> Result<Arc<rustls::ServerConfig>, Error> {
     // full handshake and is checked against the credentials in force.
     cfg.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
     cfg.send_tls13_tickets = 0;
+    cfg.ignore_client_order = true;
     Ok(Arc::new(cfg))
 }
 
