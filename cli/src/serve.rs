@@ -15,15 +15,19 @@ use udm_control::{Control, ControlServer, Holder};
 use udm_core::access::{parse_group, Access};
 use udm_core::{BlockDevice, CompletionMode, Error, ReactorConfig};
 use udm_exports::limits;
-use udm_exports::nbd::{server, Export, Limits, Listen, Server, ServerConfig};
+use udm_exports::nbd::{
+    server, Export, Limits, Listen, Server, ServerConfig, Tls, TlsMode, TlsOptions,
+};
 use udm_exports::vhost;
 
 const AFTER_HELP: &str = "\
 Without --dev or --config: a 1 GiB RAM disk (ram0) with a linear device
 over it (lin), exported as 'lin'.
 
-NBD has no authentication and udm does not speak TLS: serve it only on
-trusted networks (unix sockets and loopback are the defaults).";
+NBD without TLS has no authentication: a TCP listener off loopback needs
+--tls require (or --insecure). --tls-creds DIR holds QEMU's x509 layout
+(ca-cert.pem, server-cert.pem, server-key.pem, optional ca-crl.pem), read
+again on SIGHUP. TLS-PSK is not offered (rustls has none).";
 
 /// `udm serve`'s options.
 #[derive(clap::Args, Debug)]
@@ -105,6 +109,89 @@ pub struct ServeArgs {
     /// (UBLK_F_UNPRIVILEGED_DEV; docs/ublk.md).
     #[arg(long, requires = "ublk")]
     unprivileged: bool,
+    #[command(flatten)]
+    tls: TlsArgs,
+}
+
+/// NBD over TLS: `udm serve`'s and `udm daemon`'s flags.
+#[derive(clap::Args, Debug, Default)]
+pub struct TlsArgs {
+    /// NBD over TLS: off; on (at the client's choice); require (before
+    /// STARTTLS every option but ABORT is refused, NBD_REP_ERR_TLS_REQD).
+    #[arg(long = "tls", value_name = "MODE", default_value = "off", value_parser = ["off", "on", "require"])]
+    pub mode: String,
+    /// The x509 credentials' directory, QEMU's layout: ca-cert.pem,
+    /// server-cert.pem, server-key.pem, optional ca-crl.pem; read again on
+    /// SIGHUP (new connections get the new ones).
+    #[arg(long = "tls-creds", value_name = "DIR")]
+    pub creds: Option<PathBuf>,
+    /// Require a client certificate signed by ca-cert.pem (and not in
+    /// ca-crl.pem).
+    #[arg(long = "tls-verify-peer")]
+    pub verify_peer: bool,
+    /// Admit only client certificates with these subject names, RFC 4514
+    /// as `openssl x509 -noout -subject -nameopt RFC2253` prints them
+    /// (e.g. 'CN=backup,O=Example'); implies --tls-verify-peer.
+    #[arg(long = "tls-authz", value_name = "NAME", num_args = 1..)]
+    pub authz: Vec<String>,
+    /// Serve plaintext on TCP addresses other than loopback (refused
+    /// without it: anyone who connects gets the disk).
+    #[arg(long)]
+    pub insecure: bool,
+}
+
+impl TlsArgs {
+    /// The TLS the flags ask for, its credentials loaded (None: off).
+    pub fn load(&self) -> Result<Option<Arc<Tls>>, Error> {
+        let mode: TlsMode = self.mode.parse().map_err(Error::invalid)?;
+        let creds = match (&self.creds, mode) {
+            (None, TlsMode::Off) => {
+                if self.verify_peer || !self.authz.is_empty() {
+                    return Err(Error::invalid(
+                        "--tls-verify-peer and --tls-authz need --tls on or --tls require",
+                    ));
+                }
+                return Ok(None);
+            }
+            (Some(_), TlsMode::Off) => {
+                return Err(Error::invalid(
+                    "--tls-creds: give --tls require (or --tls on) to serve TLS",
+                ))
+            }
+            (None, _) => {
+                return Err(Error::invalid(format!(
+                    "--tls {mode}: give --tls-creds DIR (ca-cert.pem, server-cert.pem, \
+                     server-key.pem)"
+                )))
+            }
+            (Some(c), _) => c.clone(),
+        };
+        Tls::load(TlsOptions {
+            mode,
+            creds,
+            verify_peer: self.verify_peer,
+            authz: self.authz.clone(),
+        })
+        .map(Some)
+    }
+}
+
+/// Reads the TLS credentials again on each SIGHUP, from a thread of its
+/// own; a failed reload keeps the credentials in force and says why.
+pub(crate) fn reload_on_sighup(reload: impl Fn() + Send + 'static) -> Result<(), Error> {
+    let (wr, rd) = UnixStream::pair().map_err(|e| Error::os("signal socket", e))?;
+    signal_hook::low_level::pipe::register(signal_hook::consts::SIGHUP, wr)
+        .map_err(|e| Error::os("handling SIGHUP", e))?;
+    std::thread::Builder::new()
+        .name("udm-sighup".into())
+        .spawn(move || {
+            let mut b = [0u8; 64];
+            while matches!((&rd).read(&mut b), Ok(n) if n > 0) {
+                reload();
+            }
+        })
+        .map_err(|e| Error::os("spawning the SIGHUP thread", e))?;
+    Ok(())
 }
 
 /// The built-in stack of `udm serve`.
@@ -211,7 +298,15 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
         max_inflight,
         ublk,
         unprivileged,
+        tls,
     } = a;
+    let tls_insecure = tls.insecure;
+    let tls = tls.load()?;
+    if tls.is_some() && (ublk || vhost_user_blk.is_some()) {
+        return Err(Error::invalid(
+            "--tls is for NBD: ublk and vhost-user-blk are local sockets and devices",
+        ));
+    }
     let limits = parse_limits(&handshake_timeout, max_connections, &max_inflight)?;
     let access = Access {
         group: socket_group.as_deref().map(parse_group).transpose()?,
@@ -367,14 +462,29 @@ pub fn main(a: ServeArgs) -> Result<i32, Error> {
                 reactor,
                 limits,
                 pool: None,
+                tls: tls.clone(),
+                insecure: tls_insecure,
             },
         )?),
     };
+    if let Some(t) = &tls {
+        println!("udm: {}", t.describe());
+        tracing::info!("nbd: {}", t.describe());
+        let t = t.clone();
+        reload_on_sighup(move || match t.reload() {
+            Ok(()) => tracing::info!(
+                "nbd: TLS credentials reloaded from {}",
+                t.options().creds.display()
+            ),
+            Err(e) => tracing::error!("nbd: TLS credentials not reloaded (the old ones stay): {e}"),
+        })?;
+    }
     for e in srv.nbd_exports() {
         let i = &e.info;
         for l in srv.nbd_addresses() {
             let uri = match &l {
                 Listen::Unix(p) => format!("nbd+unix:///{}?socket={}", i.name, p.display()),
+                Listen::Tcp(a) if tls.is_some() => format!("nbds://{a}/{}", i.name),
                 Listen::Tcp(a) => format!("nbd://{a}/{}", i.name),
             };
             println!(

@@ -83,6 +83,21 @@ pub struct ExportDef {
     /// device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dispatch: Option<String>,
+    /// NBD over TLS: `off`, `on` or `require`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<String>,
+    /// The TLS credentials' directory (QEMU's x509 layout).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_creds: Option<String>,
+    /// Require a client certificate signed by the CA.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub tls_verify_peer: bool,
+    /// Admit only client certificates with these subject names.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tls_authz: Vec<String>,
+    /// Serve plaintext on a TCP address off loopback.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub insecure: bool,
 }
 
 impl ExportDef {
@@ -107,6 +122,11 @@ impl ExportDef {
             recover: self.recover,
             unprivileged: self.unprivileged,
             dispatch: self.dispatch.clone(),
+            tls: self.tls.clone(),
+            tls_creds: self.tls_creds.clone(),
+            tls_verify_peer: self.tls_verify_peer,
+            tls_authz: self.tls_authz.clone(),
+            insecure: self.insecure,
         };
         opts.dispatch()
             .map_err(|e| e.context(format!("export of '{}'", self.device)))?;
@@ -135,6 +155,11 @@ impl ExportDef {
             recover: e.opts.recover,
             unprivileged: e.opts.unprivileged,
             dispatch: e.opts.dispatch,
+            tls: e.opts.tls,
+            tls_creds: e.opts.tls_creds,
+            tls_verify_peer: e.opts.tls_verify_peer,
+            tls_authz: e.opts.tls_authz,
+            insecure: e.opts.insecure,
         };
         match e.protocol.as_str() {
             "vhost-user-blk" => d.vhost_user_blk = Some(e.address),

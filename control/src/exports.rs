@@ -61,9 +61,46 @@ pub struct ExportOpts {
     /// protocol takes it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dispatch: Option<String>,
+    /// NBD over TLS: `off`, `on` (the client's choice) or `require`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<String>,
+    /// The TLS credentials' directory (NBD; QEMU's x509 layout).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_creds: Option<String>,
+    /// Require a client certificate signed by the CA (NBD).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub tls_verify_peer: bool,
+    /// Admit only client certificates with these subject names (NBD).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tls_authz: Vec<String>,
+    /// Serve plaintext on a TCP address off loopback (NBD).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub insecure: bool,
 }
 
 impl ExportOpts {
+    /// The NBD-only options set, as the command line spells them (for
+    /// another protocol's "does not take" error).
+    pub fn nbd_names(&self) -> Vec<&'static str> {
+        let mut v = Vec::new();
+        if self.tls.is_some() {
+            v.push("--tls");
+        }
+        if self.tls_creds.is_some() {
+            v.push("--tls-creds");
+        }
+        if self.tls_verify_peer {
+            v.push("--tls-verify-peer");
+        }
+        if !self.tls_authz.is_empty() {
+            v.push("--tls-authz");
+        }
+        if self.insecure {
+            v.push("--insecure");
+        }
+        v
+    }
+
     /// No option set.
     pub fn is_empty(&self) -> bool {
         *self == ExportOpts::default()

@@ -18,6 +18,19 @@ fn the_handshake_corpus_runs_clean() {
 }
 
 #[test]
+fn the_tls_required_handshake_corpus_runs_clean() {
+    let inputs = corpus("nbd_handshake_tls").unwrap();
+    assert!(!inputs.is_empty(), "the TLS handshake corpus has its seeds");
+    for (_name, data) in inputs {
+        fuzzing::handshake_tls(&data);
+    }
+    // The handshake corpus too, through the TLS-required parser.
+    for (_name, data) in corpus("nbd_handshake").unwrap() {
+        fuzzing::handshake_tls(&data);
+    }
+}
+
+#[test]
 fn the_request_corpus_runs_clean() {
     let inputs = corpus("nbd_request").unwrap();
     assert!(!inputs.is_empty(), "the request corpus has its seeds");

@@ -63,6 +63,8 @@ pub struct AddArgs {
     /// (for RAM); auto picks from the device's report ('udm info').
     #[arg(long, value_name = "MODE", value_parser = ["auto", "direct", "queued", "stream"])]
     dispatch: Option<String>,
+    #[command(flatten)]
+    tls: crate::serve::TlsArgs,
     /// The device.
     device: String,
 }
@@ -87,6 +89,11 @@ impl AddArgs {
                 recover: self.recover,
                 unprivileged: self.unprivileged,
                 dispatch: self.dispatch,
+                tls: (self.tls.mode != "off").then_some(self.tls.mode),
+                tls_creds: self.tls.creds.map(|p| p.display().to_string()),
+                tls_verify_peer: self.tls.verify_peer,
+                tls_authz: self.tls.authz,
+                insecure: self.tls.insecure,
             },
         }
     }

@@ -116,16 +116,11 @@ pub fn main(a: DaemonArgs) -> Result<i32, Error> {
     ctl.set_limits(limits_def);
     // One budget and connection cap for every export of the daemon.
     let pool = limits::Pool::new(&limits)?;
+    let nbd = nbd::Nbd::new(a.reactors as usize, reactor, limits, pool.clone());
+    // SIGHUP reads the NBD exports' TLS credentials again.
+    crate::serve::reload_on_sighup(nbd.tls_reloader())?;
     let exports = exports::Exports::new()
-        .with(
-            "nbd",
-            Box::new(Service::new(nbd::Nbd::new(
-                a.reactors as usize,
-                reactor,
-                limits,
-                pool.clone(),
-            ))),
-        )
+        .with("nbd", Box::new(Service::new(nbd)))
         .with(
             "ublk",
             Box::new(Service::new(ublk::Ublk::new(reactor, pool.clone()))),

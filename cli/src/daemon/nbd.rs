@@ -3,13 +3,13 @@
 //! `export remove` stops it: no new connections, the requests in flight
 //! finish and are answered, then the connections close.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 
 use udm_control::{Devices, ExportInfo, ExportSpec, Holder};
 use udm_core::{Error, ErrorKind, ReactorConfig};
 
 use udm_exports::limits::{Limits, Pool};
-use udm_exports::nbd::{Clients, Export, Listen, Server, ServerConfig};
+use udm_exports::nbd::{Clients, Export, Listen, Server, ServerConfig, Tls};
 
 use super::running::{hold_device, Protocol, Served, ServerThread};
 
@@ -57,6 +57,8 @@ pub struct Nbd {
     limits: Limits,
     /// The connection cap and buffer budget all the exports share.
     pool: Arc<Pool>,
+    /// The TLS of the exports that have it, for a reload.
+    tls: Arc<Mutex<Vec<Weak<Tls>>>>,
 }
 
 impl Nbd {
@@ -69,14 +71,38 @@ impl Nbd {
             reactor,
             pool,
             limits,
+            tls: Arc::default(),
+        }
+    }
+
+    /// Reads again the TLS credentials of every export that has TLS (what
+    /// SIGHUP does): new connections get them.
+    pub fn tls_reloader(&self) -> impl Fn() + Send + 'static {
+        let list = self.tls.clone();
+        move || {
+            let mut l = list.lock().unwrap_or_else(|p| p.into_inner());
+            l.retain(|w| w.strong_count() > 0);
+            for t in l.iter().filter_map(Weak::upgrade) {
+                let dir = t.options().creds.display().to_string();
+                match t.reload() {
+                    Ok(()) => tracing::info!("nbd: TLS credentials reloaded from {dir}"),
+                    Err(e) => {
+                        tracing::error!(
+                            "nbd: TLS credentials not reloaded (the old ones stay): {e}"
+                        )
+                    }
+                }
+            }
         }
     }
 }
 
-fn uri(name: &str, l: &Listen) -> String {
-    match l {
-        Listen::Unix(p) => format!("nbd+unix:///{name}?socket={}", p.display()),
-        Listen::Tcp(a) => format!("nbd://{a}/{name}"),
+fn uri(name: &str, l: &Listen, tls: bool) -> String {
+    match (l, tls) {
+        (Listen::Unix(p), false) => format!("nbd+unix:///{name}?socket={}", p.display()),
+        (Listen::Unix(p), true) => format!("nbds+unix:///{name}?socket={}", p.display()),
+        (Listen::Tcp(a), false) => format!("nbd://{a}/{name}"),
+        (Listen::Tcp(a), true) => format!("nbds://{a}/{name}"),
     }
 }
 
@@ -97,6 +123,28 @@ impl Protocol for Nbd {
             )));
         }
         let listen = Listen::parse(&spec.address)?;
+        let o = &spec.opts;
+        // A relative credentials' path is the client's, which the daemon
+        // cannot resolve: refused rather than read from the daemon's cwd.
+        if let Some(c) = o.tls_creds.as_deref().filter(|c| !c.starts_with('/')) {
+            return Err(Error::invalid(format!(
+                "--tls-creds '{c}': give an absolute path"
+            )));
+        }
+        let tls = crate::serve::TlsArgs {
+            mode: o.tls.clone().unwrap_or_else(|| "off".into()),
+            creds: o.tls_creds.as_ref().map(Into::into),
+            verify_peer: o.tls_verify_peer,
+            authz: o.tls_authz.clone(),
+            insecure: o.insecure,
+        }
+        .load()?;
+        if let Some(t) = &tls {
+            self.tls
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(Arc::downgrade(t));
+        }
         if let Some(r) = running.iter().find(|r| r.bound == listen) {
             return Err(Error::new(
                 ErrorKind::Busy,
@@ -120,6 +168,8 @@ impl Protocol for Nbd {
                     reactor: self.reactor,
                     limits: self.limits.clone(),
                     pool: Some(self.pool.clone()),
+                    tls: tls.clone(),
+                    insecure: spec.opts.insecure,
                 },
             )?;
             let bound = srv
@@ -143,7 +193,7 @@ impl Protocol for Nbd {
             device: spec.device,
             protocol: spec.protocol,
             address: spec.address,
-            uri: uri(&name, &bound),
+            uri: uri(&name, &bound, tls.is_some()),
             read_only: spec.read_only,
             clients: 0,
             opts: spec.opts,

@@ -79,6 +79,12 @@ impl Protocol for Ublk {
             )));
         }
         let dispatch = spec.opts.dispatch()?;
+        if !spec.opts.nbd_names().is_empty() {
+            return Err(Error::invalid(format!(
+                "a ublk export takes no {}",
+                spec.opts.nbd_names().join(", ")
+            )));
+        }
         if let Some(r) = running.iter().find(|r| Some(r.dev.id()) == spec.opts.id) {
             return Err(Error::new(
                 ErrorKind::Busy,

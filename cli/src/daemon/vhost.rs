@@ -99,6 +99,7 @@ impl Protocol for Vhost {
         if o.unprivileged {
             refused.push("--unprivileged");
         }
+        refused.extend(o.nbd_names());
         if !refused.is_empty() {
             return Err(Error::invalid(format!(
                 "a vhost-user-blk export takes no {}",

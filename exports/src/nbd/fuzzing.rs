@@ -2,7 +2,7 @@
 //! regression test (`exports/tests/fuzz_corpus.rs`): the same bytes go
 //! through the same parsers whether libFuzzer or `cargo test` runs them.
 
-use super::handshake::{Handshake, Outcome};
+use super::handshake::{Handshake, Outcome, TlsMode};
 use super::proto::{self, ExportInfo, TxParams};
 
 fn exports() -> Vec<ExportInfo> {
@@ -50,6 +50,63 @@ pub fn handshake(data: &[u8]) {
             return;
         }
     }
+}
+
+/// As [`handshake`], on a server that requires TLS: before STARTTLS no
+/// reply may carry an export's name, size or context (only ACKs of
+/// STARTTLS and ABORT, and errors); after it (the bytes that follow stand
+/// for decrypted ones) negotiation goes on as without TLS. Panics if the
+/// state machine leaks or breaks its contract.
+pub fn handshake_tls(data: &[u8]) {
+    let Some((&split, data)) = data.split_first() else {
+        return;
+    };
+    let exports = exports();
+    let mut h = Handshake::with_tls(TlsMode::Require);
+    let mut out = Vec::new();
+    let cut = (split as usize * data.len()) / 256;
+    let mut pending: Vec<u8> = Vec::new();
+    let mut plain = true;
+    for part in [&data[..cut], &data[cut..]] {
+        pending.extend_from_slice(part);
+        loop {
+            let (n, outcome) = h.feed(&pending, &exports, &mut out);
+            assert!(n <= pending.len(), "consumed more than given");
+            pending.drain(..n);
+            if plain {
+                assert_nothing_leaks(&out);
+            }
+            match outcome {
+                Outcome::Continue => break,
+                Outcome::StartTls => {
+                    assert!(plain, "STARTTLS acknowledged twice");
+                    plain = false;
+                    out.clear();
+                }
+                Outcome::Transmission(_) => {
+                    assert!(!plain, "transmission before TLS");
+                    return;
+                }
+                Outcome::Close(_) => return,
+            }
+        }
+    }
+}
+
+/// Every reply in `out` is an ACK or an error: nothing that names or
+/// describes an export.
+fn assert_nothing_leaks(out: &[u8]) {
+    let mut at = 0;
+    while at + 20 <= out.len() {
+        let typ = u32::from_be_bytes([out[at + 12], out[at + 13], out[at + 14], out[at + 15]]);
+        let len = u32::from_be_bytes([out[at + 16], out[at + 17], out[at + 18], out[at + 19]]);
+        assert!(
+            typ == proto::REP_ACK || typ & (1 << 31) != 0,
+            "reply type {typ} before TLS"
+        );
+        at += 20 + len as usize;
+    }
+    assert_eq!(at, out.len(), "only whole option replies");
 }
 
 /// Parses and validates every 28-byte request header in `data` against

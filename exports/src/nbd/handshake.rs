@@ -6,10 +6,18 @@
 //! here, so the same code runs on a reactor and under the fuzzer.
 //!
 //! Options served: EXPORT_NAME, INFO, GO, LIST, ABORT, STRUCTURED_REPLY,
-//! LIST_META_CONTEXT and SET_META_CONTEXT (`base:allocation`). Anything else
-//! (STARTTLS included: udm runs NOTLS) gets `NBD_REP_ERR_UNSUP`. Option data
-//! above [`MAX_OPTION_DATA`] is skipped without being stored and answered
-//! with `NBD_REP_ERR_TOO_BIG`.
+//! LIST_META_CONTEXT, SET_META_CONTEXT (`base:allocation`) and, when the
+//! server has TLS ([`TlsMode`]), STARTTLS. Anything else (STARTTLS too on a
+//! server without TLS: the spec's NOTLS mode) gets `NBD_REP_ERR_UNSUP`.
+//! Option data above [`MAX_OPTION_DATA`] is skipped without being stored
+//! and answered with `NBD_REP_ERR_TOO_BIG`.
+//!
+//! With [`TlsMode::Require`] (the spec's FORCEDTLS), until STARTTLS every
+//! option but STARTTLS and ABORT gets `NBD_REP_ERR_TLS_REQD` and
+//! EXPORT_NAME closes: a client learns no export name or size before TLS.
+//! With [`TlsMode::On`] TLS is the client's choice. STARTTLS forgets what
+//! was negotiated before it (structured replies, the meta context), which
+//! a man in the middle could have chosen.
 
 use super::proto::{self, ExportInfo, ProtoError};
 
@@ -17,6 +25,40 @@ use super::proto::{self, ExportInfo, ProtoError};
 pub const MAX_OPTION_DATA: usize = 16 * 1024;
 /// Options one connection may send before the server deems it abusive.
 pub const MAX_OPTIONS: u32 = 1024;
+
+/// Whether the server offers TLS, and whether it insists on it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TlsMode {
+    /// No TLS: STARTTLS is refused with `NBD_REP_ERR_UNSUP` (NOTLS).
+    #[default]
+    Off,
+    /// TLS at the client's choice (SELECTIVETLS with no TLS-only export).
+    On,
+    /// Nothing but STARTTLS and ABORT before TLS (FORCEDTLS).
+    Require,
+}
+
+impl std::str::FromStr for TlsMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<TlsMode, String> {
+        match s {
+            "off" => Ok(TlsMode::Off),
+            "on" => Ok(TlsMode::On),
+            "require" => Ok(TlsMode::Require),
+            _ => Err(format!("--tls '{s}': expected off, on or require")),
+        }
+    }
+}
+
+impl std::fmt::Display for TlsMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TlsMode::Off => "off",
+            TlsMode::On => "on",
+            TlsMode::Require => "require",
+        })
+    }
+}
 
 /// What the transmission phase needs from the handshake.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,6 +75,15 @@ pub struct Negotiated {
     pub block_sizes: bool,
 }
 
+/// What [`Handshake::feed_admitting`] asks the server before granting it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Admit {
+    /// Transmission on export `i` (its connection cap).
+    Export(usize),
+    /// TLS (room for its buffers in the in-flight budget).
+    Tls,
+}
+
 /// How the connection goes on after a call to [`Handshake::feed`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Outcome {
@@ -41,6 +92,10 @@ pub enum Outcome {
     /// Send the output, then enter transmission; bytes after the consumed
     /// ones belong to the transmission phase.
     Transmission(Negotiated),
+    /// Send the output (STARTTLS's ACK, the last plaintext), then start
+    /// TLS: every byte after the consumed ones, both ways, is TLS. Feed
+    /// the decrypted bytes from then on.
+    StartTls,
     /// Send the output, then close the connection, for this reason.
     Close(String),
 }
@@ -64,6 +119,9 @@ pub struct Handshake {
     meta: Option<String>,
     options: u32,
     shutting_down: bool,
+    tls: TlsMode,
+    /// STARTTLS was acknowledged: the rest is over TLS.
+    tls_started: bool,
 }
 
 impl Default for Handshake {
@@ -76,6 +134,11 @@ impl Handshake {
     /// A negotiation waiting for the client's flags (the greeting is sent
     /// with [`proto::put_greeting`]).
     pub fn new() -> Handshake {
+        Handshake::with_tls(TlsMode::Off)
+    }
+
+    /// A negotiation on a server whose TLS is `tls`.
+    pub fn with_tls(tls: TlsMode) -> Handshake {
         Handshake {
             state: State::ClientFlags,
             no_zeroes: false,
@@ -83,7 +146,19 @@ impl Handshake {
             meta: None,
             options: 0,
             shutting_down: false,
+            tls,
+            tls_started: false,
         }
+    }
+
+    /// Whether STARTTLS was acknowledged.
+    pub fn tls_started(&self) -> bool {
+        self.tls_started
+    }
+
+    /// The server insists on TLS and the client has not started it.
+    fn tls_required(&self) -> bool {
+        self.tls == TlsMode::Require && !self.tls_started
     }
 
     /// From now on, refuse options other than ABORT with `ERR_SHUTDOWN`.
@@ -105,14 +180,15 @@ impl Handshake {
     }
 
     /// As [`Handshake::feed`], asking `admit` before entering transmission
-    /// on export `i`: when it says no (the export is at its connection
-    /// cap), NBD_OPT_GO gets `NBD_REP_ERR_POLICY` and negotiation goes on,
+    /// on export `i` and before starting TLS: when it says no (the export
+    /// is at its connection cap, no room for TLS buffers), NBD_OPT_GO and
+    /// NBD_OPT_STARTTLS get `NBD_REP_ERR_POLICY` and negotiation goes on,
     /// NBD_OPT_EXPORT_NAME (which has no error reply) closes.
     pub fn feed_admitting(
         &mut self,
         input: &[u8],
         exports: &[ExportInfo],
-        admit: &mut dyn FnMut(usize) -> bool,
+        admit: &mut dyn FnMut(Admit) -> bool,
         out: &mut Vec<u8>,
     ) -> (usize, Outcome) {
         let mut used = 0;
@@ -178,6 +254,10 @@ impl Handshake {
                         // EXPORT_NAME cannot be answered with an error.
                         return (used, self.close("EXPORT_NAME too long".into()));
                     }
+                    if self.tls_required() && option != proto::OPT_ABORT {
+                        put_tls_required(out, option);
+                        continue;
+                    }
                     proto::put_option_error(
                         out,
                         option,
@@ -192,6 +272,11 @@ impl Handshake {
                     used += len;
                     self.state = State::OptionHeader;
                     let outcome = self.option(option, &rest[..len], exports, admit, out);
+                    if outcome == Outcome::StartTls {
+                        // The state machine keeps its place (the next
+                        // option header), fed decrypted bytes from now on.
+                        return (used, outcome);
+                    }
                     if outcome != Outcome::Continue {
                         self.state = State::Done;
                         return (used, outcome);
@@ -212,7 +297,7 @@ impl Handshake {
         option: u32,
         data: &[u8],
         exports: &[ExportInfo],
-        admit: &mut dyn FnMut(usize) -> bool,
+        admit: &mut dyn FnMut(Admit) -> bool,
         out: &mut Vec<u8>,
     ) -> Outcome {
         let find = |name: &str| -> Option<usize> {
@@ -238,7 +323,53 @@ impl Handshake {
             proto::put_option_error(out, option, proto::REP_ERR_SHUTDOWN, "server shutting down");
             return Outcome::Continue;
         }
+        if self.tls_required() && option != proto::OPT_STARTTLS && option != proto::OPT_ABORT {
+            if option == proto::OPT_EXPORT_NAME {
+                // The spec: it cannot be answered with an error, so the
+                // session ends.
+                return Outcome::Close("EXPORT_NAME before STARTTLS; TLS is required".into());
+            }
+            put_tls_required(out, option);
+            return Outcome::Continue;
+        }
         match option {
+            proto::OPT_STARTTLS => {
+                if self.tls == TlsMode::Off {
+                    proto::put_option_error(
+                        out,
+                        option,
+                        proto::REP_ERR_UNSUP,
+                        "this server has no TLS",
+                    );
+                    return Outcome::Continue;
+                }
+                if self.tls_started {
+                    proto::put_option_error(
+                        out,
+                        option,
+                        proto::REP_ERR_INVALID,
+                        "TLS already started",
+                    );
+                    return Outcome::Continue;
+                }
+                if !data.is_empty() {
+                    return invalid(out, ProtoError::BadLength);
+                }
+                if !admit(Admit::Tls) {
+                    proto::put_option_error(
+                        out,
+                        option,
+                        proto::REP_ERR_POLICY,
+                        "server busy: no room for TLS buffers; try later",
+                    );
+                    return Outcome::Continue;
+                }
+                proto::put_option_reply(out, option, proto::REP_ACK, &[]);
+                self.tls_started = true;
+                self.structured = false;
+                self.meta = None;
+                Outcome::StartTls
+            }
             proto::OPT_EXPORT_NAME => {
                 let name = match proto::parse_export_name(data) {
                     Ok(n) => n,
@@ -247,7 +378,7 @@ impl Handshake {
                 let Some(i) = find(name) else {
                     return Outcome::Close(format!("EXPORT_NAME: no export '{name}'"));
                 };
-                if !admit(i) {
+                if !admit(Admit::Export(i)) {
                     return Outcome::Close(format!(
                         "EXPORT_NAME: export '{}' is at its connection cap",
                         exports[i].name
@@ -278,7 +409,7 @@ impl Handshake {
                 let Some(i) = find(r.name) else {
                     return unknown(out, r.name);
                 };
-                if option == proto::OPT_GO && !admit(i) {
+                if option == proto::OPT_GO && !admit(Admit::Export(i)) {
                     proto::put_option_error(
                         out,
                         option,
@@ -373,6 +504,15 @@ impl Handshake {
             block_sizes,
         }
     }
+}
+
+fn put_tls_required(out: &mut Vec<u8>, option: u32) {
+    proto::put_option_error(
+        out,
+        option,
+        proto::REP_ERR_TLS_REQD,
+        "TLS required: send NBD_OPT_STARTTLS first",
+    );
 }
 
 #[cfg(test)]
@@ -476,5 +616,113 @@ mod tests {
         let (n, o) = h.feed(&input, &exports(), &mut out);
         assert_eq!((n, o), (input.len(), Outcome::Continue));
         assert_eq!(&out[12..16], &REP_ERR_TOO_BIG.to_be_bytes());
+    }
+
+    /// The option replies in `out`: (option, type, data).
+    fn replies(out: &[u8]) -> Vec<(u32, u32, Vec<u8>)> {
+        let mut v = Vec::new();
+        let mut at = 0;
+        while at + 20 <= out.len() {
+            let word = |i: usize| u32::from_be_bytes(out[at + i..at + i + 4].try_into().unwrap());
+            let len = word(16) as usize;
+            v.push((word(8), word(12), out[at + 20..at + 20 + len].to_vec()));
+            at += 20 + len;
+        }
+        v
+    }
+
+    #[test]
+    fn tls_required_refuses_everything_but_starttls_and_names_no_export() {
+        let mut h = Handshake::with_tls(TlsMode::Require);
+        let mut input = 1u32.to_be_bytes().to_vec();
+        input.extend(opt(OPT_LIST, &[]));
+        input.extend(opt(OPT_STRUCTURED_REPLY, &[]));
+        let mut info = 3u32.to_be_bytes().to_vec();
+        info.extend_from_slice(b"lin");
+        info.extend_from_slice(&0u16.to_be_bytes());
+        input.extend(opt(OPT_INFO, &info));
+        input.extend(opt(OPT_GO, &info));
+        input.extend(opt(OPT_INFO, &vec![0u8; MAX_OPTION_DATA + 1]));
+        let mut out = Vec::new();
+        let (n, o) = h.feed(&input, &exports(), &mut out);
+        assert_eq!((n, o), (input.len(), Outcome::Continue));
+        let r = replies(&out);
+        assert_eq!(r.len(), 5);
+        for (_, typ, data) in &r {
+            assert_eq!(*typ, REP_ERR_TLS_REQD);
+            assert!(!String::from_utf8_lossy(data).contains("lin"));
+        }
+        // EXPORT_NAME cannot be refused: the session ends.
+        let mut out = Vec::new();
+        let (_, o) = h.feed(&opt(OPT_EXPORT_NAME, b"lin"), &exports(), &mut out);
+        assert!(
+            matches!(o, Outcome::Close(ref why) if why.contains("TLS")),
+            "{o:?}"
+        );
+        assert!(out.is_empty());
+    }
+
+    #[test]
+    fn starttls_is_acknowledged_once_then_negotiation_goes_on() {
+        let mut h = Handshake::with_tls(TlsMode::Require);
+        let mut input = 1u32.to_be_bytes().to_vec();
+        input.extend(opt(OPT_STARTTLS, &[]));
+        input.extend_from_slice(b"\x16\x03\x01"); // the ClientHello's start
+        let mut out = Vec::new();
+        let (n, o) = h.feed(&input, &exports(), &mut out);
+        assert_eq!(o, Outcome::StartTls);
+        assert_eq!(n, input.len() - 3, "TLS bytes are left unconsumed");
+        assert_eq!(replies(&out), vec![(OPT_STARTTLS, REP_ACK, vec![])]);
+        // Decrypted from now on: the export is listed, STARTTLS refused.
+        let mut input = opt(OPT_LIST, &[]);
+        input.extend(opt(OPT_STARTTLS, &[]));
+        let mut out = Vec::new();
+        let (_, o) = h.feed(&input, &exports(), &mut out);
+        assert_eq!(o, Outcome::Continue);
+        let r = replies(&out);
+        assert_eq!(r[0].1, REP_SERVER);
+        assert_eq!(
+            r[2],
+            (
+                OPT_STARTTLS,
+                REP_ERR_INVALID,
+                b"TLS already started".to_vec()
+            )
+        );
+    }
+
+    #[test]
+    fn starttls_forgets_what_was_negotiated_in_plaintext() {
+        let mut h = Handshake::with_tls(TlsMode::On);
+        let mut input = 1u32.to_be_bytes().to_vec();
+        input.extend(opt(OPT_STRUCTURED_REPLY, &[]));
+        input.extend(opt(OPT_STARTTLS, &[]));
+        let mut out = Vec::new();
+        assert_eq!(h.feed(&input, &exports(), &mut out).1, Outcome::StartTls);
+        let go = [0u8; 6];
+        let (_, o) = h.feed(&opt(OPT_GO, &go), &exports(), &mut out);
+        assert!(
+            matches!(o, Outcome::Transmission(n) if !n.structured),
+            "{o:?}"
+        );
+    }
+
+    #[test]
+    fn without_tls_starttls_is_unsupported_and_with_no_room_refused_by_policy() {
+        let mut input = 1u32.to_be_bytes().to_vec();
+        input.extend(opt(OPT_STARTTLS, &[]));
+        let mut out = Vec::new();
+        let (_, o) = Handshake::new().feed(&input, &exports(), &mut out);
+        assert_eq!(o, Outcome::Continue);
+        assert_eq!(replies(&out)[0].1, REP_ERR_UNSUP);
+        let mut out = Vec::new();
+        let (_, o) = Handshake::with_tls(TlsMode::Require).feed_admitting(
+            &input,
+            &exports(),
+            &mut |a| a != Admit::Tls,
+            &mut out,
+        );
+        assert_eq!(o, Outcome::Continue);
+        assert_eq!(replies(&out)[0].1, REP_ERR_POLICY);
     }
 }

@@ -56,6 +56,8 @@ pub struct Shared {
     pub counts: Counts,
     /// What the server shares with the others of its process.
     pub pool: Arc<Pool>,
+    /// The server's TLS, if it offers it.
+    pub tls: Option<Arc<super::tls::Tls>>,
 }
 
 #[cfg(test)]

@@ -12,10 +12,12 @@
 //!   handshake.rs  option negotiation as a state machine over bytes
 //!   limits.rs     handshake deadline, connection caps, the buffer budget
 //!   proto.rs      wire constants, types, pure parse/encode (fuzzed)
+//!   tls.rs        TLS credentials (x509, reloadable), client checks
 //! ```
 //!
-//! NBD has no authentication or encryption here (no TLS): serve it on
-//! trusted networks only (unix sockets and loopback by default).
+//! Without TLS, NBD has no authentication or encryption: a TCP listener
+//! off loopback refuses to start without TLS unless told it is meant
+//! ([`ServerConfig::insecure`]).
 
 pub mod conn;
 pub mod export;
@@ -24,8 +26,10 @@ pub mod handshake;
 pub mod limits;
 pub mod proto;
 pub mod server;
+pub mod tls;
 
 pub use crate::limits::Limits;
-pub use handshake::{Handshake, Negotiated, Outcome};
+pub use handshake::{Admit, Handshake, Negotiated, Outcome, TlsMode};
 pub use proto::ExportInfo;
 pub use server::{Clients, Export, Listen, Server, ServerConfig};
+pub use tls::{Tls, TlsOptions};

@@ -84,6 +84,8 @@ pub const REP_ERR_UNSUP: u32 = (1 << 31) + 1;
 pub const REP_ERR_POLICY: u32 = (1 << 31) + 2;
 /// Option error: syntactically or semantically invalid.
 pub const REP_ERR_INVALID: u32 = (1 << 31) + 3;
+/// Option error: TLS must be initiated (NBD_OPT_STARTTLS) first.
+pub const REP_ERR_TLS_REQD: u32 = (1 << 31) + 5;
 /// Option error: no such export.
 pub const REP_ERR_UNKNOWN: u32 = (1 << 31) + 6;
 /// Option error: the server is shutting down.

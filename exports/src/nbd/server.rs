@@ -26,7 +26,9 @@ use udm_core::{
 
 use super::conn::{self, Worker};
 pub use super::export::{Export, MAX_PAYLOAD};
+use super::handshake::TlsMode;
 use super::limits::{Counts, Shared};
+use super::tls::Tls;
 use crate::limits::{Limits, Pool};
 
 /// SO_SNDBUF asked for on accepted unix sockets (the kernel caps it at
@@ -55,7 +57,7 @@ pub enum Listen {
 
 impl Listen {
     /// Parses `unix:PATH`, `HOST:PORT`, `:PORT` or `PORT` (the last two on
-    /// loopback: NBD has no encryption, so the network is opt-in).
+    /// loopback: the network is opt-in).
     pub fn parse(s: &str) -> Result<Listen, Error> {
         if let Some(p) = s.strip_prefix("unix:") {
             if p.is_empty() {
@@ -103,6 +105,36 @@ pub struct ServerConfig {
     /// The pool the server shares the cap and budget of (a daemon's, for
     /// all its exports); None: its own, under `limits`.
     pub pool: Option<Arc<Pool>>,
+    /// TLS, if offered (loaded credentials and the mode).
+    pub tls: Option<Arc<Tls>>,
+    /// Serve plaintext on TCP addresses other than loopback (refused
+    /// otherwise: see [`check_plaintext`]).
+    pub insecure: bool,
+}
+
+/// Refuses a TCP listener off loopback that would carry plaintext (no TLS,
+/// or TLS at the client's choice) unless `insecure`: one line naming TLS
+/// and the way out. Unix sockets and loopback are served plaintext freely.
+pub fn check_plaintext(listen: &[Listen], tls: TlsMode, insecure: bool) -> Result<(), Error> {
+    if insecure || tls == TlsMode::Require {
+        return Ok(());
+    }
+    for l in listen {
+        if let Listen::Tcp(a) = l {
+            if !a.ip().is_loopback() {
+                let what = match tls {
+                    TlsMode::Off => "without TLS",
+                    _ => "with TLS optional (--tls on)",
+                };
+                return Err(Error::invalid(format!(
+                    "nbd: refusing to listen on {a} (not loopback) {what}: anyone who \
+                     connects gets the disk; give --tls require --tls-creds DIR, or \
+                     --insecure to serve plaintext anyway"
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 enum Listener {
@@ -153,6 +185,8 @@ impl Server {
         if exports.is_empty() {
             return Err(Error::invalid("nothing to export"));
         }
+        let mode = cfg.tls.as_ref().map_or(TlsMode::Off, |t| t.options().mode);
+        check_plaintext(&cfg.listen, mode, cfg.insecure)?;
         let pool = match &cfg.pool {
             Some(p) => p.clone(),
             None => Pool::new(&cfg.limits)?,
@@ -160,6 +194,7 @@ impl Server {
         let shared = Arc::new(Shared {
             counts: Counts::new(exports.iter().map(|e| e.max_connections).collect()),
             pool,
+            tls: cfg.tls.clone(),
         });
         let mut listeners = Vec::new();
         for l in &cfg.listen {

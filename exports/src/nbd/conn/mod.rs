@@ -37,6 +37,10 @@
 //!   memory later.
 //! - [`req`]: requests live in a slab and are named by key; their buffers
 //!   are recycled, so steady state allocates nothing per request.
+//! - [`tls`]: after STARTTLS, the same paths through rustls: plaintext is
+//!   decrypted into the receive buffer (or a WRITE's buffer), replies are
+//!   encrypted from their requests' buffers into full 16 KiB records, and
+//!   the ring only waits for the socket to be readable or writable.
 //! - A connection is freed only by the [`Worker`]'s poller, once no recv,
 //!   send or request refers to it.
 
@@ -50,12 +54,13 @@ use udm_core::{BlockDevice, Extent, RingOp};
 
 use crate::front::{self, Front};
 
-use super::handshake::Handshake;
+use super::handshake::{Handshake, TlsMode};
 use super::proto::{self, TxParams};
 
 mod recv;
 mod req;
 mod send;
+mod tls;
 mod worker;
 
 use req::{ReqId, Reqs};
@@ -95,7 +100,13 @@ pub fn start(worker: &Rc<Worker>, fd: OwnedFd, peer: String, id: u64) {
         rend: 0,
         recv_inflight: false,
         payload: None,
-        hs: Some(Box::new(Handshake::new())),
+        hs: Some(Box::new(Handshake::with_tls(
+            worker
+                .shared
+                .tls
+                .as_ref()
+                .map_or(TlsMode::Off, |t| t.options().mode),
+        ))),
         hs_out: Vec::new(),
         hs_sending: Vec::new(),
         tx: None,
@@ -121,6 +132,8 @@ pub fn start(worker: &Rc<Worker>, fd: OwnedFd, peer: String, id: u64) {
         admitted: None,
         extents: Vec::new(),
         descriptors: Vec::new(),
+        tls: None,
+        tls_grant: 0,
     });
     let p = Box::into_raw(conn);
     // SAFETY: just made; the box's address is stable until the poller frees it.
@@ -227,6 +240,10 @@ pub struct Conn {
     /// of them (kept, so that answering allocates nothing in steady state).
     extents: Vec<Extent>,
     descriptors: Vec<(u32, u32)>,
+    /// The TLS session, from STARTTLS on.
+    tls: Option<Box<tls::TlsConn>>,
+    /// Bytes of the in-flight budget held for the TLS buffers.
+    tls_grant: u64,
 }
 
 fn errno_str(res: i32) -> String {
@@ -242,7 +259,12 @@ fn recv_complete(op: *mut RingOp, res: i32, _flags: u32) {
     // a completion runs (the reactor runs one callback at a time).
     let c = unsafe { &mut *p };
     c.recv_inflight = false;
-    c.on_recv(res);
+    if c.tls.is_some() {
+        // A poll for readability: rustls reads the socket itself.
+        c.on_readable(res);
+    } else {
+        c.on_recv(res);
+    }
     c.dirty();
 }
 
@@ -252,7 +274,12 @@ fn send_complete(op: *mut RingOp, res: i32, _flags: u32) {
     // SAFETY: as in recv_complete.
     let c = unsafe { &mut *p };
     c.send_inflight = false;
-    c.on_sent(res);
+    if c.tls_sending() {
+        // A poll for writability: rustls writes the socket itself.
+        c.on_writable(res);
+    } else {
+        c.on_sent(res);
+    }
     c.dirty();
 }
 
@@ -336,7 +363,7 @@ impl Conn {
             && !self.recv_inflight
             && !self.send_inflight
             && self.reqs.active() == 0
-            && (self.hs_out.is_empty() || self.write_dead)
+            && ((self.hs_out.is_empty() && self.tls_drained()) || self.write_dead)
     }
 
     /// Ends request `id`: its bytes leave the in-flight budget.

@@ -9,8 +9,9 @@ use udm_core::{RingOp, SECTOR_SHIFT, SECTOR_SIZE};
 
 use crate::front::{self, Front, FrontOp, ReqFlags, Submitted};
 
-use super::super::handshake::{Negotiated, Outcome};
+use super::super::handshake::{Admit, Negotiated, Outcome};
 use super::super::proto::{self, Command, Request, TxParams};
+use super::super::tls::TLS_BUFFERS;
 use super::req::ReqId;
 use super::{
     errno_str, req_done, Conn, Tx, LEND_MIN, MAX_DESCRIPTORS, MAX_INFLIGHT_BYTES, MAX_REQS,
@@ -18,13 +19,12 @@ use super::{
 };
 
 impl Conn {
-    /// Posts the connection's recv, unless one is in flight or reading
-    /// stopped (closing, blocked on limits, or after NBD_CMD_DISC).
-    pub(super) fn arm_recv(&mut self) {
-        if self.recv_inflight || self.closing.is_some() || self.blocked || self.disc {
-            return;
-        }
-        let (ptr, len, flags) = match self.payload {
+    /// Where the next received bytes go: the receive buffer's free end
+    /// (compacted first), or the rest of the payload of the WRITE being
+    /// received. None (and the connection closing) when the receive buffer
+    /// is full, which only a protocol error leads to.
+    pub(super) fn recv_target(&mut self) -> Option<(*mut u8, usize, i32)> {
+        match self.payload {
             None => {
                 if self.rstart > 0 {
                     self.rbuf.copy_within(self.rstart..self.rend, 0);
@@ -34,19 +34,34 @@ impl Conn {
                 let len = RBUF_LEN - self.rend;
                 if len == 0 {
                     self.begin_close("protocol error: receive buffer full".into());
-                    return;
+                    return None;
                 }
                 // SAFETY: rend <= RBUF_LEN, so the pointer is inside or one
                 // past rbuf.
-                (unsafe { self.rbuf.as_mut_ptr().add(self.rend) }, len, 0)
+                Some((unsafe { self.rbuf.as_mut_ptr().add(self.rend) }, len, 0))
             }
             Some(id) => {
                 let r = &mut self.reqs[id];
                 let left = r.len as usize - r.received;
                 // SAFETY: received < len, and the buffer holds len bytes
                 // (data_for in `request`).
-                (unsafe { r.data().add(r.received) }, left, libc::MSG_WAITALL)
+                Some((unsafe { r.data().add(r.received) }, left, libc::MSG_WAITALL))
             }
+        }
+    }
+
+    /// Posts the connection's recv, unless one is in flight or reading
+    /// stopped (closing, blocked on limits, or after NBD_CMD_DISC).
+    pub(super) fn arm_recv(&mut self) {
+        if self.recv_inflight || self.closing.is_some() || self.blocked || self.disc {
+            return;
+        }
+        if self.tls.is_some() {
+            self.tls_recv();
+            return;
+        }
+        let Some((ptr, len, flags)) = self.recv_target() else {
+            return;
         };
         let e = opcode::Recv::new(types::Fd(self.fd.as_raw_fd()), ptr, len as u32)
             .flags(flags)
@@ -113,7 +128,7 @@ impl Conn {
 
     /// Releases a WRITE whose payload was still arriving (or a refused one
     /// whose payload was being skipped). Returns whether there was one.
-    fn drop_partial(&mut self) -> bool {
+    pub(super) fn drop_partial(&mut self) -> bool {
         if let Some(id) = self.payload.take() {
             self.recycle(id);
             true
@@ -134,25 +149,47 @@ impl Conn {
             }
             if let Some(hs) = self.hs.as_mut() {
                 let counts = &self.worker.shared.counts;
+                let budget = &self.worker.shared.pool.budget;
+                let held = self.inflight_bytes;
                 let mut admitted = None;
+                let mut tls_grant = 0;
                 let (n, outcome) = hs.feed_admitting(
                     &self.rbuf[self.rstart..self.rend],
                     &self.worker.infos,
-                    &mut |i| {
-                        let ok = counts.admit(i);
-                        if ok {
-                            admitted = Some(i);
+                    &mut |a| match a {
+                        Admit::Export(i) => {
+                            let ok = counts.admit(i);
+                            if ok {
+                                admitted = Some(i);
+                            }
+                            ok
                         }
-                        ok
+                        Admit::Tls => {
+                            let ok = budget.take(held, TLS_BUFFERS);
+                            if ok {
+                                tls_grant = TLS_BUFFERS;
+                            }
+                            ok
+                        }
                     },
                     &mut self.hs_out,
                 );
                 if admitted.is_some() {
                     self.admitted = admitted;
                 }
+                self.inflight_bytes += tls_grant;
+                self.tls_grant += tls_grant;
                 self.rstart += n;
                 match outcome {
                     Outcome::Continue => return,
+                    Outcome::StartTls => {
+                        if let Err(why) = self.start_tls() {
+                            self.hs = None;
+                            self.begin_close(format!("handshake: {why}"));
+                            return;
+                        }
+                        continue;
+                    }
                     Outcome::Transmission(neg) => {
                         self.hs = None;
                         self.enter_tx(neg);
@@ -401,7 +438,10 @@ impl Conn {
             Command::Read => (
                 FrontOp::Read,
                 ReqFlags {
-                    may_lend: req.len >= LEND_MIN,
+                    // Under TLS the reply is encrypted from the request's
+                    // buffer whenever the socket has room: lent memory,
+                    // valid only inside the end_io, would not do.
+                    may_lend: req.len >= LEND_MIN && self.tls.is_none(),
                     ..none
                 },
             ),

@@ -88,6 +88,10 @@ impl Conn {
             }
             return;
         }
+        if self.tls_out() {
+            self.flush_tls();
+            return;
+        }
         self.iov.clear();
         self.iov_at = 0;
         self.lent_iovs.clear();
@@ -125,6 +129,10 @@ impl Conn {
             return;
         }
         self.send_direct();
+        if self.tls.is_some() && !self.send_inflight {
+            // The STARTTLS ACK left: the session's records may follow.
+            self.flush_sends();
+        }
     }
 
     /// Offers the batch to the socket with a plain non-blocking sendmsg and

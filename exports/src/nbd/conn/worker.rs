@@ -246,7 +246,8 @@ impl Poller for Worker {
                 self.conns.borrow_mut().retain(|&x| x != c);
                 // SAFETY: made by Box::into_raw in `conn::start`; nothing
                 // refers to it any more (no recv, send, request or list entry).
-                let conn = unsafe { Box::from_raw(c) };
+                let mut conn = unsafe { Box::from_raw(c) };
+                conn.release_tls();
                 conn.log_close();
                 self.forget(&conn);
                 drop(conn);
