@@ -175,8 +175,9 @@ impl RaidChannel {
             *w = wait;
             ready
         };
+        let dead = self.sh.meta_dead.load(Ordering::Acquire);
         for (_, mut bio) in ready {
-            let s = bio.status();
+            let s = if dead { Status::IoErr } else { bio.status() };
             bio.pop_end_io();
             bio.complete(s);
         }
@@ -242,6 +243,9 @@ impl RaidChannel {
 
     fn write(&self, bio: BioPtr) {
         let sh = &*self.sh;
+        if sh.meta_dead.load(Ordering::Acquire) {
+            return bio.complete(Status::IoErr);
+        }
         let (r0, r1) = sh.regions(bio.sector, bio.sectors());
         if !sh.enter(r0, r1) {
             self.parked.borrow_mut().push(bio);

@@ -399,9 +399,12 @@ impl Target for Raid {
             ["frozen"] => st.frozen = true,
             ["resync"] => {
                 st.frozen = false;
+                // Dirty on disk too, so that a crash does not cut it short.
                 for r in 0..sh.cfg.nregions {
                     state::set(&sh.unsynced, r);
+                    st.want_mark[(r / 64) as usize] |= 1 << (r % 64);
                 }
+                st.mark_wanted = true;
                 sh.any_unsynced.store(true, Ordering::Release);
                 st.action = Action::Idle;
             }

@@ -106,6 +106,8 @@ pub(crate) struct Shared {
     pub any_unsynced: AtomicBool,
     /// The region the resync holds, or [`NO_BARRIER`].
     pub barrier: AtomicU64,
+    /// No leg's metadata could be written: writes fail.
+    pub meta_dead: AtomicBool,
     /// Legs failed ('D').
     pub failed: AtomicU64,
     /// Legs in sync ('A'); a live leg not in it is being rebuilt ('a').
@@ -149,6 +151,7 @@ impl Shared {
             unsynced: bits(n),
             any_unsynced: AtomicBool::new(false),
             barrier: AtomicU64::new(NO_BARRIER),
+            meta_dead: AtomicBool::new(false),
             failed: AtomicU64::new(0),
             insync: AtomicU64::new(0),
             events: AtomicU64::new(0),

@@ -266,7 +266,14 @@ impl Worker {
         self.meta_busy.set(true);
         let me = self.clone();
         let wrote_sb = sb.is_some();
-        self.write_blocks(&blocks, sb, move |_| {
+        self.write_blocks(&blocks, sb, move |took| {
+            if took == 0 && me.sh.cfg.legs.iter().any(|l| l.meta.is_some()) {
+                // No leg holds the marks or the superblock: what waits for
+                // them must fail (a write acknowledged now could be lost
+                // to a resync from a stale leg after a crash).
+                tracing::error!("raid1: no leg's metadata can be written, writes fail");
+                me.sh.meta_dead.store(true, Ordering::Release);
+            }
             // The marks are durable on every leg that took them.
             for (i, m) in marks.iter().enumerate() {
                 let mut m = *m;
@@ -600,7 +607,13 @@ fn apply(w: &Worker, legs: &[LegMeta]) -> Result<(), Error> {
         }
     }
     sh.any_unsynced.store(any, Ordering::Release);
-    *w.image.borrow_mut() = a.dirty.clone();
+    // Regions to resync stay dirty on disk until they are: a crash before
+    // then resyncs them again (an interrupted initial resync included).
+    let mut image = a.dirty.clone();
+    for (i, w) in image.iter_mut().enumerate() {
+        *w |= sh.unsynced[i].load(Ordering::Acquire);
+    }
+    *w.image.borrow_mut() = image;
     let mut st = sh.lock();
     st.uuid = a.uuid;
     st.events = a.events;
