@@ -49,7 +49,7 @@ mod worker;
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -95,14 +95,44 @@ fn num<T: std::str::FromStr>(what: &str, v: Option<&&str>) -> Result<T, Error> {
         .map_err(|_| bad(format!("invalid {what} '{v}': expected a number")))
 }
 
+/// Arrays that went live, by the metadata devices they write.
+static LIVE: Mutex<Vec<(usize, Weak<Shared>)>> = Mutex::new(Vec::new());
+
+fn meta_keys(sh: &Shared) -> Vec<usize> {
+    sh.cfg
+        .legs
+        .iter()
+        .filter_map(|l| l.meta.as_ref())
+        .map(|m| Arc::as_ptr(m) as *const () as usize)
+        .collect()
+}
+
 /// The worker may start: the table is live (a channel opened, or resume).
-pub(crate) fn activate(sh: &Shared) {
+/// An older instance on the same metadata (the table this one replaced,
+/// whose last I/O may still be draining) stops clearing bits and
+/// resyncing: its bitmap image is stale from now on.
+pub(crate) fn activate(sh: &Arc<Shared>) {
     let mut st = sh.lock();
-    if !st.active {
-        st.active = true;
-        drop(st);
-        sh.poke();
+    if st.active {
+        return;
     }
+    st.active = true;
+    drop(st);
+    let keys = meta_keys(sh);
+    let mut live = LIVE.lock().unwrap_or_else(|p| p.into_inner());
+    live.retain(|(_, w)| w.strong_count() > 0);
+    for (k, w) in live.iter() {
+        if let Some(old) = w.upgrade() {
+            if !Arc::ptr_eq(&old, sh) && keys.contains(k) {
+                old.retired.store(true, Ordering::Release);
+            }
+        }
+    }
+    for k in keys {
+        live.push((k, Arc::downgrade(sh)));
+    }
+    drop(live);
+    sh.poke();
 }
 
 fn raid_ctr(ctx: &CtrCtx<'_>, argv: &[&str]) -> Result<Box<dyn Target>, Error> {

@@ -74,6 +74,9 @@ impl Worker {
             Some((false, _)) => return,
             None => {}
         }
+        if sh.retired.load(Ordering::Acquire) {
+            return;
+        }
         if let Some(t) = self.not_before.get() {
             if Instant::now() < t {
                 return;

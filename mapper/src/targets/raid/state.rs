@@ -106,6 +106,9 @@ pub(crate) struct Shared {
     pub any_unsynced: AtomicBool,
     /// The region the resync holds, or [`NO_BARRIER`].
     pub barrier: AtomicU64,
+    /// A newer instance on the same metadata went live: this one only
+    /// marks (never clears) and starts no resync.
+    pub retired: AtomicBool,
     /// No leg's metadata could be written: writes fail.
     pub meta_dead: AtomicBool,
     /// Legs failed ('D').
@@ -151,6 +154,7 @@ impl Shared {
             unsynced: bits(n),
             any_unsynced: AtomicBool::new(false),
             barrier: AtomicU64::new(NO_BARRIER),
+            retired: AtomicBool::new(false),
             meta_dead: AtomicBool::new(false),
             failed: AtomicU64::new(0),
             insync: AtomicU64::new(0),

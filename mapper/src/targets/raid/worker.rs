@@ -207,7 +207,9 @@ impl Worker {
             };
             if !self.formatted.get() || marks || sb {
                 self.write_meta();
-            } else if Instant::now() >= self.next_daemon.get() {
+            } else if Instant::now() >= self.next_daemon.get()
+                && !sh.retired.load(Ordering::Acquire)
+            {
                 self.next_daemon.set(Instant::now() + sh.cfg.daemon_sleep);
                 self.clear_idle();
             }
