@@ -228,3 +228,43 @@ fn dirty_regions_after_a_restart_are_resynced() {
         "clean region resynced"
     );
 }
+
+/// The resync rate at the default `max_recovery_rate` (no limit): a new
+/// 1 GiB array between RAM legs (`sync`), timed until idle. A benchmark,
+/// run by `scripts/bench/raid-resync.sh`:
+/// `cargo test --release -p udm-mapper --test raid -- --ignored --nocapture`.
+#[test]
+#[ignore = "benchmark (1 GiB legs): scripts/bench/raid-resync.sh"]
+fn resync_rate_between_ram_legs() {
+    const GIB: u64 = 1 << 21;
+    let mut devs = Devices::new();
+    devs.ram("m0", 64);
+    devs.ram("m1", 64);
+    devs.ram("d0", GIB);
+    devs.ram("d1", GIB);
+    let t = ReactorThread::spawn("raid");
+    // Touch every page of both legs first, so that page faults of the RAM
+    // disks are not what is timed.
+    let d0 = devs.get("d0");
+    let d1 = devs.get("d1");
+    for s in (0..GIB).step_by(2048) {
+        t.write(&d0, s, vec![1; 1 << 20]);
+        t.write(&d1, s, vec![2; 1 << 20]);
+    }
+    let md = devs.mapped("r", &format!("0 {GIB} raid raid1 2 0 sync 2 m0 d0 m1 d1"));
+    let t0 = std::time::Instant::now();
+    let _ = t.read(&as_dev(&md), 0, 8);
+    wait_for("the resync", || {
+        status(&md).contains(&format!(" AA {GIB}/{GIB} idle "))
+    });
+    let s = t0.elapsed().as_secs_f64();
+    println!(
+        "resync of 1 GiB: {:.3} s, {:.2} GB/s",
+        s,
+        (GIB * 512) as f64 / s / 1e9
+    );
+    assert!(
+        t.read(&d1, GIB - 8, 8) == vec![1; 4096],
+        "leg 1 not resynced"
+    );
+}
