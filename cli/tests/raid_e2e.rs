@@ -117,6 +117,8 @@ fn a_leg_reloaded_to_error_mid_run_costs_fio_nothing_then_a_rebuild_under_load_m
     fio_ok(f);
     let st = status(&s);
     assert!(st.contains(" AD "), "{st}");
+    // The failure raised an event: `udm wait` from event 0 returns.
+    ctl(&s, "wait", &["--timeout", "30", "r", "0"]);
 
     // Leg 1 replaced by empty devices and rebuilt while fio writes.
     let f = fio(&s, &["--offset=16M"]);

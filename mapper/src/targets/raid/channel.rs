@@ -20,11 +20,13 @@
 
 use std::any::Any;
 use std::cell::{Cell, RefCell};
-use std::rc::Rc;
+use std::rc::{Rc, Weak};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use udm_core::{Bio, BioPtr, BlockDevice, Caps, Channel, Error, Limits, Op, Reactor, Status};
+use udm_core::{
+    Bio, BioPtr, BlockDevice, Caps, Channel, Error, Limits, Op, Poller, Reactor, Status, WorkQueue,
+};
 
 use super::state::{test, Shared};
 
@@ -103,13 +105,17 @@ impl BlockDevice for RaidDev {
             legs.push(l.data.clone().open(reactor)?);
         }
         let n = legs.len();
-        let ch = Rc::new(RaidChannel {
+        let ch = Rc::new_cyclic(|me| RaidChannel {
             sh: self.shared.clone(),
             legs,
             outstanding: (0..n).map(|_| Cell::new(0)).collect(),
             rr: Cell::new(0),
             parked: RefCell::new(Vec::new()),
             sb_wait: RefCell::new(Vec::new()),
+            exits: RefCell::new(Vec::new()),
+            exits_queued: Cell::new(false),
+            work: reactor.work_queue(),
+            me: me.clone(),
         });
         reactor.set_local(self.key, ch.clone());
         let mut chans = self.shared.chans.lock().unwrap_or_else(|p| p.into_inner());
@@ -140,6 +146,36 @@ pub(crate) struct RaidChannel {
     /// Writes that saw a leg fail, waiting for the superblock generation
     /// that records it.
     sb_wait: RefCell<Vec<(u64, BioPtr)>>,
+    /// Regions of completed writes, counted out of `Shared::writers` in
+    /// one batch on the reactor's next turn: a locked decrement right
+    /// after a leg's copy waits for the store buffer to drain, once per
+    /// write; batched, once per turn.
+    exits: RefCell<Vec<(u64, u64)>>,
+    exits_queued: Cell<bool>,
+    work: WorkQueue,
+    me: Weak<RaidChannel>,
+}
+
+impl Poller for RaidChannel {
+    fn poll(&self) -> usize {
+        self.exits_queued.set(false);
+        let exits = std::mem::take(&mut *self.exits.borrow_mut());
+        for &(r0, r1) in &exits {
+            self.sh.exit(r0, r1);
+        }
+        let n = exits.len();
+        // Keep the vector's capacity (no allocation per turn).
+        let mut e = self.exits.borrow_mut();
+        if e.is_empty() {
+            *e = exits;
+            e.clear();
+        }
+        n
+    }
+
+    fn pending(&self) -> bool {
+        false
+    }
 }
 
 /// Context bits of a caller's bio while its clones are out: the legs that
@@ -309,8 +345,13 @@ impl RaidChannel {
             bio.set_status(Status::Ok);
         }
         if bio.op != Op::Flush {
-            let (r0, r1) = self.sh.regions(bio.sector, bio.sectors());
-            self.sh.exit(r0, r1);
+            let r = self.sh.regions(bio.sector, bio.sectors());
+            self.exits.borrow_mut().push(r);
+            if !self.exits_queued.replace(true) {
+                if let Some(me) = self.me.upgrade() {
+                    self.work.queue(me);
+                }
+            }
         }
         if failed != 0 {
             let gen = self.sh.fail_legs(failed);
