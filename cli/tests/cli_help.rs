@@ -77,6 +77,7 @@ fn targets_and_version_print_text_or_json() {
         "crypt",
         "thin-pool",
         "thin",
+        "raid",
     ] {
         assert!(out.lines().any(|l| l.starts_with(t)), "{t}: {out}");
     }
@@ -94,6 +95,7 @@ fn targets_and_version_print_text_or_json() {
             "flakey",
             "linear",
             "log-writes",
+            "raid",
             "striped",
             "thin",
             "thin-pool",
@@ -108,8 +110,8 @@ fn targets_and_version_print_text_or_json() {
         (linear["min_args"].as_u64(), linear["max_args"].as_u64()),
         (Some(2), Some(2))
     );
-    assert_eq!(types[10]["exclusive_args"], serde_json::json!([2]));
-    assert_eq!(types[9]["exclusive_args"], serde_json::json!([0, 1]));
+    assert_eq!(types[11]["exclusive_args"], serde_json::json!([2]));
+    assert_eq!(types[10]["exclusive_args"], serde_json::json!([0, 1]));
     assert_eq!(types[6]["exclusive_args"], serde_json::json!([1]));
     let (_, out, _) = udm(&["version", "--json"]);
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();

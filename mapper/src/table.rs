@@ -88,6 +88,7 @@ impl Registry {
                 targets::crypt::CRYPT,
                 targets::thin::THIN_POOL,
                 targets::thin::THIN,
+                targets::raid::RAID,
             ],
         }
     }

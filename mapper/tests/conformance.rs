@@ -1,7 +1,7 @@
 //! The conformance suite every block device in udm must pass: the backends
 //! (ram, null, file in each of its modes, powercut) and the targets over
 //! them (linear, striped, zero, error, writecache, flakey, delay, dust,
-//! log-writes, crypt, thin-pool and thin). [`conformance`] takes a
+//! log-writes, crypt, thin-pool, thin and raid1). [`conformance`] takes a
 //! device factory and what the device promises ([`Expect`]: whether reads
 //! return data, zeroes, nothing or errors; its exact caps; its logical block
 //! size; whether discard leaves zeroes) and runs each check against a fresh
@@ -505,6 +505,63 @@ fn writecache_over_powercut_conforms() {
             lbs: 4096,
             ..Expect::data("writecache over powercut", wc_caps())
         },
+    );
+}
+
+fn raid1_line() -> String {
+    format!("0 {DEV_SECTORS} raid raid1 3 0 region_size 1024 2 m0 d0 m1 d1")
+}
+
+/// raid1 over two ram legs with metadata (a new array: the initial resync
+/// runs under the checks).
+#[test]
+fn raid1_over_ram_conforms() {
+    conformance(
+        || {
+            let mut devs = Devices::new();
+            for n in ["m0", "m1"] {
+                devs.ram(n, 64);
+            }
+            for n in ["d0", "d1"] {
+                devs.ram(n, DEV_SECTORS);
+            }
+            Fixture::plain(mapped(&devs, "raid", &raid1_line()))
+        },
+        Expect::data("raid1 over ram", ram_caps()),
+    );
+}
+
+/// raid1 whose four devices lose power together.
+#[test]
+fn raid1_over_powercut_conforms() {
+    conformance(
+        || {
+            let power = Power::new();
+            let cuts: Vec<Arc<PowerCut>> = [
+                ("m0", 64 * 512),
+                ("d0", DEV_BYTES),
+                ("m1", 64 * 512),
+                ("d1", DEV_BYTES),
+            ]
+            .iter()
+            .map(|(n, b)| powercut(n, *b, &power))
+            .collect();
+            let mut devs = Devices::new();
+            for c in &cuts {
+                devs.add(c.clone());
+            }
+            let dev = mapped(&devs, "raid", &raid1_line());
+            Fixture {
+                power: Some(PowerRig {
+                    power,
+                    cuts,
+                    reopen: Box::new(move || mapped(&devs, "raid", &raid1_line())),
+                    loses_unflushed: false,
+                }),
+                ..Fixture::plain(dev)
+            }
+        },
+        Expect::data("raid1 over powercut", ram_caps()),
     );
 }
 

@@ -234,6 +234,7 @@ fn the_registry_lists_every_type_described() {
             "flakey",
             "linear",
             "log-writes",
+            "raid",
             "striped",
             "thin",
             "thin-pool",

@@ -7,6 +7,7 @@ pub mod error;
 pub mod flakey;
 pub mod linear;
 pub mod log_writes;
+pub mod raid;
 pub mod striped;
 pub mod thin;
 pub mod writecache;

@@ -1,0 +1,449 @@
+//! raid1's I/O path: the array as a device, and its channel on each
+//! reactor.
+//!
+//! As writecache's engine, the mirror is an internal block device that the
+//! target remaps onto: its `open` gives the mirror a channel on every
+//! reactor, holding that reactor's channels to the legs and what it parks.
+//!
+//! - A write (or discard, write-zeroes) enters its regions (see
+//!   `Shared::enter`), then goes to every live leg as a clone pointing into
+//!   the caller's buffers; the caller's bio completes when all have. A leg
+//!   that fails is marked failed, and the bio waits for the superblock that
+//!   says so before it completes, without an error as long as a leg took
+//!   the write.
+//! - A read goes to the readable leg with the fewest reads outstanding on
+//!   this reactor (write-mostly legs only when no other can serve; the
+//!   resync's source while its region may differ between legs). It is the
+//!   caller's bio itself, remapped; on an error it is retried on the next
+//!   leg and the worker rewrites the region on the leg that failed.
+//! - A flush goes to every live leg.
+
+use std::any::Any;
+use std::cell::{Cell, RefCell};
+use std::rc::{Rc, Weak};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use udm_core::{
+    Bio, BioPtr, BlockDevice, Caps, Channel, Error, Limits, Op, Poller, Reactor, Status, WorkQueue,
+};
+
+use super::state::{test, Shared};
+
+static NEXT_KEY: AtomicU64 = AtomicU64::new(0x7261_0000_0000);
+
+/// The mirror as a block device (see the module docs).
+pub(crate) struct RaidDev {
+    name: String,
+    pub shared: Arc<Shared>,
+    key: u64,
+}
+
+impl RaidDev {
+    pub fn new(shared: Arc<Shared>) -> RaidDev {
+        let names: Vec<&str> = shared.cfg.legs.iter().map(|l| l.data.name()).collect();
+        RaidDev {
+            name: format!("raid1({})", names.join(",")),
+            shared,
+            key: NEXT_KEY.fetch_add(1, Ordering::Relaxed),
+        }
+    }
+}
+
+/// Capabilities every leg offers, as the mirror offers them.
+pub(crate) fn stacked_caps(sh: &Shared) -> Caps {
+    let mut caps = Caps::FLUSH | Caps::FUA | Caps::DISCARD | Caps::WRITE_ZEROES | Caps::PERSISTENT;
+    let mut ro = false;
+    for l in &sh.cfg.legs {
+        let c = l.data.caps();
+        for k in [
+            Caps::FLUSH,
+            Caps::FUA,
+            Caps::DISCARD,
+            Caps::WRITE_ZEROES,
+            Caps::PERSISTENT,
+        ] {
+            if !c.contains(k) {
+                caps.remove(k);
+            }
+        }
+        ro |= c.contains(Caps::READ_ONLY);
+    }
+    if ro {
+        caps.insert(Caps::READ_ONLY);
+    }
+    caps
+}
+
+impl BlockDevice for RaidDev {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn limits(&self) -> Limits {
+        let mut l = Limits::new(self.shared.cfg.len);
+        for leg in &self.shared.cfg.legs {
+            l.stack(&leg.data.limits());
+        }
+        l.sectors = self.shared.cfg.len;
+        l
+    }
+
+    fn caps(&self) -> Caps {
+        stacked_caps(&self.shared)
+    }
+
+    fn open(self: Arc<Self>, reactor: &Reactor) -> Result<Rc<dyn Channel>, Error> {
+        if let Some(ch) = reactor
+            .local(self.key)
+            .and_then(|c| c.downcast::<RaidChannel>().ok())
+        {
+            return Ok(ch);
+        }
+        let mut legs = Vec::new();
+        for l in &self.shared.cfg.legs {
+            legs.push(l.data.clone().open(reactor)?);
+        }
+        let n = legs.len();
+        let ch = Rc::new_cyclic(|me| RaidChannel {
+            sh: self.shared.clone(),
+            legs,
+            outstanding: (0..n).map(|_| Cell::new(0)).collect(),
+            rr: Cell::new(0),
+            parked: RefCell::new(Vec::new()),
+            sb_wait: RefCell::new(Vec::new()),
+            exits: RefCell::new(Vec::new()),
+            exits_queued: Cell::new(false),
+            work: reactor.work_queue(),
+            me: me.clone(),
+        });
+        reactor.set_local(self.key, ch.clone());
+        let mut chans = self.shared.chans.lock().unwrap_or_else(|p| p.into_inner());
+        chans.retain(|(h, _)| !h.is_closed());
+        chans.push((reactor.handle(), self.key));
+        drop(chans);
+        // A channel opens when the table is live on a reactor: the worker
+        // may start writing metadata and resyncing.
+        super::activate(&self.shared);
+        Ok(ch)
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// The mirror's channel on one reactor.
+pub(crate) struct RaidChannel {
+    sh: Arc<Shared>,
+    legs: Vec<Rc<dyn Channel>>,
+    /// Reads outstanding per leg on this reactor.
+    outstanding: Vec<Cell<u32>>,
+    /// Where the next read's search for the least busy leg starts.
+    rr: Cell<usize>,
+    /// Writes waiting for a region's mark or the resync barrier.
+    parked: RefCell<Vec<BioPtr>>,
+    /// Writes that saw a leg fail, waiting for the superblock generation
+    /// that records it.
+    sb_wait: RefCell<Vec<(u64, BioPtr)>>,
+    /// Regions of completed writes, counted out of `Shared::writers` in
+    /// one batch on the reactor's next turn: a locked decrement right
+    /// after a leg's copy waits for the store buffer to drain, once per
+    /// write; batched, once per turn.
+    exits: RefCell<Vec<(u64, u64)>>,
+    exits_queued: Cell<bool>,
+    work: WorkQueue,
+    me: Weak<RaidChannel>,
+}
+
+impl Poller for RaidChannel {
+    fn poll(&self) -> usize {
+        self.exits_queued.set(false);
+        let exits = std::mem::take(&mut *self.exits.borrow_mut());
+        for &(r0, r1) in &exits {
+            self.sh.exit(r0, r1);
+        }
+        let n = exits.len();
+        // Keep the vector's capacity (no allocation per turn).
+        let mut e = self.exits.borrow_mut();
+        if e.is_empty() {
+            *e = exits;
+            e.clear();
+        }
+        n
+    }
+
+    fn pending(&self) -> bool {
+        false
+    }
+}
+
+/// Context bits of a caller's bio while its clones are out: the legs that
+/// failed (low bits), and whether any leg succeeded.
+const SOME_OK: u64 = 1 << 63;
+
+impl Channel for RaidChannel {
+    fn submit(&self, bio: BioPtr) {
+        match bio.op {
+            Op::Read => self.read(bio),
+            Op::Write | Op::Discard | Op::WriteZeroes => self.write(bio),
+            Op::Flush => self.fan_out(bio),
+        }
+    }
+}
+
+impl RaidChannel {
+    /// Retries parked writes; completes those whose superblock is written.
+    pub fn kick(&self) {
+        let parked: Vec<BioPtr> = std::mem::take(&mut *self.parked.borrow_mut());
+        for bio in parked {
+            self.write(bio);
+        }
+        let done = self.sh.lock().sb_done;
+        let ready: Vec<(u64, BioPtr)> = {
+            let mut w = self.sb_wait.borrow_mut();
+            if w.is_empty() {
+                return;
+            }
+            let (ready, wait) = std::mem::take(&mut *w)
+                .into_iter()
+                .partition(|(g, _)| *g <= done);
+            *w = wait;
+            ready
+        };
+        let dead = self.sh.meta_dead.load(Ordering::Acquire);
+        for (_, mut bio) in ready {
+            let s = if dead { Status::IoErr } else { bio.status() };
+            bio.pop_end_io();
+            bio.complete(s);
+        }
+    }
+
+    fn pick(&self, tried: u64, source_only: bool) -> Option<usize> {
+        let r = self.sh.readable() & !tried;
+        if r == 0 {
+            return None;
+        }
+        if source_only {
+            if let Some(s) = self.sh.source() {
+                if r & (1 << s) != 0 {
+                    return Some(s);
+                }
+            }
+        }
+        let normal = r & !self.sh.cfg.write_mostly;
+        let m = if normal != 0 { normal } else { r };
+        // Least outstanding; ties go round-robin, so that a queue depth of
+        // one still reads every leg.
+        let n = self.legs.len();
+        let start = self.rr.get();
+        self.rr.set(if start + 1 >= n { 0 } else { start + 1 });
+        let mut best = None;
+        let mut least = u32::MAX;
+        for k in 0..n {
+            let i = if start + k >= n {
+                start + k - n
+            } else {
+                start + k
+            };
+            if m & (1 << i) == 0 {
+                continue;
+            }
+            let o = self.outstanding[i].get();
+            if o < least {
+                least = o;
+                best = Some(i);
+            }
+        }
+        best
+    }
+
+    fn read(&self, bio: BioPtr) {
+        let sh = &*self.sh;
+        let mut source_only = false;
+        if sh.any_unsynced.load(Ordering::Acquire) {
+            let (r0, r1) = sh.regions(bio.sector, bio.sectors());
+            source_only = (r0..=r1).any(|r| test(&sh.unsynced, r));
+        }
+        let Some(leg) = self.pick(0, source_only) else {
+            return bio.complete(Status::IoErr);
+        };
+        let me = self as *const RaidChannel as *mut ();
+        let mut bio = bio.make_room();
+        if !bio.push_end_io_ctx(read_done, me, leg as u64) {
+            return bio.complete(Status::NoMem);
+        }
+        self.outstanding[leg].set(self.outstanding[leg].get() + 1);
+        self.legs[leg].submit(bio);
+    }
+
+    fn write(&self, bio: BioPtr) {
+        let sh = &*self.sh;
+        if sh.meta_dead.load(Ordering::Acquire) {
+            return bio.complete(Status::IoErr);
+        }
+        let (r0, r1) = sh.regions(bio.sector, bio.sectors());
+        if !sh.enter(r0, r1) {
+            self.parked.borrow_mut().push(bio);
+            return;
+        }
+        self.fan_out(bio);
+    }
+
+    /// Sends a clone of `bio` to every live leg (a write that entered its
+    /// regions, or a flush).
+    fn fan_out(&self, bio: BioPtr) {
+        let live = self.sh.live();
+        let me = self as *const RaidChannel as *mut ();
+        let mut bio = bio.make_room();
+        if !bio.push_end_io(parent_end, me) {
+            return self.finish(bio, false);
+        }
+        if live == 0 {
+            bio.set_status(Status::IoErr);
+            return self.finish(bio, false);
+        }
+        bio.set_status(Status::Ok);
+        bio.pending = live.count_ones() + 1;
+        let p = bio.into_raw();
+        // SAFETY: `p` came from into_raw above; the parent stays alive while
+        // its pending count (one held here, one per clone) is non-zero, and
+        // clones complete on a later reactor turn at the earliest.
+        let parent = unsafe { &*p };
+        let mut m = live;
+        while m != 0 {
+            let i = m.trailing_zeros() as usize;
+            m &= m - 1;
+            let mut c = parent.alloc_clone();
+            if parent.op.has_data() {
+                c.add_segs_from(parent, 0, parent.len() as usize);
+                c.sector = parent.sector;
+            } else {
+                c.set_dataless(parent.op, parent.sector, parent.len());
+            }
+            c.set_end_io(leg_done, p.cast());
+            c.set_ctx(i as u64);
+            self.legs[i].submit(c);
+        }
+        // SAFETY: as above; we still hold one pending count.
+        let bio = unsafe { BioPtr::from_raw(p) };
+        self.put(bio, false);
+    }
+
+    /// Drops one pending count of a fanned-out bio; the last finishes it.
+    fn put(&self, mut bio: BioPtr, in_completion: bool) {
+        bio.pending -= 1;
+        if bio.pending > 0 {
+            let _ = bio.into_raw();
+            return;
+        }
+        let ctx = bio.ctx();
+        let failed = ctx & !SOME_OK;
+        if ctx & SOME_OK == 0 {
+            bio.set_status(Status::IoErr);
+        } else {
+            bio.set_status(Status::Ok);
+        }
+        if bio.op != Op::Flush {
+            let r = self.sh.regions(bio.sector, bio.sectors());
+            self.exits.borrow_mut().push(r);
+            if !self.exits_queued.replace(true) {
+                if let Some(me) = self.me.upgrade() {
+                    self.work.queue(me);
+                }
+            }
+        }
+        if failed != 0 {
+            let gen = self.sh.fail_legs(failed);
+            if ctx & SOME_OK != 0 {
+                // Acknowledged only once the superblock says which legs
+                // hold this write (kick releases it).
+                self.sb_wait.borrow_mut().push((gen, bio));
+                return;
+            }
+        }
+        self.finish(bio, in_completion);
+    }
+
+    fn finish(&self, mut bio: BioPtr, in_completion: bool) {
+        let s = bio.status();
+        if bio.depth() > 0 && bio.private() == self as *const RaidChannel as *mut () {
+            bio.pop_end_io();
+        }
+        if in_completion {
+            bio.set_status(s);
+            bio.endio();
+        } else {
+            bio.complete(s);
+        }
+    }
+}
+
+/// Never runs: a fanned-out bio's frame is popped before it completes.
+fn parent_end(mut bio: BioPtr) {
+    bio.pop_end_io();
+    bio.endio();
+}
+
+/// A leg's clone of a write or flush completed.
+fn leg_done(c: BioPtr) {
+    let p = c.private() as *mut Bio;
+    // SAFETY: a clone's private is its parent, alive while the clone is
+    // pending (put drops the count only below).
+    let parent = unsafe { &mut *p };
+    // SAFETY: the parent's private is the RaidChannel that pushed its frame,
+    // kept alive by its table while I/O is in flight.
+    let ch = unsafe { &*(parent.private() as *const RaidChannel) };
+    let leg = c.ctx();
+    let ok = c.status().is_ok();
+    drop(c);
+    let ctx = parent.ctx() | if ok { SOME_OK } else { 1 << leg };
+    parent.set_ctx(ctx);
+    // SAFETY: we hold one of the parent's pending counts; it is ours again.
+    let bio = unsafe { BioPtr::from_raw(p) };
+    ch.put(bio, true);
+}
+
+/// A read completed on a leg: done, or retried on another one.
+fn read_done(mut bio: BioPtr) {
+    // SAFETY: the private of the frame pushed in `read` is the RaidChannel,
+    // kept alive by its table while I/O is in flight.
+    let ch = unsafe { &*(bio.private() as *const RaidChannel) };
+    let ctx = bio.ctx();
+    let leg = (ctx & 0xff) as usize;
+    let tried = (ctx >> 8) | (1 << leg);
+    ch.outstanding[leg].set(ch.outstanding[leg].get() - 1);
+    let sh = &*ch.sh;
+    if bio.status().is_ok() {
+        let bad = tried & !(1 << leg);
+        if bad != 0 {
+            // Read repair: the worker rewrites the region on the legs
+            // that failed, from a leg that reads.
+            let sector = bio.pushed_sector().unwrap_or(bio.sector);
+            let (r0, r1) = sh.regions(sector, bio.sectors());
+            let mut st = sh.lock();
+            for r in r0..=r1 {
+                st.repairs.push((r, bad));
+            }
+            drop(st);
+            sh.poke();
+        }
+        bio.pop_end_io();
+        return bio.endio();
+    }
+    match ch.pick(tried, false) {
+        Some(next) => {
+            if let Some(s) = bio.pushed_sector() {
+                bio.sector = s;
+            }
+            bio.set_status(Status::Ok);
+            bio.set_ctx((tried << 8) | next as u64);
+            ch.outstanding[next].set(ch.outstanding[next].get() + 1);
+            ch.legs[next].submit(bio);
+        }
+        None => {
+            bio.pop_end_io();
+            bio.endio();
+        }
+    }
+}

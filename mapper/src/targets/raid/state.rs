@@ -1,0 +1,329 @@
+//! raid1's shared state: the configuration, what the I/O path reads on
+//! every bio (atomics: per-region writers and bits, leg masks), and what
+//! only the worker and the slow paths change (behind a mutex).
+//!
+//! The I/O path and the worker meet on two handshakes, each a store then a
+//! load on both sides (sequentially consistent), so that one of the two
+//! always sees the other:
+//! - a write counts itself in its regions' `writers`, then looks at
+//!   `barrier`; a resync sets `barrier`, then waits for `writers` to drain;
+//! - a write counts itself, then looks at `ondisk`; the daemon clears
+//!   `ondisk`, then looks at `writers` (and puts the bit back if any).
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::time::Duration;
+
+use udm_core::{BlockDevice, ReactorHandle};
+
+/// No region under the resync barrier.
+pub(crate) const NO_BARRIER: u64 = u64::MAX;
+
+/// One leg: its metadata device (if any) and its data device.
+pub(crate) struct Leg {
+    pub meta: Option<Arc<dyn BlockDevice>>,
+    pub data: Arc<dyn BlockDevice>,
+}
+
+/// What the table line says.
+pub(crate) struct Config {
+    pub legs: Vec<Leg>,
+    /// The array's length in sectors.
+    pub len: u64,
+    /// log2 of the region size in sectors.
+    pub region_shift: u32,
+    pub nregions: u64,
+    pub write_mostly: u64,
+    pub rebuild: u64,
+    pub nosync: bool,
+    pub sync: bool,
+    /// KiB/s per leg; 0 for no limit.
+    pub max_recovery_rate: u64,
+    pub daemon_sleep: Duration,
+}
+
+/// A background action (dm-raid's `sync_action`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Action {
+    Idle,
+    Resync,
+    Recover,
+    Check,
+    Repair,
+}
+
+impl Action {
+    pub fn name(self) -> &'static str {
+        match self {
+            Action::Idle => "idle",
+            Action::Resync => "resync",
+            Action::Recover => "recover",
+            Action::Check => "check",
+            Action::Repair => "repair",
+        }
+    }
+}
+
+/// What the worker and the slow paths share behind the lock.
+pub(crate) struct State {
+    /// Regions whose dirty bit writes wait for (bit per region).
+    pub want_mark: Vec<u64>,
+    pub mark_wanted: bool,
+    /// The superblock must be written (a leg failed, a rebuild ended).
+    pub sb_wanted: u64,
+    /// The last superblock generation written.
+    pub sb_done: u64,
+    /// The running action and where it is (region index).
+    pub action: Action,
+    pub frozen: bool,
+    pub cursor: u64,
+    /// Sectors found different by the last check or repair.
+    pub mismatches: u64,
+    /// Reads that failed on a leg and succeeded on another: (region, legs
+    /// to rewrite).
+    pub repairs: Vec<(u64, u64)>,
+    /// The worker is started on the array (the table is live).
+    pub active: bool,
+    /// The array's identity and events count (the superblock's).
+    pub uuid: [u8; 16],
+    pub events: u64,
+}
+
+/// The state every reactor's channel and the worker share.
+pub(crate) struct Shared {
+    pub cfg: Config,
+    st: Mutex<State>,
+    /// Writes in flight per region.
+    pub writers: Vec<AtomicU32>,
+    /// Regions whose dirty bit is durable: writes go straight to the legs.
+    pub ondisk: Vec<AtomicU64>,
+    /// Regions written since the daemon last looked (kept dirty a pass).
+    pub touched: Vec<AtomicU64>,
+    /// Regions that may differ between legs until resynced: reads go to
+    /// the resync's source leg.
+    pub unsynced: Vec<AtomicU64>,
+    /// Any region unsynced (saves the lookup on reads otherwise).
+    pub any_unsynced: AtomicBool,
+    /// The region the resync holds, or [`NO_BARRIER`].
+    pub barrier: AtomicU64,
+    /// A newer instance on the same metadata went live: this one only
+    /// marks (never clears) and starts no resync.
+    pub retired: AtomicBool,
+    /// No leg's metadata could be written: writes fail.
+    pub meta_dead: AtomicBool,
+    /// Legs failed ('D').
+    pub failed: AtomicU64,
+    /// Legs in sync ('A'); a live leg not in it is being rebuilt ('a').
+    pub insync: AtomicU64,
+    /// Events raised (leg failures, actions finished) for `udm wait`.
+    pub events: AtomicU64,
+    pub worker: OnceLock<ReactorHandle>,
+    pub poked: AtomicBool,
+    pub stop: AtomicBool,
+    /// Each reactor's channel: its handle and local key.
+    pub chans: Mutex<Vec<(ReactorHandle, u64)>>,
+}
+
+#[inline]
+pub(crate) fn test(v: &[AtomicU64], i: u64) -> bool {
+    v[(i / 64) as usize].load(Ordering::SeqCst) & (1 << (i % 64)) != 0
+}
+
+#[inline]
+pub(crate) fn set(v: &[AtomicU64], i: u64) {
+    v[(i / 64) as usize].fetch_or(1 << (i % 64), Ordering::SeqCst);
+}
+
+#[inline]
+pub(crate) fn clear(v: &[AtomicU64], i: u64) {
+    v[(i / 64) as usize].fetch_and(!(1 << (i % 64)), Ordering::SeqCst);
+}
+
+fn bits(n: u64) -> Vec<AtomicU64> {
+    (0..n.div_ceil(64)).map(|_| AtomicU64::new(0)).collect()
+}
+
+impl Shared {
+    pub fn new(cfg: Config) -> Shared {
+        let n = cfg.nregions;
+        let words = n.div_ceil(64) as usize;
+        Shared {
+            writers: (0..n).map(|_| AtomicU32::new(0)).collect(),
+            ondisk: bits(n),
+            touched: bits(n),
+            unsynced: bits(n),
+            any_unsynced: AtomicBool::new(false),
+            barrier: AtomicU64::new(NO_BARRIER),
+            retired: AtomicBool::new(false),
+            meta_dead: AtomicBool::new(false),
+            failed: AtomicU64::new(0),
+            insync: AtomicU64::new(0),
+            events: AtomicU64::new(0),
+            st: Mutex::new(State {
+                want_mark: vec![0; words],
+                mark_wanted: false,
+                sb_wanted: 0,
+                sb_done: 0,
+                action: Action::Idle,
+                frozen: false,
+                cursor: 0,
+                mismatches: 0,
+                repairs: Vec::new(),
+                active: false,
+                uuid: [0; 16],
+                events: 0,
+            }),
+            worker: OnceLock::new(),
+            poked: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            chans: Mutex::new(Vec::new()),
+            cfg,
+        }
+    }
+
+    pub fn lock(&self) -> MutexGuard<'_, State> {
+        self.st.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Asks the worker to look at the state again.
+    pub fn poke(&self) {
+        if !self.poked.swap(true, Ordering::AcqRel) {
+            if let Some(h) = self.worker.get() {
+                h.wake();
+            }
+        }
+    }
+
+    /// The legs that mask of all.
+    pub fn all_legs(&self) -> u64 {
+        let n = self.cfg.legs.len();
+        if n >= 64 {
+            u64::MAX
+        } else {
+            (1 << n) - 1
+        }
+    }
+
+    /// Live legs: every write goes to each.
+    #[inline]
+    pub fn live(&self) -> u64 {
+        self.all_legs() & !self.failed.load(Ordering::Acquire)
+    }
+
+    /// Legs that may serve reads: live and in sync.
+    #[inline]
+    pub fn readable(&self) -> u64 {
+        self.insync.load(Ordering::Acquire) & !self.failed.load(Ordering::Acquire)
+    }
+
+    /// The leg a resync copies from, and reads of unsynced regions go to:
+    /// the first readable leg that is not write-mostly, else the first
+    /// readable one.
+    pub fn source(&self) -> Option<usize> {
+        let r = self.readable();
+        let normal = r & !self.cfg.write_mostly;
+        let m = if normal != 0 { normal } else { r };
+        (m != 0).then(|| m.trailing_zeros() as usize)
+    }
+
+    /// The regions `[sector, sector + sectors)` touch, first and last.
+    #[inline]
+    pub fn regions(&self, sector: u64, sectors: u64) -> (u64, u64) {
+        let s = self.cfg.region_shift;
+        (sector >> s, (sector + sectors.max(1) - 1) >> s)
+    }
+
+    /// A write to regions `r0..=r1` starts: counts it in, and returns
+    /// whether it may go to the legs now. If not (a region is under the
+    /// resync barrier, or its dirty bit is not durable yet) it is counted
+    /// out again, the mark it needs is asked for, and the caller parks it
+    /// until the worker kicks the channels.
+    pub fn enter(&self, r0: u64, r1: u64) -> bool {
+        let mut ok = true;
+        for r in r0..=r1 {
+            self.writers[r as usize].fetch_add(1, Ordering::SeqCst);
+        }
+        let b = self.barrier.load(Ordering::SeqCst);
+        if (r0..=r1).contains(&b) {
+            ok = false;
+        }
+        let mut need_mark = false;
+        if ok {
+            for r in r0..=r1 {
+                if !test(&self.ondisk, r) {
+                    need_mark = true;
+                }
+                let (w, bit) = ((r / 64) as usize, 1u64 << (r % 64));
+                if self.touched[w].load(Ordering::Relaxed) & bit == 0 {
+                    self.touched[w].fetch_or(bit, Ordering::Relaxed);
+                }
+            }
+        }
+        if ok && !need_mark {
+            return true;
+        }
+        self.exit(r0, r1);
+        if need_mark {
+            let mut st = self.lock();
+            for r in r0..=r1 {
+                if !test(&self.ondisk, r) {
+                    st.want_mark[(r / 64) as usize] |= 1 << (r % 64);
+                }
+            }
+            st.mark_wanted = true;
+            drop(st);
+            self.poke();
+        }
+        false
+    }
+
+    /// A write to regions `r0..=r1` is done with the legs.
+    #[inline]
+    pub fn exit(&self, r0: u64, r1: u64) {
+        let b = self.barrier.load(Ordering::SeqCst);
+        for r in r0..=r1 {
+            let left = self.writers[r as usize].fetch_sub(1, Ordering::SeqCst) - 1;
+            if left == 0 && r == b {
+                // The resync waits for this region to drain.
+                self.poke();
+            }
+        }
+    }
+
+    /// Legs `legs` failed an I/O: marks them failed, raises an event and
+    /// asks for a superblock write; returns the generation of that write,
+    /// which the I/O that saw the failure waits for before it completes
+    /// (so that a leg holding stale data is never read after a crash).
+    pub fn fail_legs(&self, legs: u64) -> u64 {
+        let old = self.failed.fetch_or(legs, Ordering::AcqRel);
+        let mut st = self.lock();
+        if old | legs != old {
+            for i in 0..self.cfg.legs.len() {
+                if legs & !old & (1 << i) != 0 {
+                    tracing::warn!("raid1: leg {i} failed, the array goes on without it");
+                }
+            }
+            self.events.fetch_add(1, Ordering::AcqRel);
+            st.sb_wanted += 1;
+        }
+        let g = st.sb_wanted;
+        drop(st);
+        self.poke();
+        g
+    }
+
+    /// Tells every reactor's channel to retry what it parked.
+    pub fn kick_all(&self) {
+        let chans = self.chans.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        for (h, key) in chans {
+            h.send(move |r| {
+                if let Some(ch) = r
+                    .local(key)
+                    .and_then(|c| c.downcast::<super::channel::RaidChannel>().ok())
+                {
+                    ch.kick();
+                }
+            });
+        }
+    }
+}
