@@ -34,8 +34,24 @@ for t in $TARGETS; do
         continue
     fi
     [ "${FUZZ_MERGE:-1}" = 0 ] && continue
-    # Keep the corpus small in git: only inputs that add coverage.
-    cargo fuzz run "$t" "corpus/$t" "../target/fuzz-corpus/$t" -- -merge=1 -max_len=70000
+    # Keep the corpus small in git: only inputs that add coverage. libFuzzer
+    # writes them into its first folder as it goes (a kill leaves half an
+    # input), so the merge goes into a copy beside the corpus (same
+    # filesystem), under a lock against another run's merge, and each new
+    # input is renamed in whole; a killed merge's copy is removed.
+    (
+        exec 8>>"corpus/.tmp.$t.lock"
+        flock 8
+        rm -rf "corpus/.tmp.$t.merge".*
+        m=$(mktemp -d "corpus/.tmp.$t.merge.XXXXXX")
+        trap 'rm -rf "$m"' EXIT
+        cp -a "corpus/$t/." "$m/"
+        cargo fuzz run "$t" "$m" "../target/fuzz-corpus/$t" -- -merge=1 -max_len=70000
+        for f in "$m"/*; do
+            [ -e "$f" ] && [ ! -e "corpus/$t/${f##*/}" ] && mv "$f" "corpus/$t/"
+        done
+        true
+    )
 done
 if [ -n "$failed" ]; then
     echo "fuzz: crashes in:$failed (inputs under fuzz/artifacts/)" >&2

@@ -11,12 +11,13 @@
 # served by `udm serve --vhost-user-blk` (one queue) to the VM-less client
 # (exports/examples/vhost_bench.rs). Env: RUNTIME (seconds per run, default
 # 3), FILE (default /var/tmp/udm-dispatch.img, written once in full before
-# the rounds), ROWS (default "ram file vhost"), RAM_SIZE (the RAM disk's size,
-# default 256M; 8M fits the CPU's caches, so the rows then show each mode's
-# CPU cost rather than memory stalls).
+# the rounds and kept: scripts/once.sh), ROWS (default "ram file vhost"),
+# RAM_SIZE (the RAM disk's size, default 256M; 8M fits the CPU's caches,
+# so the rows then show each mode's CPU cost rather than memory stalls).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 . scripts/bench/ab-rounds.sh
+. scripts/once.sh
 ROUNDS=${1:-7}
 RUNTIME=${RUNTIME:-3}
 FILE=${FILE:-/var/tmp/udm-dispatch.img}
@@ -60,9 +61,10 @@ for row in $ROWS; do
         done
         ;;
     file)
-        if [ ! -s "$FILE" ] || [ "$(stat -c %s "$FILE")" -lt $((1 << 30)) ]; then
-            dd if=/dev/zero of="$FILE" bs=1M count=1024 oflag=direct status=none
-        fi
+        # A shorter file is not one once made (a plain dd killed halfway):
+        # made again.
+        [ "$(stat -c %s "$FILE" 2>/dev/null || echo 0)" -ge $((1 << 30)) ] || rm -f "$FILE"
+        once "$FILE" sh -c 'dd if=/dev/zero of="$OUT" bs=1M count=1024 oflag=direct status=none'
         DEV=(--dev "d=file:$FILE")
         EXTRA=()
         RW=write

@@ -10,10 +10,11 @@
 #
 # Env: RUNTIME (seconds per run, default 1), BS (default 4k), DEVS (default
 # "ram file"), FILE (default /dev/shm/udm-dispatch-table.img, 256 MiB,
-# written once before the rounds), UDM (binary; default builds
-# target/release/udm).
+# written once before the rounds and kept: scripts/once.sh), UDM (binary;
+# default builds target/release/udm).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+. scripts/once.sh
 ROUNDS=${1:-3}
 RUNTIME=${RUNTIME:-1}
 BS=${BS:-4k}
@@ -30,7 +31,10 @@ for dev in $DEVS; do
     case $dev in
     ram) SPEC=d=ram:256M EXTRA=(--prefill) ;;
     file)
-        [ -s "$FILE" ] || dd if=/dev/zero of="$FILE" bs=1M count=256 status=none
+        # A shorter file is not one once made (a plain dd killed halfway):
+        # made again.
+        [ "$(stat -c %s "$FILE" 2>/dev/null || echo 0)" -ge $((256 << 20)) ] || rm -f "$FILE"
+        once "$FILE" sh -c 'dd if=/dev/zero of="$OUT" bs=1M count=256 status=none'
         SPEC=d=file:$FILE EXTRA=()
         ;;
     esac

@@ -22,9 +22,16 @@ if [ -n "$CPU" ]; then UDM_PIN=(--cpus "$CPU"); FIO_PIN=(--cpus_allowed="$CPU");
 command -v fio >/dev/null || { echo "bench/file-vs-fio: fio is not installed (scripts/setup.sh)" >&2; exit 2; }
 cargo build --release -q -p udm
 UDM=./target/release/udm
-IMG=${IMG:-/dev/shm/udm-bench-fio.img}
-[ -f "$IMG" ] || dd if=/dev/urandom of="$IMG" bs=1M count=512 status=none
-trap 'rm -f "$IMG"' EXIT
+# A fresh file per run unless IMG names one to make once and keep (a fixed
+# path removed at exit would go from under another run using it).
+if [ -n "${IMG:-}" ]; then
+    . scripts/once.sh
+    once "$IMG" sh -c 'dd if=/dev/urandom of="$OUT" bs=1M count=512 status=none'
+else
+    IMG=$(mktemp /dev/shm/udm-bench-fio.XXXXXX)
+    trap 'rm -f "$IMG"' EXIT
+    dd if=/dev/urandom of="$IMG" bs=1M count=512 status=none
+fi
 declare -A R
 median() { tr ' ' '\n' | grep . | sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 udm() { # rw bs qd

@@ -85,6 +85,9 @@ pub struct VQueue {
     /// Completed requests were added to the used ring since the last
     /// notification check.
     used_added: bool,
+    /// The next notification check calls the driver whatever its
+    /// used_event says (see [`Worker::start`]).
+    call_anyway: bool,
     /// Requests wait in the ring because as many as it holds are in flight.
     throttled: bool,
     /// Set by [`Worker::stop`]: answered with the next available index
@@ -250,9 +253,6 @@ impl VQueue {
         for head in heads {
             self.take(head, chain::walk(&mem.guest, table, size, head), &mem);
         }
-        // A completion whose notification the previous udm did not send.
-        self.used_added = true;
-        self.dirty();
         self.front.unplug();
     }
 
@@ -500,11 +500,15 @@ impl VQueue {
             return;
         }
         self.used_added = false;
+        // Asked even when calling anyway: it restarts the count of
+        // elements added since the last check.
         let wants = self
             .queue
             .needs_notification(&self.mem.guest)
-            .unwrap_or(true);
+            .unwrap_or(true)
+            || self.call_anyway;
         if let (true, Some(call)) = (wants, &self.call) {
+            self.call_anyway = false;
             let one: u64 = 1;
             // SAFETY: writes 8 bytes from a live u64 to the call eventfd.
             unsafe { libc::write(call.as_raw_fd(), (&one as *const u64).cast(), 8) };
@@ -618,7 +622,14 @@ impl Worker {
             segs: Vec::with_capacity(64),
             worker: self,
             in_dirty: false,
-            used_added: false,
+            // The used ring may hold elements no one told the driver of: a
+            // udm before this one (or this one, before the ring stopped)
+            // may have added them and gone before calling. With EVENT_IDX
+            // the driver is called only when the used index crosses its
+            // used_event, and that crossing may be among them: without a
+            // call now it would never be called again on this ring.
+            used_added: true,
+            call_anyway: true,
             throttled: false,
             stop: None,
             broken: false,
@@ -643,6 +654,7 @@ impl Worker {
         q.resubmit();
         q.process();
         q.arm_kick();
+        q.dirty();
     }
 
     fn find(&self, index: u16) -> Option<*mut VQueue> {
