@@ -410,11 +410,13 @@ fn a_thousand_create_remove_cycles_leave_fds_threads_and_rss_flat() {
         c.call(Op::Create {
             name: "r".into(),
             spec: "ram:4M".into(),
+            passphrase: None,
         })
         .unwrap();
         c.call(Op::Create {
             name: "l".into(),
             spec: format!("0 {} linear r 0", 8 * (1 + i % 1000)),
+            passphrase: None,
         })
         .unwrap();
         c.call(Op::Remove {
