@@ -240,15 +240,7 @@ fn a_passphrase_comes_in_the_create_request_and_stays_secret() {
     assert!(cfg.contains(&format!("spec = \"{spec}\"")), "{cfg}");
     let path = dir.path("udm.toml");
     std::fs::write(&path, &cfg).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_udm"))
-        .args(["daemon", "--config", path.to_str().unwrap()])
-        .env("UDM_CONTROL", dir.path("ctl2"))
-        .stdin(std::process::Stdio::null())
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
-    assert_eq!(err.lines().count(), 1, "{err}");
+    let err = common::daemon::refused_config(&path, &dir.path("ctl2"));
     assert!(
         err.contains("device 'v': luks: no key-file, and no terminal to ask for the passphrase on")
             && err.contains(&format!("`udm create v {spec}`")),

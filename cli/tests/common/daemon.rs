@@ -146,6 +146,22 @@ impl Daemon {
     }
 }
 
+/// `udm daemon --config CFG` (control socket CTL, stdin not a terminal),
+/// which must refuse the file: exit status 2 and one line on stderr,
+/// returned.
+pub fn refused_config(cfg: &std::path::Path, ctl: &std::path::Path) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_udm"))
+        .args(["daemon", "--config", cfg.to_str().unwrap()])
+        .env("UDM_CONTROL", ctl)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    err
+}
+
 impl Drop for Daemon {
     fn drop(&mut self) {
         if let Some(mut c) = self.child.take() {
