@@ -734,7 +734,7 @@ mod tests {
                         assert_eq!(a, b, "encrypt, key {klen} bytes, {len} bytes, sector {n}");
                         let mut to = vec![0u8; len];
                         fast.sector_to(Dir::Encrypt, n, &plain, &mut to);
-                        assert_eq!(to, b, "encrypt_to, key {klen}, {len} bytes");
+                        assert_eq!(to, b, "sector_to encrypt, key {klen}, {len} bytes");
                         // Decrypting random bytes, not only what was
                         // encrypted: the two paths agree on any input.
                         let mut c = plain.clone();
@@ -743,7 +743,7 @@ mod tests {
                         slow.decrypt(n, &mut d);
                         assert_eq!(c, d, "decrypt, key {klen} bytes, {len} bytes, sector {n}");
                         fast.sector_to(Dir::Decrypt, n, &plain, &mut to);
-                        assert_eq!(to, d, "decrypt_to, key {klen}, {len} bytes");
+                        assert_eq!(to, d, "sector_to decrypt, key {klen}, {len} bytes");
                         fast.decrypt(n, &mut a);
                         assert_eq!(a, plain);
                     }
@@ -780,7 +780,7 @@ mod tests {
                         assert_eq!(got, want, "encrypt, key {klen}, {units} x {unit}");
                         let mut back = vec![0u8; plain.len()];
                         c.units_to(Dir::Decrypt, unit, n, &got, &mut back);
-                        assert_eq!(back, plain, "decrypt_to, key {klen}, {units} x {unit}");
+                        assert_eq!(back, plain, "units_to decrypt, key {klen}, {units} x {unit}");
                         c.units(Dir::Decrypt, unit, n, &mut got);
                         assert_eq!(got, plain, "decrypt, key {klen}, {units} x {unit}");
                     }
