@@ -780,7 +780,10 @@ mod tests {
                         assert_eq!(got, want, "encrypt, key {klen}, {units} x {unit}");
                         let mut back = vec![0u8; plain.len()];
                         c.units_to(Dir::Decrypt, unit, n, &got, &mut back);
-                        assert_eq!(back, plain, "units_to decrypt, key {klen}, {units} x {unit}");
+                        assert_eq!(
+                            back, plain,
+                            "units_to decrypt, key {klen}, {units} x {unit}"
+                        );
                         c.units(Dir::Decrypt, unit, n, &mut got);
                         assert_eq!(got, plain, "decrypt, key {klen}, {units} x {unit}");
                     }
