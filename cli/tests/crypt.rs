@@ -70,24 +70,23 @@ fn the_key_is_in_no_output_or_log_unless_shown() {
     assert_no_key(&format!("{out}{err}"), "the error");
 }
 
-/// A LUKS2 volume made by cryptsetup opens from `--dev NAME=luks:…`; a
-/// wrong passphrase exits 2 with one line and makes no device.
-#[test]
-fn luks_volumes_open_from_the_command_line() {
-    if !Command::new("cryptsetup")
+fn have_cryptsetup() -> bool {
+    let ok = Command::new("cryptsetup")
         .arg("--version")
         .output()
-        .is_ok_and(|o| o.status.success())
-    {
+        .is_ok_and(|o| o.status.success());
+    if !ok {
         eprintln!("skipped: cryptsetup is not installed");
-        return;
     }
-    let d = common::TempDir::new("luks-cli");
+    ok
+}
+
+/// A 20 MiB LUKS2 volume `v.img` in `d` made by cryptsetup with
+/// `passphrase` (fast PBKDF2); its path.
+fn luks_volume(d: &common::TempDir, passphrase: &str) -> String {
     let img = d.path("v.img");
-    let pass = d.path("pass");
-    let bad = d.path("bad");
-    std::fs::write(&pass, "pass phrase").unwrap();
-    std::fs::write(&bad, "wrong").unwrap();
+    let pass = d.path("format-pass");
+    std::fs::write(&pass, passphrase).unwrap();
     std::fs::File::create(&img)
         .unwrap()
         .set_len(20 << 20)
@@ -100,11 +99,24 @@ fn luks_volumes_open_from_the_command_line() {
         .status()
         .unwrap();
     assert!(ok.success());
-    let (img, pass, bad) = (
-        img.to_str().unwrap(),
-        pass.to_str().unwrap(),
-        bad.to_str().unwrap(),
-    );
+    std::fs::remove_file(&pass).unwrap();
+    img.to_str().unwrap().to_string()
+}
+
+/// A LUKS2 volume made by cryptsetup opens from `--dev NAME=luks:…`; a
+/// wrong passphrase exits 2 with one line and makes no device.
+#[test]
+fn luks_volumes_open_from_the_command_line() {
+    if !have_cryptsetup() {
+        return;
+    }
+    let d = common::TempDir::new("luks-cli");
+    let img = luks_volume(&d, "pass phrase");
+    let pass = d.path("pass");
+    let bad = d.path("bad");
+    std::fs::write(&pass, "pass phrase").unwrap();
+    std::fs::write(&bad, "wrong").unwrap();
+    let (pass, bad) = (pass.to_str().unwrap(), bad.to_str().unwrap());
     let (code, out, err) =
         udm_logged(&["table", "--dev", &format!("v=luks:{img},key-file={pass}")]);
     assert_eq!(code, 0, "{err}");
@@ -155,4 +167,83 @@ fn the_daemon_keeps_the_key_out_of_every_answer_and_its_log() {
     std::fs::write(&path, cfg).unwrap();
     let d2 = Daemon::start(&["--config", path.to_str().unwrap()]);
     assert!(d2.ok(&["table", "--show-keys", "c"]).contains(&table));
+}
+
+/// `udm create NAME luks:PATH` without a key file reads the passphrase as
+/// cryptsetup does (stdin's first line when stdin is not a terminal; all
+/// of stdin with `key-file=-`) and sends it in the create request. A wrong
+/// one is one line, exit 2, and no device. The passphrase is in no answer,
+/// no dump and not in the daemon's log at its most verbose; the dump keeps
+/// the spec, and a daemon applying it with no terminal to ask on refuses
+/// in one line that says how to open the volume.
+#[test]
+fn a_passphrase_comes_in_the_create_request_and_stays_secret() {
+    if !have_cryptsetup() {
+        return;
+    }
+    const PASS: &str = "udm-secret-7f3a9c51e2";
+    let dir = common::TempDir::new("luks-pass");
+    let img = luks_volume(&dir, PASS);
+    let spec = format!("luks:{img}");
+    let d = Daemon::start_env(
+        common::TempDir::new("daemon"),
+        &[],
+        &[("RUST_LOG", "trace")],
+    );
+
+    let wrong = d.udm_stdin(&["create", "v", &spec], b"not it\n");
+    assert_eq!(wrong.0, 2, "{wrong:?}");
+    assert_eq!(
+        wrong.2,
+        "udm: device 'v': luks: wrong passphrase (no keyslot opens with it)\n"
+    );
+    d.fails(&["info", "v"]); // no device
+                             // key-file=- keeps the newline, as cryptsetup's --key-file -.
+    let kept = d.udm_stdin(
+        &["create", "v", &format!("{spec},key-file=-")],
+        format!("{PASS}\n").as_bytes(),
+    );
+    assert_eq!(kept.0, 2, "{kept:?}");
+
+    let (code, out, err) = d.udm_stdin(
+        &["create", "v", &spec],
+        format!("{PASS}\nsecond line\n").as_bytes(),
+    );
+    assert_eq!(code, 0, "{out}{err}");
+    let (code, out, err) = d.udm_stdin(
+        &["create", "w", &format!("{spec},ro,key-file=-")],
+        PASS.as_bytes(),
+    );
+    assert_eq!(code, 0, "{out}{err}");
+    let table = d.ok(&["table", "v"]);
+    assert!(table.contains("crypt aes-xts-plain64 - 0 "), "{table}");
+
+    let mut all = String::new();
+    for args in [
+        &["ls"][..],
+        &["info", "--json", "v"],
+        &["table", "--show-keys"],
+        &["table", "--json"],
+        &["status"],
+        &["dump-config", "--json"],
+        &["dump-config", "--show-keys"],
+    ] {
+        all.push_str(&d.ok(args));
+    }
+    all.push_str(&d.log());
+    let b64 = "dWRtLXNlY3JldC03ZjNhOWM1MWUy"; // base64 of PASS
+    assert!(!all.contains(PASS) && !all.contains(b64), "{all}");
+
+    // The dump names the volume, without a key file: opening it again
+    // needs the passphrase, which a daemon without a terminal cannot ask for.
+    let cfg = d.ok(&["dump-config"]);
+    assert!(cfg.contains(&format!("spec = \"{spec}\"")), "{cfg}");
+    let path = dir.path("udm.toml");
+    std::fs::write(&path, &cfg).unwrap();
+    let err = common::daemon::refused_config(&path, &dir.path("ctl2"));
+    assert!(
+        err.contains("device 'v': luks: no key-file, and no terminal to ask for the passphrase on")
+            && err.contains(&format!("`udm create v {spec}`")),
+        "{err}"
+    );
 }

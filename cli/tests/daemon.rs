@@ -371,13 +371,7 @@ fn a_config_error_names_the_line_and_leaves_nothing() {
         "[[device]]\nname = \"r\"\nspec = \"ram:1M\"\n\n[[device]]\nname = \"l\"\ntable = \"0 4096 linear r 0\"\n",
     )
     .unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_udm"))
-        .args(["daemon", "--config", cfg.to_str().unwrap()])
-        .env("UDM_CONTROL", dir.path("control"))
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
+    let err = common::daemon::refused_config(&cfg, &dir.path("control"));
     assert!(
         err.contains("line 5: device 'l'") && err.contains("too small"),
         "{err}"
@@ -410,11 +404,13 @@ fn a_thousand_create_remove_cycles_leave_fds_threads_and_rss_flat() {
         c.call(Op::Create {
             name: "r".into(),
             spec: "ram:4M".into(),
+            passphrase: None,
         })
         .unwrap();
         c.call(Op::Create {
             name: "l".into(),
             spec: format!("0 {} linear r 0", 8 * (1 + i % 1000)),
+            passphrase: None,
         })
         .unwrap();
         c.call(Op::Remove {
@@ -570,14 +566,7 @@ fn a_flag_overrides_the_config_limits_and_a_bad_limit_names_its_line() {
     let dir = TempDir::new("limits-bad");
     let cfg = dir.path("udm.toml");
     std::fs::write(&cfg, "# limits\n\n[limits]\nmax_inflight = \"1M\"\n").unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_udm"))
-        .args(["daemon", "--config", cfg.to_str().unwrap()])
-        .env("UDM_CONTROL", dir.path("control"))
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
-    assert_eq!(err.lines().count(), 1, "{err}");
+    let err = common::daemon::refused_config(&cfg, &dir.path("control"));
     assert!(
         err.contains("line 3: [limits]") && err.contains("max-inflight '1M'"),
         "{err}"
@@ -588,13 +577,7 @@ fn a_flag_overrides_the_config_limits_and_a_bad_limit_names_its_line() {
         "[[device]]\nname = \"r\"\nspec = \"ram:1M\"\n\n[[export]]\ndevice = \"r\"\n",
     )
     .unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_udm"))
-        .args(["daemon", "--config", cfg.to_str().unwrap()])
-        .env("UDM_CONTROL", dir.path("control"))
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
+    let err = common::daemon::refused_config(&cfg, &dir.path("control"));
     assert!(
         err.contains("line 5") && err.contains("exactly one of nbd, vhost_user_blk, ublk"),
         "{err}"

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 use udm_core::{Error, ErrorKind};
+use zeroize::Zeroizing;
 
 use crate::proto::{Op, Reply, Request, MAX_LINE};
 
@@ -47,13 +48,18 @@ impl Client {
         let what = || format!("control socket '{}'", self.path.display());
         let id = self.next_id;
         self.next_id += 1;
-        let line = Request::new(id, op).to_line()?;
+        // Into a buffer that holds any valid line without growing, and is
+        // zeroed after: a create request may carry a passphrase.
+        let mut line = Zeroizing::new(Vec::with_capacity(MAX_LINE + 2));
+        serde_json::to_writer(&mut *line, &Request::new(id, op))
+            .map_err(|e| Error::invalid(format!("encoding the request: {e}")))?;
+        line.push(b'\n');
         if line.len() > MAX_LINE + 1 {
             return Err(Error::invalid(format!(
                 "request longer than {MAX_LINE} bytes"
             )));
         }
-        let sent = self.w.write_all(line.as_bytes());
+        let sent = self.w.write_all(&line);
         let mut l = String::new();
         if let Err(e) = sent {
             // A server that refuses a connection (not admitted, too many)

@@ -26,8 +26,13 @@ use toml::Spanned;
 use udm_core::Error;
 
 use crate::exports::{ExportInfo, ExportOpts, ExportSpec, LimitsDef};
+use crate::luks::{LuksSpec, Passphrase};
 use crate::registry::RemoveMode;
 use crate::verbs::Control;
+
+/// What [`Config::apply_asking`] calls with a device's name and `luks:`
+/// spec for its passphrase.
+pub type AskPassphrase<'a> = dyn FnMut(&str, &str) -> Result<Option<Passphrase>, Error> + 'a;
 
 /// A device to create: a backend (`spec`) or a mapped device (`table`).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -283,13 +288,26 @@ impl Config {
     /// (naming the entry and its line) whatever this call made is undone:
     /// exports stopped, devices removed, top first.
     pub fn apply(&self, ctl: &Control) -> Result<(), Error> {
+        self.apply_asking(ctl, &mut |_, _| Ok(None))
+    }
+
+    /// [`Config::apply`], calling `ask(name, spec)` for the passphrase of
+    /// each `luks:` spec without a `key-file` (the daemon asks on its
+    /// terminal); `None` leaves the spec to fail in one line.
+    pub fn apply_asking(&self, ctl: &Control, ask: &mut AskPassphrase<'_>) -> Result<(), Error> {
         let mut made = Vec::new();
         let mut exported = Vec::new();
         let r = (|| {
             for (i, d) in self.devices.iter().enumerate() {
+                let at = |e: Error| e.context(Config::place(&self.origin.devices, i));
                 let spec = d.spec.as_deref().or(d.table.as_deref()).unwrap_or_default();
-                ctl.create(&d.name, spec)
-                    .map_err(|e| e.context(Config::place(&self.origin.devices, i)))?;
+                let pass = match spec.trim().strip_prefix("luks:").map(LuksSpec::parse) {
+                    Some(Ok(l)) if l.key_file.is_none() => ask(&d.name, spec)
+                        .map_err(|e| e.context(format!("device '{}'", d.name)))
+                        .map_err(at)?,
+                    _ => None,
+                };
+                ctl.create_with(&d.name, spec, pass.as_ref()).map_err(at)?;
                 made.push(d.name.clone());
             }
             for (i, e) in self.exports.iter().enumerate() {
@@ -329,8 +347,11 @@ impl Config {
         {
             let r = ctl.registry();
             for e in r.entries() {
-                // A LUKS volume is dumped as its spec (the key file's
-                // path), which opens it again; its table would hide the key.
+                // A LUKS volume is dumped as its spec, never with a secret:
+                // with its key file's path it opens again as it is; without
+                // one (its passphrase came in the create request) the
+                // daemon applying the file asks for the passphrase on its
+                // terminal, as `udm create` did.
                 let (spec, table) = match e.mapped() {
                     Some(m) if e.kind() != "luks" => {
                         let t = m.table();

@@ -30,7 +30,11 @@ pub fn execute(ctl: &Control, op: Op) -> Result<Value, Error> {
             let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
             value(ctl.message(&name, sector, &argv))
         }
-        Op::Create { name, spec } => value(ctl.create(&name, &spec)),
+        Op::Create {
+            name,
+            spec,
+            passphrase,
+        } => value(ctl.create_with(&name, &spec, passphrase.as_ref())),
         Op::Remove { name, mode } => value(ctl.remove(&name, mode)),
         Op::RemoveAll { mode } => value(ctl.remove_all(mode)),
         Op::ExportAdd(spec) => value(ctl.export_add(spec)),
@@ -72,6 +76,7 @@ mod tests {
             Op::Create {
                 name: "r".into(),
                 spec: "ram:1M".into(),
+                passphrase: None,
             },
         )
         .unwrap();
@@ -80,6 +85,7 @@ mod tests {
             Op::Create {
                 name: "l".into(),
                 spec: "0 2048 linear r 0".into(),
+                passphrase: None,
             },
         )
         .unwrap();

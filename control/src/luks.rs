@@ -6,7 +6,9 @@
 //! ```
 //!
 //! The passphrase is the whole content of the key file (as cryptsetup's
-//! `--key-file`), never a command-line word. Opening reads the header,
+//! `--key-file`), or comes in the create request ([`Passphrase`]: `udm
+//! create` reads it from the terminal or stdin); never a command-line
+//! word. Opening reads the header,
 //! checks it (LUKS2: the SHA-256 checksum of the binary header and JSON
 //! area, falling back to the secondary copy), derives the keyslot's key
 //! with the keyslot's KDF (PBKDF2 with SHA-1, -256 or -512, or Argon2i /
@@ -86,12 +88,121 @@ impl LuksSpec {
     pub fn passphrase(&self) -> Result<Zeroizing<Vec<u8>>, Error> {
         let Some(f) = &self.key_file else {
             return Err(Error::invalid(
-                "luks: no passphrase: give key-file=PATH (a passphrase is never taken from the command line)",
+                "luks: no passphrase: give key-file=PATH, or let `udm create` ask for it (a passphrase is never taken from the command line)",
             ));
         };
+        if f == "-" {
+            return Err(Error::invalid(
+                "luks: key-file=- (stdin) is read by `udm create`, which sends the passphrase in its request",
+            ));
+        }
         std::fs::read(f)
             .map(Zeroizing::new)
             .map_err(|e| Error::os(format!("luks: key file '{f}'"), e))
+    }
+}
+
+/// A passphrase that came with a request (`udm create NAME luks:…` asks
+/// for it on the terminal or reads it from stdin and sends it in the
+/// create request). Zeroed when dropped; `Debug` does not show it; on the
+/// wire it is the bytes in standard base64 (a passphrase need not be
+/// UTF-8), and the decoded text is wiped too.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Passphrase(Zeroizing<Vec<u8>>);
+
+impl Passphrase {
+    /// Takes `bytes` (they are zeroed when the passphrase is dropped).
+    pub fn new(bytes: Zeroizing<Vec<u8>>) -> Passphrase {
+        Passphrase(bytes)
+    }
+
+    /// The passphrase's bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    /// Reads a passphrase from `r` as cryptsetup does for LUKS: up to the
+    /// first newline, which is dropped, when `first_line` (a terminal, or
+    /// stdin without `key-file=-`); else all of it, newlines included (a
+    /// key file). At most [`MAX_PASSPHRASE`] bytes.
+    pub fn read(r: &mut impl std::io::Read, first_line: bool) -> Result<Passphrase, Error> {
+        let mut buf = Zeroizing::new(Vec::with_capacity(256));
+        let mut chunk = Zeroizing::new([0u8; 4096]);
+        loop {
+            let n = match r.read(&mut chunk[..]) {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(Error::os("luks: reading the passphrase", e)),
+            };
+            let got = &chunk[..n];
+            let line_end = if first_line {
+                got.iter().position(|&b| b == b'\n')
+            } else {
+                None
+            };
+            push_wiped(&mut buf, &got[..line_end.unwrap_or(n)]);
+            if buf.len() > MAX_PASSPHRASE {
+                return Err(Error::invalid(format!(
+                    "luks: passphrase longer than {MAX_PASSPHRASE} bytes"
+                )));
+            }
+            if line_end.is_some() {
+                break;
+            }
+        }
+        Ok(Passphrase(buf))
+    }
+}
+
+/// The longest passphrase read (cryptsetup's compiled-in key file limit).
+pub const MAX_PASSPHRASE: usize = 8 << 20;
+
+/// Appends `bytes` to `buf`, growing it by hand so that no copy of a
+/// secret is left behind in a freed allocation.
+pub(crate) fn push_wiped(buf: &mut Zeroizing<Vec<u8>>, bytes: &[u8]) {
+    if buf.len() + bytes.len() > buf.capacity() {
+        let mut grown = Vec::with_capacity((buf.len() + bytes.len()).max(2 * buf.capacity()));
+        grown.extend_from_slice(buf);
+        *buf = Zeroizing::new(grown); // the old buffer is zeroed as it drops
+    }
+    buf.extend_from_slice(bytes);
+}
+
+impl std::fmt::Debug for Passphrase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Passphrase(..)")
+    }
+}
+
+impl serde::Serialize for Passphrase {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let text = Zeroizing::new(base64::engine::general_purpose::STANDARD.encode(&*self.0));
+        s.serialize_str(&text)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Passphrase {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Passphrase, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = Passphrase;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a passphrase in base64")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Passphrase, E> {
+                let mut out = Zeroizing::new(Vec::with_capacity(v.len() / 4 * 3 + 3));
+                base64::engine::general_purpose::STANDARD
+                    .decode_vec(v, &mut out)
+                    .map_err(|_| E::custom("passphrase: expected standard base64"))?;
+                Ok(Passphrase(out))
+            }
+            fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Passphrase, E> {
+                let v = Zeroizing::new(v);
+                self.visit_str(&v)
+            }
+        }
+        d.deserialize_string(V)
     }
 }
 
@@ -690,6 +801,33 @@ mod tests {
         assert!(e("d,keyslot=x").contains("invalid keyslot 'x'"));
         assert!(e("d,passphrase=x").contains("unknown option 'passphrase=x'"));
         assert!(LuksSpec::parse("d").unwrap().passphrase().is_err());
+    }
+
+    /// As cryptsetup: a terminal or stdin gives its first line without the
+    /// newline, a key file all of itself.
+    #[test]
+    fn passphrases_are_read_as_cryptsetup_reads_them() {
+        let read = |b: &[u8], first| Passphrase::read(&mut &b[..], first).unwrap();
+        assert_eq!(
+            read(b"pass phrase\nmore\n", true).as_bytes(),
+            b"pass phrase"
+        );
+        assert_eq!(read(b"pass phrase", true).as_bytes(), b"pass phrase");
+        assert_eq!(read(b"pass\nphrase\n", false).as_bytes(), b"pass\nphrase\n");
+        let big = vec![b'x'; 10_000];
+        assert_eq!(read(&big, false).as_bytes(), &big[..]);
+    }
+
+    /// On the wire a passphrase is base64 (any bytes); `Debug` hides it.
+    #[test]
+    fn passphrases_travel_in_base64_and_never_print() {
+        let p = Passphrase::new(Zeroizing::new(b"s\xffcret\n".to_vec()));
+        let j = serde_json::to_string(&p).unwrap();
+        assert_eq!(j, "\"c/9jcmV0Cg==\"");
+        assert_eq!(serde_json::from_str::<Passphrase>(&j).unwrap(), p);
+        assert_eq!(format!("{p:?}"), "Passphrase(..)");
+        let e = serde_json::from_str::<Passphrase>("\"not base64!\"").unwrap_err();
+        assert!(e.to_string().contains("expected standard base64"), "{e}");
     }
 
     /// With one stripe the merge is the identity; with two, the first

@@ -79,8 +79,12 @@ pub enum Op {
     Create {
         /// The new device's name.
         name: String,
-        /// `ram:…`, `null:…`, `file:…` or a table.
+        /// `ram:…`, `null:…`, `file:…`, `luks:…` or a table.
         spec: String,
+        /// The passphrase of a `luks:` spec without `key-file` (base64 on
+        /// the wire; zeroed after use, never printed).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        passphrase: Option<crate::luks::Passphrase>,
     },
     /// Removes a device.
     Remove {
@@ -426,6 +430,26 @@ mod tests {
                 flush: true
             }
         );
+    }
+
+    #[test]
+    fn a_create_request_carries_a_passphrase_that_debug_output_hides() {
+        let line = br#"{"v":1,"id":5,"op":"create","args":{"name":"v","spec":"luks:/d","passphrase":"c2VjcmV0"}}"#;
+        let r = decode(line).unwrap();
+        let Op::Create { passphrase, .. } = &r.op else {
+            panic!("{:?}", r.op)
+        };
+        assert_eq!(passphrase.as_ref().unwrap().as_bytes(), b"secret");
+        assert!(!format!("{r:?}").contains("secret"));
+        assert_eq!(r.to_line().unwrap().trim_end().as_bytes(), &line[..]);
+        let plain = decode(br#"{"v":1,"op":"create","args":{"name":"r","spec":"ram:1M"}}"#);
+        assert!(matches!(
+            plain.unwrap().op,
+            Op::Create {
+                passphrase: None,
+                ..
+            }
+        ));
     }
 
     #[test]

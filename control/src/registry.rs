@@ -17,7 +17,7 @@ use udm_core::{BlockDevice, Error, ErrorKind};
 use udm_mapper::{MappedDevice, Table};
 
 use crate::backend::{backend_kind, is_backend_spec, open_backend, open_path};
-use crate::luks::LuksSpec;
+use crate::luks::{LuksSpec, Passphrase};
 use udm_backends::{FileDevice, FileOpts};
 
 /// Something that uses a device and keeps it from being removed.
@@ -173,6 +173,17 @@ impl Registry {
     /// table text (lines separated by newlines or `;`) over devices created
     /// before it or paths.
     pub fn create(&mut self, name: &str, spec: &str) -> Result<Arc<dyn BlockDevice>, Error> {
+        self.create_with(name, spec, None)
+    }
+
+    /// [`Registry::create`], with the passphrase of a `luks:` spec that
+    /// has no `key-file` (it is refused with any other spec).
+    pub fn create_with(
+        &mut self,
+        name: &str,
+        spec: &str,
+        pass: Option<&Passphrase>,
+    ) -> Result<Arc<dyn BlockDevice>, Error> {
         if !valid_name(name) {
             return Err(Error::invalid(format!(
                 "invalid device name '{name}' (letters, digits, _ - . only)"
@@ -186,7 +197,9 @@ impl Registry {
         }
         let spec = spec.trim();
         let (dev, spec) = if let Some(rest) = spec.strip_prefix("luks:") {
-            (self.open_luks(name, rest)?, spec.to_string())
+            (self.open_luks(name, rest, pass)?, spec.to_string())
+        } else if pass.is_some() {
+            return Err(Error::invalid("a passphrase goes with a luks: spec only"));
         } else if is_backend_spec(spec) {
             (open_backend(name, spec)?, spec.to_string())
         } else {
@@ -210,10 +223,21 @@ impl Registry {
 
     /// Opens a `luks:` spec (see [`crate::luks`]): unlocks the volume on
     /// its device (a udm device or a path) and maps a crypt table over its
-    /// data segment. The table's text, which holds the volume key, is built
-    /// here and wiped once the target has the key.
-    fn open_luks(&self, name: &str, rest: &str) -> Result<Arc<dyn BlockDevice>, Error> {
+    /// data segment. The passphrase is `pass` or the spec's key file, not
+    /// both. The table's text, which holds the volume key, is built here
+    /// and wiped once the target has the key.
+    fn open_luks(
+        &self,
+        name: &str,
+        rest: &str,
+        pass: Option<&Passphrase>,
+    ) -> Result<Arc<dyn BlockDevice>, Error> {
         let s = LuksSpec::parse(rest)?;
+        if pass.is_some() && s.key_file.is_some() {
+            return Err(Error::invalid(
+                "luks: a passphrase came with the request and the spec names a key file: give one",
+            ));
+        }
         let dev: Arc<dyn BlockDevice> = if s.dev.starts_with('/') || s.dev.starts_with("./") {
             let o = FileOpts {
                 read_only: s.ro,
@@ -237,9 +261,16 @@ impl Registry {
             })?
         };
         let vol = {
-            let pass = s.passphrase()?;
+            let from_file;
+            let pass = match pass {
+                Some(p) => p.as_bytes(),
+                None => {
+                    from_file = s.passphrase()?;
+                    &from_file[..]
+                }
+            };
             let reader = crate::luks::Reader::new(&dev)?;
-            crate::luks::unlock(&reader, &pass, s.keyslot)?
+            crate::luks::unlock(&reader, pass, s.keyslot)?
         };
         let args = vol.crypt_args(dev.name());
         let mut spec = udm_mapper::TargetSpec {

@@ -16,7 +16,7 @@
 //! gets an error reply and the connection goes on. Requests on different
 //! connections run concurrently (see [`Control`] for what waits for what).
 
-use std::io::{BufRead, BufReader, ErrorKind as IoKind, Write};
+use std::io::{BufRead, ErrorKind as IoKind, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -28,8 +28,10 @@ use std::time::{Duration, Instant};
 
 use udm_core::access::Access;
 use udm_core::{Error, ErrorKind};
+use zeroize::Zeroizing;
 
 use crate::dispatch::execute;
+use crate::luks::push_wiped;
 use crate::proto::{decode, Op, Reply, MAX_LINE};
 use crate::verbs::Control;
 
@@ -227,9 +229,57 @@ fn accept_loop(l: UnixListener, stop: OwnedFd, sh: Arc<Shared>) {
 
 /// What reading one request line gave.
 enum Line {
-    Bytes(Vec<u8>),
+    Bytes(Zeroizing<Vec<u8>>),
     Eof,
     TooLong,
+}
+
+/// A buffered reader that zeroes its buffer when dropped: a create
+/// request may carry a passphrase, and no copy of it may outlive the
+/// connection in freed memory.
+struct WipedReader<R> {
+    inner: R,
+    buf: Zeroizing<Vec<u8>>,
+    pos: usize,
+    end: usize,
+}
+
+impl<R: Read> WipedReader<R> {
+    fn new(inner: R) -> WipedReader<R> {
+        WipedReader {
+            inner,
+            buf: Zeroizing::new(vec![0; 8192]),
+            pos: 0,
+            end: 0,
+        }
+    }
+}
+
+impl<R: Read> Read for WipedReader<R> {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        let n = {
+            let avail = self.fill_buf()?;
+            let n = avail.len().min(out.len());
+            out[..n].copy_from_slice(&avail[..n]);
+            n
+        };
+        self.consume(n);
+        Ok(n)
+    }
+}
+
+impl<R: Read> BufRead for WipedReader<R> {
+    fn fill_buf(&mut self) -> std::io::Result<&[u8]> {
+        if self.pos == self.end {
+            self.end = self.inner.read(&mut self.buf)?;
+            self.pos = 0;
+        }
+        Ok(&self.buf[self.pos..self.end])
+    }
+
+    fn consume(&mut self, n: usize) {
+        self.pos = (self.pos + n).min(self.end);
+    }
 }
 
 /// Reads one request line. `set_timeout` is called before each wait for
@@ -240,7 +290,7 @@ fn read_line(
     r: &mut impl BufRead,
     set_timeout: &mut dyn FnMut(Duration) -> std::io::Result<()>,
 ) -> std::io::Result<Line> {
-    let mut buf = Vec::new();
+    let mut buf = Zeroizing::new(Vec::new());
     let mut started: Option<Instant> = None;
     loop {
         let wait = match started {
@@ -269,7 +319,7 @@ fn read_line(
             Some(i) => (i + 1, true),
             None => (avail.len(), false),
         };
-        buf.extend_from_slice(&avail[..n]);
+        push_wiped(&mut buf, &avail[..n]);
         r.consume(n);
         if done {
             buf.pop();
@@ -290,7 +340,7 @@ fn serve_conn(s: UnixStream, sh: &Shared) {
     let Ok(w) = s.try_clone() else { return };
     let mut w = std::io::BufWriter::new(w);
     let t = s.try_clone();
-    let mut r = BufReader::new(s);
+    let mut r = WipedReader::new(s);
     let Ok(t) = t else { return };
     let mut set_timeout = |d: Duration| t.set_read_timeout(Some(d));
     loop {
@@ -348,8 +398,12 @@ mod tests {
     fn request_lines_end_at_newline_and_are_bounded() {
         let mut t = |_| Ok(());
         let mut r = std::io::Cursor::new(b"{}\r\n{\"v\":1}".to_vec());
-        assert!(matches!(read_line(&mut r, &mut t).unwrap(), Line::Bytes(b) if b == b"{}\r"));
-        assert!(matches!(read_line(&mut r, &mut t).unwrap(), Line::Bytes(b) if b == b"{\"v\":1}"));
+        assert!(
+            matches!(read_line(&mut r, &mut t).unwrap(), Line::Bytes(b) if b[..] == b"{}\r"[..])
+        );
+        assert!(
+            matches!(read_line(&mut r, &mut t).unwrap(), Line::Bytes(b) if b[..] == b"{\"v\":1}"[..])
+        );
         assert!(matches!(read_line(&mut r, &mut t).unwrap(), Line::Eof));
         let mut r = std::io::Cursor::new(vec![b'x'; MAX_LINE + 10]);
         assert!(matches!(read_line(&mut r, &mut t).unwrap(), Line::TooLong));
@@ -372,7 +426,7 @@ mod tests {
             }))
         };
         let t0 = Instant::now();
-        let r = read_line(&mut BufReader::new(b), &mut set);
+        let r = read_line(&mut WipedReader::new(b), &mut set);
         assert!(r.is_err(), "a stalled line is an error");
         assert!(t0.elapsed() < Duration::from_secs(5));
         assert_eq!(waits[0], IDLE);

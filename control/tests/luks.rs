@@ -36,6 +36,61 @@ fn have_tools() -> bool {
     cs && py
 }
 
+/// `cryptsetup luksFormat` arguments for a LUKS2 volume with a fast
+/// PBKDF2 keyslot (1000 iterations).
+const LUKS2_PBKDF2: &[&str] = &[
+    "--type",
+    "luks2",
+    "--pbkdf",
+    "pbkdf2",
+    "--pbkdf-force-iterations",
+    "1000",
+];
+
+/// The same with a small Argon2id keyslot (32 MiB, 4 passes).
+const LUKS2_ARGON2ID: &[&str] = &[
+    "--type",
+    "luks2",
+    "--pbkdf",
+    "argon2id",
+    "--pbkdf-memory",
+    "32768",
+    "--pbkdf-force-iterations",
+    "4",
+];
+
+/// A test's volume: `v.img` made by cryptsetup in a directory of its own,
+/// the key file holding [`PASS`], and the volume key cryptsetup dumps.
+struct Volume {
+    dir: TempDir,
+    img: String,
+    pass: String,
+    key: Vec<u8>,
+}
+
+impl Volume {
+    /// A volume of `mb` MiB made with `luksFormat ARGS`; `None` (and a
+    /// message) where the tools are missing, and the test is skipped.
+    fn new(tag: &str, mb: u64, args: &[&str]) -> Option<Volume> {
+        if !have_tools() {
+            return None;
+        }
+        let dir = TempDir::new(tag);
+        let (img, pass, key) = format(&dir, "v.img", mb, args);
+        Some(Volume {
+            dir,
+            img,
+            pass,
+            key,
+        })
+    }
+
+    /// The spec that opens it with its key file.
+    fn spec(&self) -> String {
+        format!("luks:{},key-file={}", self.img, self.pass)
+    }
+}
+
 /// A LUKS volume of `mb` MiB made by `cryptsetup luksFormat ARGS` in `dir`,
 /// and its volume key as cryptsetup dumps it.
 fn format(dir: &TempDir, name: &str, mb: u64, args: &[&str]) -> (String, String, Vec<u8>) {
@@ -164,14 +219,12 @@ fn pattern(seed: u8, len: usize) -> AlignedBuf {
 /// bytes with the dumped key; then writes ciphertext with the reference
 /// and reads it back through udm.
 fn round_trip(args: &[&str], data_offset: u64, unit: usize) {
-    if !have_tools() {
+    let Some(v) = Volume::new("luks", 24, args) else {
         return;
-    }
-    let dir = TempDir::new("luks");
-    let (img, pass, key) = format(&dir, "v.img", 24, args);
+    };
+    let (img, key) = (&v.img, &v.key);
     let ctl = Control::default();
-    ctl.create("v", &format!("luks:{img},key-file={pass}"))
-        .unwrap();
+    ctl.create("v", &v.spec()).unwrap();
     let dev = ctl.registry().get("v").unwrap();
     assert_eq!(dev.limits().logical_block_size as usize, unit);
     assert_eq!(dev.limits().bytes(), (24 << 20) - data_offset);
@@ -180,10 +233,10 @@ fn round_trip(args: &[&str], data_offset: u64, unit: usize) {
     let at = 64 * 1024u64;
     let mut w = pattern(1, 32 * 1024);
     assert_eq!(io(&dev, Op::Write, at, &mut w), Status::Ok);
-    let file = std::fs::read(&img).unwrap();
+    let file = std::fs::read(img).unwrap();
     let raw = &file[(data_offset + at) as usize..][..w.len()];
     assert!(raw != &w[..], "plaintext on disk");
-    let plain = reference(false, &key, unit, at / 512, raw);
+    let plain = reference(false, key, unit, at / 512, raw);
     assert!(
         plain == w[..],
         "{args:?}: what udm wrote does not decrypt with the volume key"
@@ -192,8 +245,8 @@ fn round_trip(args: &[&str], data_offset: u64, unit: usize) {
     // The reference writes; udm reads.
     let at2 = 1024 * 1024u64;
     let p2 = pattern(2, 16 * 1024);
-    let c2 = reference(true, &key, unit, at2 / 512, &p2);
-    let f = std::fs::OpenOptions::new().write(true).open(&img).unwrap();
+    let c2 = reference(true, key, unit, at2 / 512, &p2);
+    let f = std::fs::OpenOptions::new().write(true).open(img).unwrap();
     std::os::unix::fs::FileExt::write_all_at(&f, &c2, data_offset + at2).unwrap();
     drop(f);
     let mut r = AlignedBuf::new(p2.len());
@@ -206,35 +259,13 @@ fn round_trip(args: &[&str], data_offset: u64, unit: usize) {
 
 #[test]
 fn luks2_pbkdf2_4096_byte_sectors() {
-    round_trip(
-        &[
-            "--type",
-            "luks2",
-            "--pbkdf",
-            "pbkdf2",
-            "--pbkdf-force-iterations",
-            "1000",
-        ],
-        16 << 20,
-        4096,
-    );
+    round_trip(LUKS2_PBKDF2, 16 << 20, 4096);
 }
 
 #[test]
 fn luks2_argon2id_512_byte_sectors() {
     round_trip(
-        &[
-            "--type",
-            "luks2",
-            "--pbkdf",
-            "argon2id",
-            "--pbkdf-memory",
-            "32768",
-            "--pbkdf-force-iterations",
-            "4",
-            "--sector-size",
-            "512",
-        ],
+        &[LUKS2_ARGON2ID, &["--sector-size", "512"]].concat(),
         16 << 20,
         512,
     );
@@ -269,23 +300,9 @@ fn create_err(spec: &str) -> String {
 
 #[test]
 fn wrong_passphrases_damaged_headers_and_unknown_ciphers_are_refused() {
-    if !have_tools() {
+    let Some(Volume { dir, img, pass, .. }) = Volume::new("luks-bad", 20, LUKS2_PBKDF2) else {
         return;
-    }
-    let dir = TempDir::new("luks-bad");
-    let (img, pass, _) = format(
-        &dir,
-        "v.img",
-        20,
-        &[
-            "--type",
-            "luks2",
-            "--pbkdf",
-            "pbkdf2",
-            "--pbkdf-force-iterations",
-            "1000",
-        ],
-    );
+    };
     let bad = dir.path("bad").to_str().unwrap().to_string();
     std::fs::write(&bad, b"not it").unwrap();
     let e = create_err(&format!("luks:{img},key-file={bad}"));
@@ -365,27 +382,13 @@ fn wrong_passphrases_damaged_headers_and_unknown_ciphers_are_refused() {
 /// spec (with the key file's path, not the key) is what a dump keeps.
 #[test]
 fn the_volume_key_stays_out_of_tables_and_configuration_dumps() {
-    if !have_tools() {
+    let Some(v) = Volume::new("luks-key", 20, LUKS2_PBKDF2) else {
         return;
-    }
-    let dir = TempDir::new("luks-key");
-    let (img, pass, key) = format(
-        &dir,
-        "v.img",
-        20,
-        &[
-            "--type",
-            "luks2",
-            "--pbkdf",
-            "pbkdf2",
-            "--pbkdf-force-iterations",
-            "1000",
-        ],
-    );
+    };
     let ctl = Control::default();
-    let spec = format!("luks:{img},key-file={pass}");
+    let spec = v.spec();
     ctl.create("v", &spec).unwrap();
-    let hex: String = key.iter().map(|b| format!("{b:02x}")).collect();
+    let hex: String = v.key.iter().map(|b| format!("{b:02x}")).collect();
     let t = ctl.table(&[]).unwrap().to_string();
     assert!(!t.contains(&hex[..16]), "{t}");
     assert!(t.contains("crypt aes-xts-plain64 - 0"), "{t}");
@@ -400,29 +403,15 @@ fn the_volume_key_stays_out_of_tables_and_configuration_dumps() {
 /// a LUKS2 image (Argon2id) opens, and its table maps onto that device.
 #[test]
 fn a_volume_on_a_udm_device_opens_by_name() {
-    if !have_tools() {
+    // Bound whole: its directory lives as long as the test.
+    let Some(v) = Volume::new("luks-dev", 20, LUKS2_ARGON2ID) else {
         return;
-    }
-    let dir = TempDir::new("luks-dev");
-    let (img, pass, _) = format(
-        &dir,
-        "v.img",
-        20,
-        &[
-            "--type",
-            "luks2",
-            "--pbkdf",
-            "argon2id",
-            "--pbkdf-memory",
-            "32768",
-            "--pbkdf-force-iterations",
-            "4",
-        ],
-    );
+    };
+    let (img, pass) = (&v.img, &v.pass);
     let ctl = Control::default();
     ctl.create("r", "ram:20M").unwrap();
     let ram = ctl.registry().get("r").unwrap();
-    let bytes = std::fs::read(&img).unwrap();
+    let bytes = std::fs::read(img).unwrap();
     let mut b = AlignedBuf::new(bytes.len());
     b.copy_from_slice(&bytes);
     assert_eq!(io(&ram, Op::Write, 0, &mut b), Status::Ok);

@@ -40,6 +40,7 @@ fn every_verb_runs_over_the_socket() {
     let op = |name: &str, spec: &str| Op::Create {
         name: name.into(),
         spec: spec.into(),
+        passphrase: None,
     };
     let i: Info = c.call_as(op("a", "ram:1M")).unwrap();
     assert_eq!((i.kind.as_str(), i.sectors), ("ram", 2048));

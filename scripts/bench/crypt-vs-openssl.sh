@@ -5,7 +5,7 @@
 #
 # Each round, for 4096 and then 512-byte sectors: `openssl speed -elapsed
 # -evp aes-256-xts -bytes N`, then `udm bench` 128 KiB sequential writes
-# and reads (QD4, reads prefilled) through `crypt aes-xts-plain64` with a
+# and reads (QD4, over a prefilled disk) through `crypt aes-xts-plain64` with a
 # 512-bit key and `sector_size:N` over `ram:1G`, on the VAES code and on
 # the portable path (UDM_CRYPT_NO_VAES=1); the udm runs reverse their order
 # every round. Prints every run, then the medians of GB/s and of the
@@ -26,8 +26,9 @@ trap 'rm -f "$out"' EXIT
 udm_gbs() { # PATH RW SECTOR
     local env=()
     [[ $1 == portable ]] && env=(UDM_CRYPT_NO_VAES=1)
-    local pre=()
-    [[ $2 == read ]] && pre=(--prefill)
+    # Prefilled for writes too: a fresh RAM disk's first-touch page faults
+    # would be measured, not the data path.
+    local pre=(--prefill)
     env "${env[@]}" "$UDM" bench --dev r=ram:1G \
         --dev "c=0 2097152 crypt aes-xts-plain64 $KEY 0 r 0 1 sector_size:$3" \
         --target c --rw "$2" --bs 128k --iodepth 4 --runtime "$RUNTIME" "${pre[@]}" --json |

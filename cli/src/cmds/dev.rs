@@ -4,6 +4,7 @@
 
 use std::io::{IsTerminal, Read};
 
+use udm_control::luks::{LuksSpec, Passphrase};
 use udm_control::report::{Deps, Done, Event, Info, List, Removed};
 use udm_control::{Config, Op, RemoveMode};
 use udm_core::Error;
@@ -38,7 +39,10 @@ pub struct CreateArgs {
     /// The new device's name.
     name: String,
     /// A backend: ram:SIZE[,prealloc], null:SIZE[,delay=US],
-    /// file:PATH[,size=SIZE][,buffered|direct][,sqpoll][,iopoll][,ro].
+    /// file:PATH[,size=SIZE][,buffered|direct][,sqpoll][,iopoll][,ro],
+    /// luks:DEV[,key-file=PATH][,keyslot=N][,ro] (without key-file the
+    /// passphrase is asked for on the terminal, or is stdin's first line;
+    /// key-file=- reads all of stdin).
     #[arg(conflicts_with = "table")]
     spec: Option<String>,
     /// A mapped device's table ('-' or none with stdin not a terminal:
@@ -54,12 +58,99 @@ pub fn create(a: CreateArgs) -> Result<i32, Error> {
         (None, Some(t)) if t != "-" => t,
         _ => table_text(None, "create")?,
     };
+    let (spec, passphrase) = luks_passphrase(&a.name, spec)?;
     // Quiet on success, as dmsetup's; the device's info with --json.
-    let info: Info = a.ctl.call(Op::Create { name: a.name, spec })?;
+    let info: Info = a.ctl.call(Op::Create {
+        name: a.name,
+        spec,
+        passphrase,
+    })?;
     if a.ctl.json {
         print(&info, true)?;
     }
     Ok(0)
+}
+
+/// The passphrase of a `luks:` spec without a key file, read as
+/// cryptsetup reads it: from the terminal without echo, or the first line
+/// of stdin when stdin is not a terminal; with `key-file=-`, all of stdin
+/// (and `key-file=-` leaves the spec). It goes to the daemon inside the
+/// create request, never on a command line.
+fn luks_passphrase(name: &str, spec: String) -> Result<(String, Option<Passphrase>), Error> {
+    let Some(rest) = spec.trim().strip_prefix("luks:") else {
+        return Ok((spec, None));
+    };
+    let l = LuksSpec::parse(rest)?;
+    match l.key_file.as_deref() {
+        Some("-") => {
+            let kept: Vec<&str> = rest.split(',').filter(|p| *p != "key-file=-").collect();
+            let p = Passphrase::read(&mut stdin_file()?, false)?;
+            Ok((format!("luks:{}", kept.join(",")), Some(p)))
+        }
+        Some(_) => Ok((spec, None)),
+        None => {
+            let p = ask_passphrase(&format!("Enter passphrase for '{name}' ({}): ", l.dev))?;
+            Ok((spec, Some(p)))
+        }
+    }
+}
+
+/// Stdin as a file of its own (a duplicate descriptor), read without
+/// std's stdin buffer, which would keep a copy of the passphrase.
+fn stdin_file() -> Result<std::fs::File, Error> {
+    use std::os::fd::AsFd;
+    std::io::stdin()
+        .as_fd()
+        .try_clone_to_owned()
+        .map(std::fs::File::from)
+        .map_err(|e| Error::os("stdin", e))
+}
+
+/// A passphrase from the terminal (prompted on stderr, not echoed) when
+/// stdin is one, else stdin's first line.
+pub(crate) fn ask_passphrase(prompt: &str) -> Result<Passphrase, Error> {
+    let mut f = stdin_file()?;
+    if !f.is_terminal() {
+        return Passphrase::read(&mut f, true);
+    }
+    eprint!("{prompt}");
+    let _echo = NoEcho::on(&f)?;
+    Passphrase::read(&mut f, true)
+}
+
+/// The terminal's echo turned off (the newline still shows) until dropped.
+struct NoEcho {
+    fd: std::os::fd::RawFd,
+    saved: libc::termios,
+}
+
+impl NoEcho {
+    fn on(f: &std::fs::File) -> Result<NoEcho, Error> {
+        use std::os::fd::AsRawFd;
+        let fd = f.as_raw_fd();
+        // SAFETY: termios is plain data; tcgetattr fills it for an open fd.
+        let mut saved: libc::termios = unsafe { std::mem::zeroed() };
+        // SAFETY: fd is open (f is borrowed) and saved is a valid termios.
+        if unsafe { libc::tcgetattr(fd, &mut saved) } != 0 {
+            return Err(Error::os("the terminal", std::io::Error::last_os_error()));
+        }
+        let mut quiet = saved;
+        quiet.c_lflag &= !libc::ECHO;
+        quiet.c_lflag |= libc::ECHONL;
+        // SAFETY: as above; quiet is a copy of the terminal's own settings.
+        if unsafe { libc::tcsetattr(fd, libc::TCSAFLUSH, &quiet) } != 0 {
+            return Err(Error::os("the terminal", std::io::Error::last_os_error()));
+        }
+        Ok(NoEcho { fd, saved })
+    }
+}
+
+impl Drop for NoEcho {
+    fn drop(&mut self) {
+        // SAFETY: restores the settings read from this fd, which the
+        // caller's File keeps open for as long as this guard lives.
+        unsafe { libc::tcsetattr(self.fd, libc::TCSAFLUSH, &self.saved) };
+    }
 }
 
 /// `udm remove`.

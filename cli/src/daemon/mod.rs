@@ -136,7 +136,7 @@ pub fn main(a: DaemonArgs) -> Result<i32, Error> {
         );
     ctl.set_exports(Arc::new(exports));
     if let Some(c) = &config {
-        if let Err(e) = c.apply(&ctl) {
+        if let Err(e) = c.apply_asking(&ctl, &mut ask_on_terminal) {
             let _ = std::fs::remove_file(&path);
             return Err(e);
         }
@@ -171,6 +171,19 @@ pub fn main(a: DaemonArgs) -> Result<i32, Error> {
     }
     tracing::info!("daemon: stopped; {} devices flushed", devs.len() - failed);
     Ok(if failed == 0 { 0 } else { 1 })
+}
+
+/// The passphrase of a config's `luks:` device without a key file: asked
+/// for on the daemon's terminal, as `udm create` asks; without a terminal
+/// there is no one to ask.
+fn ask_on_terminal(name: &str, spec: &str) -> Result<Option<udm_control::luks::Passphrase>, Error> {
+    use std::io::IsTerminal;
+    if !std::io::stdin().is_terminal() {
+        return Err(Error::invalid(format!(
+            "luks: no key-file, and no terminal to ask for the passphrase on: add key-file=PATH to the spec, start the daemon on a terminal, or leave the device out and `udm create {name} {spec}` (which asks)"
+        )));
+    }
+    crate::cmds::dev::ask_passphrase(&format!("Enter passphrase for '{name}' ({spec}): ")).map(Some)
 }
 
 /// The NBD limits: each from its flag, else the config's `[limits]`, else

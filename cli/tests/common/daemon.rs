@@ -25,10 +25,18 @@ impl Daemon {
     }
 
     pub fn start_in(dir: TempDir, extra: &[&str]) -> Daemon {
+        Daemon::start_env(dir, extra, &[])
+    }
+
+    /// [`Daemon::start_in`] with `env` set for the daemon (e.g.
+    /// `RUST_LOG=trace`).
+    pub fn start_env(dir: TempDir, extra: &[&str], env: &[(&str, &str)]) -> Daemon {
         let ctl = dir.path("run/control");
         let child = Command::new(env!("CARGO_BIN_EXE_udm"))
             .arg("daemon")
             .args(extra)
+            .envs(env.iter().copied())
+            .stdin(std::process::Stdio::null())
             .env("UDM_CONTROL", &ctl)
             .stdout(std::fs::File::create(dir.path("stdout")).unwrap())
             .stderr(std::fs::File::create(dir.path("stderr")).unwrap())
@@ -66,6 +74,27 @@ impl Daemon {
             .env("UDM_CONTROL", &self.ctl)
             .output()
             .unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
+    /// `udm ARGS` with `input` on its stdin (not a terminal).
+    pub fn udm_stdin(&self, args: &[&str], input: &[u8]) -> (i32, String, String) {
+        use std::io::Write;
+        let mut c = Command::new(env!("CARGO_BIN_EXE_udm"))
+            .args(args)
+            .env("UDM_CONTROL", &self.ctl)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // udm may exit before reading all of it (a first line suffices).
+        let _ = c.stdin.take().unwrap().write_all(input);
+        let out = c.wait_with_output().unwrap();
         (
             out.status.code().unwrap_or(-1),
             String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -115,6 +144,22 @@ impl Daemon {
     pub fn alive(&mut self) -> bool {
         self.child.as_mut().unwrap().try_wait().unwrap().is_none()
     }
+}
+
+/// `udm daemon --config CFG` (control socket CTL, stdin not a terminal),
+/// which must refuse the file: exit status 2 and one line on stderr,
+/// returned.
+pub fn refused_config(cfg: &std::path::Path, ctl: &std::path::Path) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_udm"))
+        .args(["daemon", "--config", cfg.to_str().unwrap()])
+        .env("UDM_CONTROL", ctl)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    err
 }
 
 impl Drop for Daemon {

@@ -222,9 +222,20 @@ impl Control {
     /// `create NAME SPEC`: a backend (`ram:1G`, …) or a mapped device
     /// (table text).
     pub fn create(&self, name: &str, spec: &str) -> Result<Info, Error> {
+        self.create_with(name, spec, None)
+    }
+
+    /// `create NAME luks:…` with the passphrase from the request (see
+    /// [`Registry::create_with`]).
+    pub fn create_with(
+        &self,
+        name: &str,
+        spec: &str,
+        pass: Option<&crate::luks::Passphrase>,
+    ) -> Result<Info, Error> {
         let _g = self.change()?;
         let mut r = self.registry();
-        r.create(name, spec)
+        r.create_with(name, spec, pass)
             .map_err(|e| e.context(format!("device '{name}'")))?;
         info_of(&r, name)
     }

@@ -31,6 +31,15 @@ use zeroize::Zeroize;
 
 use super::xts_vaes::XtsVaes;
 
+/// Which way a transform goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dir {
+    /// Plaintext to ciphertext (a write).
+    Encrypt,
+    /// Ciphertext to plaintext (a read).
+    Decrypt,
+}
+
 /// The chaining mode.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Chain {
@@ -276,122 +285,100 @@ impl Cipher {
     /// Encrypts one sector in place: `data` (a multiple of 16 bytes) is
     /// sector number `n`.
     pub fn encrypt(&self, n: u64, data: &mut [u8]) {
-        let iv = self.iv(n);
-        if let Some(v) = &self.vaes {
-            return v.encrypt(&iv.into(), data);
-        }
-        match (self.chain, &self.k2) {
-            (Chain::Xts, Some(k2)) => {
-                with_aes!(&self.k1, c => xts::<_, true>(c, k2, iv, data))
-            }
-            _ => with_aes!(&self.k1, c => cbc_encrypt(c, iv, data)),
-        }
-    }
-
-    /// Encrypts one sector from `src` into `dst` (of the same length): the
-    /// copy rides on XTS's first pass over the data instead of costing a
-    /// pass of its own.
-    pub fn encrypt_to(&self, n: u64, src: &[u8], dst: &mut [u8]) {
-        debug_assert_eq!(src.len(), dst.len());
-        let iv = self.iv(n);
-        if let Some(v) = &self.vaes {
-            return v.encrypt_to(&iv.into(), src, dst);
-        }
-        match (self.chain, &self.k2) {
-            (Chain::Xts, Some(k2)) => {
-                with_aes!(&self.k1, c => xts_to::<_, true>(c, k2, iv, src, dst))
-            }
-            _ => {
-                dst.copy_from_slice(src);
-                with_aes!(&self.k1, c => cbc_encrypt(c, iv, dst))
-            }
-        }
-    }
-
-    /// Decrypts one sector from `src` into `dst` (of the same length), the
-    /// match of [`Cipher::encrypt_to`].
-    pub fn decrypt_to(&self, n: u64, src: &[u8], dst: &mut [u8]) {
-        debug_assert_eq!(src.len(), dst.len());
-        let iv = self.iv(n);
-        if let Some(v) = &self.vaes {
-            return v.decrypt_to(&iv.into(), src, dst);
-        }
-        match (self.chain, &self.k2) {
-            (Chain::Xts, Some(k2)) => {
-                with_aes!(&self.k1, c => xts_to::<_, false>(c, k2, iv, src, dst))
-            }
-            _ => {
-                dst.copy_from_slice(src);
-                with_aes!(&self.k1, c => cbc_decrypt(c, iv, dst))
-            }
-        }
-    }
-
-    /// Encrypts consecutive units of `unit` bytes from `src` into `dst`
-    /// (of the same length, a multiple of `unit`): unit i is sector number
-    /// `n(i)`. The VAES code encrypts 4 units' tweaks at once.
-    pub fn encrypt_units_to(
-        &self,
-        unit: usize,
-        n: impl Fn(usize) -> u64,
-        src: &[u8],
-        dst: &mut [u8],
-    ) {
-        if let Some(v) = &self.vaes {
-            return v.encrypt_units_to(unit, |i| self.iv(n(i)).into(), src, dst);
-        }
-        for (i, (s, d)) in src
-            .chunks_exact(unit)
-            .zip(dst.chunks_exact_mut(unit))
-            .enumerate()
-        {
-            self.encrypt_to(n(i), s, d);
-        }
-    }
-
-    /// Decrypts consecutive units from `src` into `dst` (see
-    /// [`Cipher::encrypt_units_to`]).
-    pub fn decrypt_units_to(
-        &self,
-        unit: usize,
-        n: impl Fn(usize) -> u64,
-        src: &[u8],
-        dst: &mut [u8],
-    ) {
-        if let Some(v) = &self.vaes {
-            return v.decrypt_units_to(unit, |i| self.iv(n(i)).into(), src, dst);
-        }
-        for (i, (s, d)) in src
-            .chunks_exact(unit)
-            .zip(dst.chunks_exact_mut(unit))
-            .enumerate()
-        {
-            self.decrypt_to(n(i), s, d);
-        }
-    }
-
-    /// Decrypts consecutive units in place (see
-    /// [`Cipher::encrypt_units_to`]).
-    pub fn decrypt_units(&self, unit: usize, n: impl Fn(usize) -> u64, data: &mut [u8]) {
-        if let Some(v) = &self.vaes {
-            return v.decrypt_units(unit, |i| self.iv(n(i)).into(), data);
-        }
-        for (i, d) in data.chunks_exact_mut(unit).enumerate() {
-            self.decrypt(n(i), d);
-        }
+        self.sector(Dir::Encrypt, n, data)
     }
 
     /// Decrypts one sector in place (see [`Cipher::encrypt`]).
     pub fn decrypt(&self, n: u64, data: &mut [u8]) {
+        self.sector(Dir::Decrypt, n, data)
+    }
+
+    /// Encrypts or decrypts one sector in place: `data` (a multiple of 16
+    /// bytes) is sector number `n`.
+    pub fn sector(&self, dir: Dir, n: u64, data: &mut [u8]) {
         let iv = self.iv(n);
         if let Some(v) = &self.vaes {
-            return v.decrypt(&iv.into(), data);
+            let len = data.len() / 16 * 16;
+            if len > 0 {
+                v.units(dir, len, |_| iv.into(), &mut data[..len]);
+            }
+            return;
         }
-        match (self.chain, &self.k2) {
-            (Chain::Xts, Some(k2)) => {
+        self.portable(dir, iv, data)
+    }
+
+    /// One sector in place on the portable path, with its IV.
+    fn portable(&self, dir: Dir, iv: Block, data: &mut [u8]) {
+        match (self.chain, &self.k2, dir) {
+            (Chain::Xts, Some(k2), Dir::Encrypt) => {
+                with_aes!(&self.k1, c => xts::<_, true>(c, k2, iv, data))
+            }
+            (Chain::Xts, Some(k2), Dir::Decrypt) => {
                 with_aes!(&self.k1, c => xts::<_, false>(c, k2, iv, data))
             }
-            _ => with_aes!(&self.k1, c => cbc_decrypt(c, iv, data)),
+            (_, _, Dir::Encrypt) => with_aes!(&self.k1, c => cbc_encrypt(c, iv, data)),
+            (_, _, Dir::Decrypt) => with_aes!(&self.k1, c => cbc_decrypt(c, iv, data)),
+        }
+    }
+
+    /// Encrypts or decrypts one sector from `src` into `dst` (of the same
+    /// length): XTS's copy rides on its first pass over the data instead
+    /// of costing a pass of its own.
+    pub fn sector_to(&self, dir: Dir, n: u64, src: &[u8], dst: &mut [u8]) {
+        debug_assert_eq!(src.len(), dst.len());
+        let iv = self.iv(n);
+        if let Some(v) = &self.vaes {
+            let len = dst.len() / 16 * 16;
+            if len > 0 {
+                v.units_to(dir, len, |_| iv.into(), &src[..len], &mut dst[..len]);
+            }
+            return;
+        }
+        match (self.chain, &self.k2, dir) {
+            (Chain::Xts, Some(k2), Dir::Encrypt) => {
+                with_aes!(&self.k1, c => xts_to::<_, true>(c, k2, iv, src, dst))
+            }
+            (Chain::Xts, Some(k2), Dir::Decrypt) => {
+                with_aes!(&self.k1, c => xts_to::<_, false>(c, k2, iv, src, dst))
+            }
+            _ => {
+                dst.copy_from_slice(src);
+                self.portable(dir, iv, dst)
+            }
+        }
+    }
+
+    /// Encrypts or decrypts consecutive units of `unit` bytes from `src`
+    /// into `dst` (of the same length, a multiple of `unit`): unit i is
+    /// sector number `n(i)`. The VAES code encrypts 4 units' tweaks at
+    /// once.
+    pub fn units_to(
+        &self,
+        dir: Dir,
+        unit: usize,
+        n: impl Fn(usize) -> u64,
+        src: &[u8],
+        dst: &mut [u8],
+    ) {
+        if let Some(v) = &self.vaes {
+            return v.units_to(dir, unit, |i| self.iv(n(i)).into(), src, dst);
+        }
+        for (i, (s, d)) in src
+            .chunks_exact(unit)
+            .zip(dst.chunks_exact_mut(unit))
+            .enumerate()
+        {
+            self.sector_to(dir, n(i), s, d);
+        }
+    }
+
+    /// [`Cipher::units_to`] in place.
+    pub fn units(&self, dir: Dir, unit: usize, n: impl Fn(usize) -> u64, data: &mut [u8]) {
+        if let Some(v) = &self.vaes {
+            return v.units(dir, unit, |i| self.iv(n(i)).into(), data);
+        }
+        for (i, d) in data.chunks_exact_mut(unit).enumerate() {
+            self.sector(dir, n(i), d);
         }
     }
 }
@@ -671,9 +658,9 @@ mod tests {
         c.decrypt(9, &mut a);
         assert_eq!(a, plain);
         let mut out = vec![0u8; 4096];
-        c.encrypt_to(9, &plain, &mut out);
+        c.sector_to(Dir::Encrypt, 9, &plain, &mut out);
         let mut back = vec![0u8; 4096];
-        c.decrypt_to(9, &out, &mut back);
+        c.sector_to(Dir::Decrypt, 9, &out, &mut back);
         assert_eq!(back, plain);
     }
 
@@ -685,10 +672,10 @@ mod tests {
         let mut a = plain.clone();
         c.encrypt(77, &mut a);
         let mut b = vec![0u8; 4096];
-        c.encrypt_to(77, &plain, &mut b);
+        c.sector_to(Dir::Encrypt, 77, &plain, &mut b);
         assert_eq!(a, b);
         let mut d = vec![0u8; 4096];
-        c.decrypt_to(77, &b, &mut d);
+        c.sector_to(Dir::Decrypt, 77, &b, &mut d);
         assert_eq!(d, plain);
     }
 
@@ -746,8 +733,8 @@ mod tests {
                         slow.encrypt(n, &mut b);
                         assert_eq!(a, b, "encrypt, key {klen} bytes, {len} bytes, sector {n}");
                         let mut to = vec![0u8; len];
-                        fast.encrypt_to(n, &plain, &mut to);
-                        assert_eq!(to, b, "encrypt_to, key {klen}, {len} bytes");
+                        fast.sector_to(Dir::Encrypt, n, &plain, &mut to);
+                        assert_eq!(to, b, "sector_to encrypt, key {klen}, {len} bytes");
                         // Decrypting random bytes, not only what was
                         // encrypted: the two paths agree on any input.
                         let mut c = plain.clone();
@@ -755,8 +742,8 @@ mod tests {
                         let mut d = plain.clone();
                         slow.decrypt(n, &mut d);
                         assert_eq!(c, d, "decrypt, key {klen} bytes, {len} bytes, sector {n}");
-                        fast.decrypt_to(n, &plain, &mut to);
-                        assert_eq!(to, d, "decrypt_to, key {klen}, {len} bytes");
+                        fast.sector_to(Dir::Decrypt, n, &plain, &mut to);
+                        assert_eq!(to, d, "sector_to decrypt, key {klen}, {len} bytes");
                         fast.decrypt(n, &mut a);
                         assert_eq!(a, plain);
                     }
@@ -789,12 +776,15 @@ mod tests {
                             slow.encrypt(n(i), d);
                         }
                         let mut got = vec![0u8; plain.len()];
-                        c.encrypt_units_to(unit, n, &plain, &mut got);
+                        c.units_to(Dir::Encrypt, unit, n, &plain, &mut got);
                         assert_eq!(got, want, "encrypt, key {klen}, {units} x {unit}");
                         let mut back = vec![0u8; plain.len()];
-                        c.decrypt_units_to(unit, n, &got, &mut back);
-                        assert_eq!(back, plain, "decrypt_to, key {klen}, {units} x {unit}");
-                        c.decrypt_units(unit, n, &mut got);
+                        c.units_to(Dir::Decrypt, unit, n, &got, &mut back);
+                        assert_eq!(
+                            back, plain,
+                            "units_to decrypt, key {klen}, {units} x {unit}"
+                        );
+                        c.units(Dir::Decrypt, unit, n, &mut got);
                         assert_eq!(got, plain, "decrypt, key {klen}, {units} x {unit}");
                     }
                 }
@@ -820,25 +810,27 @@ mod tests {
                 if name == "vaes" && !c.uses_vaes() {
                     continue;
                 }
-                for unit in [512usize, 4096] {
-                    for (dir, enc) in [("encrypt_units_to", true), ("decrypt_units", false)] {
+                for (unit, io) in [(512usize, 128 << 10), (4096, 128 << 10), (4096, 4096)] {
+                    for (name_dir, dir) in [
+                        ("units_to encrypt", Dir::Encrypt),
+                        ("units decrypt", Dir::Decrypt),
+                    ] {
                         let mut best = 0f64;
                         for _ in 0..5 {
                             let t = std::time::Instant::now();
                             let mut bytes = 0usize;
                             while t.elapsed().as_millis() < 200 {
-                                // 128 KiB at a time, as a 128 KiB I/O.
+                                // `io` bytes a call, as an I/O of that size.
                                 for (k, (s, d)) in buf
-                                    .chunks_exact_mut(128 << 10)
-                                    .zip(out.chunks_exact_mut(128 << 10))
+                                    .chunks_exact_mut(io)
+                                    .zip(out.chunks_exact_mut(io))
                                     .enumerate()
                                 {
-                                    let first = (k * (128 << 10) / unit) as u64;
+                                    let first = (k * io / unit) as u64;
                                     let n = |i: usize| first + i as u64;
-                                    if enc {
-                                        c.encrypt_units_to(unit, n, s, d);
-                                    } else {
-                                        c.decrypt_units(unit, n, s);
+                                    match dir {
+                                        Dir::Encrypt => c.units_to(dir, unit, n, s, d),
+                                        Dir::Decrypt => c.units(dir, unit, n, s),
                                     }
                                 }
                                 bytes += buf.len();
@@ -846,8 +838,9 @@ mod tests {
                             best = best.max(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
                         }
                         println!(
-                            "AES-{} {name:8} {unit:4} B {dir:10} {best:.2} GB/s",
-                            klen * 4
+                            "AES-{} {name:8} {unit:4} B units, {:3} KiB calls, {name_dir:16} {best:.2} GB/s",
+                            klen * 4,
+                            io >> 10
                         );
                     }
                 }

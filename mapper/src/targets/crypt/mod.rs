@@ -64,16 +64,23 @@ mod xts_vaes {
         pub fn new(_: &[u8], _: &[u8]) -> Option<XtsVaes> {
             None
         }
-        pub fn encrypt(&self, _: &[u8; 16], _: &mut [u8]) {
+        pub fn units_to(
+            &self,
+            _: super::cipher::Dir,
+            _: usize,
+            _: impl FnMut(usize) -> [u8; 16],
+            _: &[u8],
+            _: &mut [u8],
+        ) {
             match *self {}
         }
-        pub fn decrypt(&self, _: &[u8; 16], _: &mut [u8]) {
-            match *self {}
-        }
-        pub fn encrypt_to(&self, _: &[u8; 16], _: &[u8], _: &mut [u8]) {
-            match *self {}
-        }
-        pub fn decrypt_to(&self, _: &[u8; 16], _: &[u8], _: &mut [u8]) {
+        pub fn units(
+            &self,
+            _: super::cipher::Dir,
+            _: usize,
+            _: impl FnMut(usize) -> [u8; 16],
+            _: &mut [u8],
+        ) {
             match *self {}
         }
     }
@@ -88,7 +95,7 @@ use crate::target::{
     parse_sector, CtrCtx, DevArea, EndIoWhen, Map, MapCtx, StatusType, Target, TargetType,
 };
 use bounce::Bounce;
-use cipher::{Cipher, CipherSpec};
+use cipher::{Cipher, CipherSpec, Dir};
 use key::{Key, Secret};
 
 /// The `crypt` target type.
@@ -253,7 +260,8 @@ impl Crypt {
                 // bytes, readable until the bio completes (add_seg's
                 // contract), and not the bounce buffer.
                 let src = unsafe { std::slice::from_raw_parts(seg.base, len) };
-                self.cipher.encrypt_units_to(
+                self.cipher.units_to(
+                    Dir::Encrypt,
                     unit,
                     |i| self.iv_number(rel + i as u64 * step),
                     src,
@@ -271,7 +279,7 @@ impl Crypt {
                     // until the bio completes (add_seg's contract); the unit
                     // lies in it.
                     let src = unsafe { std::slice::from_raw_parts(p, unit) };
-                    self.cipher.encrypt_to(n, src, d)
+                    self.cipher.sector_to(Dir::Encrypt, n, src, d)
                 }
                 None => {
                     bio.copy_out(i * unit, d);
@@ -311,8 +319,8 @@ impl Crypt {
         // in `map`; it is the caller's buffer, writable until the bio
         // completes (add_seg's contract), and not the lent memory.
         let dst = unsafe { std::slice::from_raw_parts_mut(bio.per_io[1] as *mut u8, len) };
-        self.cipher
-            .decrypt_units_to(unit, |i| self.iv_number(rel + i as u64 * step), src, dst);
+        let n = |i| self.iv_number(rel + i as u64 * step);
+        self.cipher.units_to(Dir::Decrypt, unit, n, src, dst);
     }
 
     /// Decrypts a completed read in the caller's buffers, unit by unit: a
@@ -329,8 +337,8 @@ impl Crypt {
                 // bytes, writable until the bio completes (add_seg's
                 // contract).
                 let data = unsafe { std::slice::from_raw_parts_mut(seg.base, len) };
-                self.cipher
-                    .decrypt_units(unit, |i| self.iv_number(rel + i as u64 * step), data);
+                let n = |i| self.iv_number(rel + i as u64 * step);
+                self.cipher.units(Dir::Decrypt, unit, n, data);
                 return;
             }
         }

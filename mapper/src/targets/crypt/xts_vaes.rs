@@ -8,8 +8,8 @@
 //!   decryption, made with `aesimc`, and k2's for the tweak) are expanded
 //!   once, when the [`Cipher`](super::cipher::Cipher) holding them is built,
 //!   and live where it lives (locked, undumped pages; zeroed on drop);
-//! - consecutive units go in one call ([`XtsVaes::encrypt_units_to`] and
-//!   the like): the round keys are broadcast to the four lanes once a call,
+//! - consecutive units go in one call ([`XtsVaes::units_to`],
+//!   [`XtsVaes::units`]): the round keys are broadcast to the four lanes once a call,
 //!   and the first tweaks E_k2(IV) of 4 units are encrypted in one register;
 //! - a unit's first 16 tweaks are T * x^0..3 in one register (per-lane
 //!   shifts, the bits shifted out reduced with one carry-less multiply by
@@ -30,6 +30,8 @@
 use core::arch::x86_64::*;
 
 use zeroize::Zeroize;
+
+use super::cipher::Dir;
 
 /// Round keys of the largest AES (AES-256: 14 rounds, 15 keys).
 type Schedule = [[u8; 16]; 15];
@@ -92,69 +94,37 @@ impl XtsVaes {
         Some(x)
     }
 
-    /// Encrypts one data unit in place; `data` is a multiple of 16 bytes.
-    pub fn encrypt(&self, iv: &[u8; 16], data: &mut [u8]) {
-        let p = data.as_mut_ptr();
-        self.run::<true>(iv, p, p, data.len());
-    }
-
-    /// Decrypts one data unit in place.
-    pub fn decrypt(&self, iv: &[u8; 16], data: &mut [u8]) {
-        let p = data.as_mut_ptr();
-        self.run::<false>(iv, p, p, data.len());
-    }
-
-    /// Encrypts one data unit from `src` into `dst` (of the same length).
-    pub fn encrypt_to(&self, iv: &[u8; 16], src: &[u8], dst: &mut [u8]) {
-        assert_eq!(src.len(), dst.len());
-        self.run::<true>(iv, src.as_ptr(), dst.as_mut_ptr(), dst.len());
-    }
-
-    /// Decrypts one data unit from `src` into `dst` (of the same length).
-    pub fn decrypt_to(&self, iv: &[u8; 16], src: &[u8], dst: &mut [u8]) {
-        assert_eq!(src.len(), dst.len());
-        self.run::<false>(iv, src.as_ptr(), dst.as_mut_ptr(), dst.len());
-    }
-
-    /// Encrypts consecutive units of `unit` bytes from `src` into `dst`
-    /// (of the same length, a multiple of `unit`); unit i's IV is `iv(i)`.
-    /// The tweaks of 4 units are encrypted at once, in one register.
-    pub fn encrypt_units_to(
+    /// Encrypts or decrypts consecutive units of `unit` bytes (a multiple
+    /// of 16) from `src` into `dst` (of the same length, a multiple of
+    /// `unit`); unit i's IV is `iv(i)`. The tweaks of 4 units are
+    /// encrypted at once, in one register. One data unit is `unit ==
+    /// src.len()`.
+    pub fn units_to(
         &self,
+        dir: Dir,
         unit: usize,
         iv: impl FnMut(usize) -> [u8; 16],
         src: &[u8],
         dst: &mut [u8],
     ) {
         assert_eq!(src.len(), dst.len());
-        self.run_units::<true>(unit, iv, src.as_ptr(), dst.as_mut_ptr(), dst.len());
+        self.run_units(dir, unit, iv, src.as_ptr(), dst.as_mut_ptr(), dst.len());
     }
 
-    /// Decrypts consecutive units from `src` into `dst` (see
-    /// [`XtsVaes::encrypt_units_to`]).
-    pub fn decrypt_units_to(
-        &self,
-        unit: usize,
-        iv: impl FnMut(usize) -> [u8; 16],
-        src: &[u8],
-        dst: &mut [u8],
-    ) {
-        assert_eq!(src.len(), dst.len());
-        self.run_units::<false>(unit, iv, src.as_ptr(), dst.as_mut_ptr(), dst.len());
-    }
-
-    /// Decrypts consecutive units in place (see
-    /// [`XtsVaes::encrypt_units_to`]).
-    pub fn decrypt_units(&self, unit: usize, iv: impl FnMut(usize) -> [u8; 16], data: &mut [u8]) {
+    /// [`XtsVaes::units_to`] in place.
+    pub fn units(&self, dir: Dir, unit: usize, iv: impl FnMut(usize) -> [u8; 16], data: &mut [u8]) {
         let p = data.as_mut_ptr();
-        self.run_units::<false>(unit, iv, p, p, data.len());
+        self.run_units(dir, unit, iv, p, p, data.len());
     }
 
-    /// [`XtsVaes::run`] over `len / unit` units, their tweaks 4 at a time;
-    /// the same contract on `src`, `dst` and `len`, and `unit` a multiple
-    /// of 16.
-    fn run_units<const ENC: bool>(
+    /// XTS over `len / unit` units from `src` to `dst`, their tweaks 4 at
+    /// a time: `src` and `dst` are either the same pointer or two buffers
+    /// that do not overlap, each valid for `len` bytes (the callers above
+    /// take them from one `&mut [u8]`, or from a `&[u8]` and a `&mut [u8]`
+    /// of that length, which cannot overlap); `unit` is a multiple of 16.
+    fn run_units(
         &self,
+        dir: Dir,
         unit: usize,
         iv: impl FnMut(usize) -> [u8; 16],
         src: *const u8,
@@ -166,31 +136,28 @@ impl XtsVaes {
         assert!(unit > 0 && unit.is_multiple_of(16));
         debug_assert!(len.is_multiple_of(unit));
         let units = len / unit;
-        let keys = if ENC { &self.enc } else { &self.dec };
         let (tk, tnr) = (&self.tweak, self.tweak_rounds);
-        // SAFETY: an XtsVaes exists only where `detected()` found every
-        // feature `xts_units` is compiled for (see `new`); `src` and `dst`
-        // are valid for `len` bytes and equal or disjoint (this function's
-        // contract, kept by its callers), and `units * unit <= len`.
-        unsafe {
-            match self.rounds {
-                10 => xts_units::<ENC, 10>(keys, tk, tnr, iv, src, dst, unit, units),
-                12 => xts_units::<ENC, 12>(keys, tk, tnr, iv, src, dst, unit, units),
-                _ => xts_units::<ENC, 14>(keys, tk, tnr, iv, src, dst, unit, units),
-            }
+        // The direction and the rounds pick a loop compiled for them: one
+        // branch a call, none in the loop.
+        macro_rules! go {
+            ($enc:literal, $keys:expr) => {
+                // SAFETY: an XtsVaes exists only where `detected()` found
+                // every feature `xts_units` is compiled for (see `new`);
+                // `src` and `dst` are valid for `len` bytes and equal or
+                // disjoint (this function's contract, kept by its callers),
+                // and `units * unit <= len`.
+                unsafe {
+                    match self.rounds {
+                        10 => xts_units::<$enc, 10>($keys, tk, tnr, iv, src, dst, unit, units),
+                        12 => xts_units::<$enc, 12>($keys, tk, tnr, iv, src, dst, unit, units),
+                        _ => xts_units::<$enc, 14>($keys, tk, tnr, iv, src, dst, unit, units),
+                    }
+                }
+            };
         }
-    }
-
-    /// `len` bytes from `src` to `dst`, which are either the same pointer
-    /// or two buffers that do not overlap, each valid for `len` bytes (the
-    /// callers above take them from one `&mut [u8]`, or from a `&[u8]` and
-    /// a `&mut [u8]` of that length, which cannot overlap).
-    #[inline]
-    fn run<const ENC: bool>(&self, iv: &[u8; 16], src: *const u8, dst: *mut u8, len: usize) {
-        debug_assert!(len.is_multiple_of(16));
-        let len = len / 16 * 16;
-        if len > 0 {
-            self.run_units::<ENC>(len, |_| *iv, src, dst, len);
+        match dir {
+            Dir::Encrypt => go!(true, &self.enc),
+            Dir::Decrypt => go!(false, &self.dec),
         }
     }
 }
