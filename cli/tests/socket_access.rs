@@ -1,5 +1,5 @@
 //! Who gets into udm's sockets (docs/security.md): the control socket and
-//! vhost-user-blk sockets are made 0600 (0660 and the group's with
+//! vhost-user-blk sockets (and NBD unix sockets) are made 0600 (0660 and the group's with
 //! `--socket-group`) in directories no one else can write, and a client
 //! running as another user (`setpriv --reuid 65534`) is refused by its
 //! credentials even after the socket and its directory are opened to all;
@@ -336,4 +336,24 @@ fn metrics_listen_on_loopback_unless_an_address_is_written_out() {
         err.trim(),
         "udm: --metrics 'nope': expected PORT, :PORT (both on 127.0.0.1) or HOST:PORT"
     );
+}
+
+#[test]
+fn an_nbd_unix_socket_is_0600_and_other_users_cannot_connect() {
+    if !root() {
+        return;
+    }
+    let s = Serve::start(&["--dev", "r=ram:16M"]);
+    assert_eq!(mode(&s.sock), 0o600);
+    let uri = s.uri("r");
+    let nbdinfo = Path::new("/usr/bin/nbdinfo");
+    let o = as_nobody(&[], nbdinfo, &["--size", &uri]);
+    assert!(!o.status.success(), "another user connected: {}", text(&o));
+    assert!(text(&o).contains("Permission denied"), "{}", text(&o));
+    // udm's own user (root here) is served.
+    let o = Command::new(nbdinfo)
+        .args(["--size", &uri])
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "16777216");
 }

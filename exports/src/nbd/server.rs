@@ -205,8 +205,11 @@ impl Server {
                     if std::fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_socket()) {
                         let _ = std::fs::remove_file(p);
                     }
-                    let u = UnixListener::bind(p)
-                        .map_err(|e| Error::os(format!("listen on unix:{}", p.display()), e))?;
+                    // 0600 from its first instant, in a directory no one
+                    // else can write (docs/security.md): connecting takes
+                    // write permission on the file.
+                    let u = udm_core::access::Access::default()
+                        .bind(p, &format!("listen on unix:{}", p.display()))?;
                     Listener::Unix(u, p.clone())
                 }
                 Listen::Tcp(a) => Listener::Tcp(
