@@ -14,6 +14,9 @@
 # Prints each round, then medians and the ratios tls/plain and tls/nbdkit.
 #
 # usage: scripts/bench/nbd-tls.sh [ROUNDS=5] [RUNTIME_S=4] [CPU_MIB=256]
+# Env: SERVE_ARGS, more `udm serve` options for both udm servers (e.g.
+# --interrupt: reactors that sleep at once, so that CPU per I/O counts no
+# idle polling).
 set -euo pipefail
 ROUNDS=${1:-5}
 RUNTIME=${2:-4}
@@ -66,11 +69,11 @@ start() { # server -> PID, URI
     case $1 in
     plain)
         "$UDM" serve --dev r=ram:1G --dev 'lin=0 2097152 linear r 0' --export lin \
-            --listen "127.0.0.1:$p" >"$W/serve.out" 2>&1 &
+            --listen "127.0.0.1:$p" ${SERVE_ARGS:-} >"$W/serve.out" 2>&1 &
         URI="nbd://127.0.0.1:$p/lin" ;;
     tls)
         "$UDM" serve --dev r=ram:1G --dev 'lin=0 2097152 linear r 0' --export lin \
-            --listen "127.0.0.1:$p" --tls require --tls-creds "$W/srv" >"$W/serve.out" 2>&1 &
+            --listen "127.0.0.1:$p" --tls require --tls-creds "$W/srv" ${SERVE_ARGS:-} >"$W/serve.out" 2>&1 &
         URI="nbds://127.0.0.1:$p/lin" ;;
     nbdkit)
         nbdkit -f -i 127.0.0.1 -p "$p" --tls=require --tls-certificates="$W/srv" memory 1G \
