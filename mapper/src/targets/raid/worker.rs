@@ -10,9 +10,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
-use udm_core::{
-    AlignedBuf, BioFlags, Channel, Error, ErrorKind, Op, Poller, Reactor, ReactorConfig, Status,
-};
+use udm_core::{AlignedBuf, BioFlags, Channel, Error, Op, Poller, Reactor, ReactorConfig, Status};
 
 use super::metadata::{
     assemble, bitmap_bytes, LegMeta, Super, BITMAP_OFFSET, BITS_PER_BLOCK, BM_BLOCK,
@@ -484,26 +482,7 @@ impl Poller for WorkerPoller {
 /// Starts the worker thread; returns once the metadata is loaded and the
 /// array assembled, or with the error that prevented it.
 pub(crate) fn start(sh: Arc<Shared>) -> Result<std::thread::JoinHandle<()>, Error> {
-    let (tx, rx) = mpsc::channel::<Result<(), Error>>();
-    let s = sh.clone();
-    let join = std::thread::Builder::new()
-        .name("raid1".into())
-        .spawn(move || run(s, tx))
-        .map_err(|e| Error::os("raid: spawning the worker thread", e))?;
-    match rx.recv() {
-        Ok(Ok(())) => Ok(join),
-        Ok(Err(e)) => {
-            let _ = join.join();
-            Err(e)
-        }
-        Err(_) => {
-            let _ = join.join();
-            Err(Error::new(
-                ErrorKind::Io,
-                "raid: the worker thread died while loading",
-            ))
-        }
-    }
+    crate::targets::start_worker("raid1", "raid", move |tx| run(sh, tx))
 }
 
 /// Reads each leg's superblock and bitmap.

@@ -14,7 +14,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use udm_core::{Error, ErrorKind, Poller, Reactor, ReactorConfig};
+use udm_core::{Error, Poller, Reactor, ReactorConfig};
 
 use super::clean::Batch;
 use super::entry::NONE;
@@ -114,26 +114,7 @@ impl Poller for WorkerPoller {
 /// Starts the worker thread; returns once the metadata is loaded (or
 /// formatted), or with the error that prevented it.
 pub(crate) fn start(shared: Arc<Shared>) -> Result<std::thread::JoinHandle<()>, Error> {
-    let (tx, rx) = mpsc::channel::<Result<(), Error>>();
-    let sh = shared.clone();
-    let join = std::thread::Builder::new()
-        .name("writecache".into())
-        .spawn(move || run(sh, tx))
-        .map_err(|e| Error::os("writecache: spawning the worker thread", e))?;
-    match rx.recv() {
-        Ok(Ok(())) => Ok(join),
-        Ok(Err(e)) => {
-            let _ = join.join();
-            Err(e)
-        }
-        Err(_) => {
-            let _ = join.join();
-            Err(Error::new(
-                ErrorKind::Io,
-                "writecache: the worker thread died while loading",
-            ))
-        }
-    }
+    crate::targets::start_worker("writecache", "writecache", move |tx| run(shared, tx))
 }
 
 fn run(sh: Arc<Shared>, tx: mpsc::Sender<Result<(), Error>>) {
