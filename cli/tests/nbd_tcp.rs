@@ -6,10 +6,10 @@
 
 mod common;
 
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream, UdpSocket};
 use std::time::Duration;
 
-use common::{run, Serve};
+use common::{free_port, run, Serve};
 
 const STACK: &[&str] = &[
     "--dev",
@@ -19,15 +19,6 @@ const STACK: &[&str] = &[
     "--export",
     "lin",
 ];
-
-/// A port nobody listens on right now (the kernel's pick, released).
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// The local addresses listening on TCP `port`, from /proc/net/tcp, each
 /// once: the kernel builds that file a page at a time, so while other tests

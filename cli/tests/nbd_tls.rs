@@ -15,12 +15,12 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{run, Serve, TempDir};
+use common::{free_port, run, Serve, TempDir};
 
 const STACK: &[&str] = &[
     "--dev",
@@ -33,14 +33,6 @@ const STACK: &[&str] = &[
 
 /// The client certificate's subject, as --tls-authz takes it.
 const CLIENT: &str = "CN=client1,O=Example";
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 fn openssl(dir: &Path, args: &[&str]) {
     let out = Command::new("openssl")

@@ -247,3 +247,13 @@ impl Drop for KillOnDrop {
         }
     }
 }
+
+/// A TCP port nobody listens on right now on loopback (the kernel's pick,
+/// released).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("binding 127.0.0.1:0")
+        .local_addr()
+        .expect("its address")
+        .port()
+}
