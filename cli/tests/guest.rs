@@ -146,3 +146,22 @@ fn thin_pools_move_between_linux_dm_thin_and_udm_both_ways() {
         ],
     );
 }
+
+/// NBD over TLS with the records in the guest kernel (kTLS; this host's
+/// kernel has none): nbdcopy writes and reads a whole disk through udm
+/// serve --tls require with client certificates, the same bytes come back,
+/// and every connection handed its records to the kernel after the
+/// handshake; with UDM_TLS_RECORDS=user the same run stays in rustls
+/// (`scripts/guest.sh ktls`).
+#[test]
+fn nbd_tls_records_move_to_kernel_tls_where_the_kernel_has_it() {
+    let mut checks = vec![];
+    for side in ["kernel", "user"] {
+        for what in ["write", "read", "same", "records"] {
+            checks.push(format!("ktls_{side}_{what}"));
+        }
+    }
+    checks.push("ktls_kernel_clean".into());
+    checks.push("ktls_user_not_kernel".into());
+    common::guest::run_scenarios(&["ktls"], &checks);
+}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the guest's base image once: a Debian 6.12 kernel (it has dm,
-# dm-log-writes, dm-thin, dm-crypt, ublk_drv, null_blk and NVMe poll
+# dm-log-writes, dm-thin, dm-crypt, ublk_drv, null_blk, kernel TLS and NVMe poll
 # queues) and an initramfs with busybox, fio, dmsetup, e2fsprogs (mke2fs,
 # e2fsck) and the kernel modules the tests load. Nothing is installed on
 # the host: packages are downloaded and unpacked under $GUEST_DIR (default
@@ -20,7 +20,7 @@ ROOT=$(cd "$HERE/../.." && pwd)
 W=${GUEST_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/udm/guest}
 mkdir -p "$W"
 # Bumped when the image's contents change: an older cached image is rebuilt.
-BASE_VERSION=7
+BASE_VERSION=8
 built() {
     [ -f "$W/base.cpio.gz" ] && [ -f "$W/vmlinuz" ] && [ -x "$W/busybox" ] &&
         [ "$(cat "$W/base.version" 2>/dev/null)" = "$BASE_VERSION" ]
@@ -106,7 +106,7 @@ add_mod() {
 # API for crc32c when it loads.
 for m in crc32c_generic virtio virtio_ring virtio_pci virtio_blk brd dm-mod dm-log-writes dm-flakey \
     dm-delay dm-dust dm-writecache dm-thin-pool dm-crypt xts essiv cbc aesni-intel ublk_drv nbd \
-    null_blk nvme ext4; do
+    null_blk nvme ext4 tls; do
     rel=$(grep -E "/$m\.ko(\.xz|\.zst)?:" "$MD/modules.dep" | cut -d: -f1 | head -1 || true)
     if [ -n "$rel" ]; then
         add_mod "$rel"

@@ -13,8 +13,15 @@
 //! Records are encrypted in userspace by rustls (ring's AES-GCM and
 //! ChaCha20-Poly1305), TLS 1.3 preferred, 1.2 allowed (the NBD spec
 //! requires 1.2). rustls has no TLS-PSK, so nbdkit's `--tls-psk` has no
-//! counterpart here. Kernel TLS is probed at load ([`ktls_probe`]) and
-//! reported; the record layer stays in userspace where the kernel lacks it.
+//! counterpart here.
+//!
+//! Where the kernel has TLS (`CONFIG_TLS`, probed at load by
+//! [`ktls_probe`]), rustls does only the handshake: each connection then
+//! hands its keys and record sequence numbers to the socket
+//! ([`ktls_install`]) and the data path is the plaintext one, the kernel
+//! encrypting as it sends and decrypting as it receives. Where it does not
+//! (or `UDM_TLS_RECORDS=user` is set, or the cipher is one kernel TLS
+//! lacks), rustls keeps the record layer too.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
@@ -61,6 +68,7 @@ pub struct Tls {
     opts: TlsOptions,
     config: RwLock<Arc<rustls::ServerConfig>>,
     record_layer: String,
+    ktls: bool,
 }
 
 impl Tls {
@@ -70,15 +78,27 @@ impl Tls {
         if opts.mode == TlsMode::Off {
             return Err(Error::invalid("--tls off: nothing to load"));
         }
-        let config = build(&opts)?;
-        let record_layer = match ktls_probe() {
-            Ok(()) => "userspace (rustls; kernel TLS present but not used)".to_string(),
-            Err(why) => format!("userspace (rustls; no kernel TLS: {why})"),
-        };
+        let (ktls, record_layer) =
+            if std::env::var_os("UDM_TLS_RECORDS").is_some_and(|v| v == "user") {
+                (
+                    false,
+                    "userspace (rustls; UDM_TLS_RECORDS=user)".to_string(),
+                )
+            } else {
+                match ktls_probe() {
+                    Ok(()) => (
+                        true,
+                        "the kernel (kTLS; rustls for the handshake)".to_string(),
+                    ),
+                    Err(why) => (false, format!("userspace (rustls; no kernel TLS: {why})")),
+                }
+            };
+        let config = build(&opts, ktls)?;
         Ok(Arc::new(Tls {
             opts,
             config: RwLock::new(config),
             record_layer,
+            ktls,
         }))
     }
 
@@ -86,7 +106,7 @@ impl Tls {
     /// get the new ones; those running keep theirs. On error the old ones
     /// stay in force.
     pub fn reload(&self) -> Result<(), Error> {
-        let c = build(&self.opts)?;
+        let c = build(&self.opts, self.ktls)?;
         match self.config.write() {
             Ok(mut g) => *g = c,
             Err(p) => *p.into_inner() = c,
@@ -105,6 +125,12 @@ impl Tls {
     /// The options it was loaded with.
     pub fn options(&self) -> &TlsOptions {
         &self.opts
+    }
+
+    /// Whether connections hand their record layer to the kernel after the
+    /// handshake.
+    pub fn ktls(&self) -> bool {
+        self.ktls
     }
 
     /// Where records are encrypted, and why (for logs and `udm serve`).
@@ -172,8 +198,9 @@ fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, Error> {
     Ok(certs)
 }
 
-/// Builds the rustls configuration from the directory.
-fn build(opts: &TlsOptions) -> Result<Arc<rustls::ServerConfig>, Error> {
+/// Builds the rustls configuration from the directory; `ktls`: sessions
+/// give up their keys after the handshake, for the kernel.
+fn build(opts: &TlsOptions, ktls: bool) -> Result<Arc<rustls::ServerConfig>, Error> {
     let dir = &opts.creds;
     if !dir.is_dir() {
         return Err(Error::invalid(format!(
@@ -238,6 +265,7 @@ fn build(opts: &TlsOptions) -> Result<Arc<rustls::ServerConfig>, Error> {
     cfg.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
     cfg.send_tls13_tickets = 0;
     cfg.ignore_client_order = true;
+    cfg.enable_secret_extraction = ktls;
     Ok(Arc::new(cfg))
 }
 
@@ -376,6 +404,130 @@ pub fn ktls_probe() -> Result<(), String> {
             "setsockopt(TCP_ULP, \"tls\"): {}",
             std::io::Error::last_os_error()
         ))
+    }
+}
+
+/// Hands a connection's record layer to the kernel: the `tls` upper-layer
+/// protocol on socket `fd`, then each direction's key, IV and next record
+/// sequence number as the handshake left them. After an error the socket
+/// is in no state to carry on (the keys have left rustls): close it.
+pub fn ktls_install(
+    fd: std::os::fd::RawFd,
+    version: rustls::ProtocolVersion,
+    secrets: rustls::ExtractedSecrets,
+) -> Result<(), String> {
+    let version = match version {
+        rustls::ProtocolVersion::TLSv1_3 => libc::TLS_1_3_VERSION,
+        rustls::ProtocolVersion::TLSv1_2 => libc::TLS_1_2_VERSION,
+        v => return Err(format!("{v:?} has no kernel TLS")),
+    };
+    let name = b"tls";
+    // SAFETY: setsockopt on the caller's open socket with a pointer to a
+    // live byte string and its exact length.
+    let r = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_TCP,
+            libc::TCP_ULP,
+            name.as_ptr().cast(),
+            name.len() as libc::socklen_t,
+        )
+    };
+    if r != 0 {
+        return Err(format!(
+            "setsockopt(TCP_ULP, \"tls\"): {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    let (tx_seq, tx) = &secrets.tx;
+    let (rx_seq, rx) = &secrets.rx;
+    set_crypto(fd, libc::TLS_TX, version, *tx_seq, tx).map_err(|e| format!("TLS_TX: {e}"))?;
+    set_crypto(fd, libc::TLS_RX, version, *rx_seq, rx).map_err(|e| format!("TLS_RX: {e}"))
+}
+
+/// `dst` filled from `src`, which must be as long (lengths come from the
+/// suite, and a mismatch is an error rather than a panic).
+fn fill(dst: &mut [u8], src: &[u8], what: &str) -> Result<(), String> {
+    if dst.len() != src.len() {
+        return Err(format!(
+            "{what}: {} bytes, the kernel takes {}",
+            src.len(),
+            dst.len()
+        ));
+    }
+    dst.copy_from_slice(src);
+    Ok(())
+}
+
+/// One direction's crypto_info, set on the socket and wiped from the stack.
+fn set_crypto(
+    fd: std::os::fd::RawFd,
+    dir: libc::c_int,
+    version: u16,
+    seq: u64,
+    s: &rustls::ConnectionTrafficSecrets,
+) -> Result<(), String> {
+    use rustls::ConnectionTrafficSecrets as S;
+    /// Sets `info` (a tls12_crypto_info_* struct) and zeroes it.
+    fn set<T>(fd: std::os::fd::RawFd, dir: libc::c_int, info: &mut T) -> Result<(), String> {
+        // SAFETY: `info` is a live, initialised struct of the ABI type
+        // the kernel reads for this cipher, with its exact size.
+        let r = unsafe {
+            libc::setsockopt(
+                fd,
+                libc::SOL_TLS,
+                dir,
+                (info as *const T).cast(),
+                std::mem::size_of::<T>() as libc::socklen_t,
+            )
+        };
+        let err = std::io::Error::last_os_error();
+        // SAFETY: `info` is plain bytes (arrays of u8 and u16s) owned by
+        // the caller; volatile so that the wipe is not optimised away.
+        unsafe { std::ptr::write_volatile(info as *mut T, std::mem::zeroed()) };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(err.to_string())
+        }
+    }
+    let rec_seq = seq.to_be_bytes();
+    match s {
+        S::Aes128Gcm { key, iv } => {
+            // SAFETY: a C struct of byte arrays and u16s: all-zero is valid.
+            let mut i: libc::tls12_crypto_info_aes_gcm_128 = unsafe { std::mem::zeroed() };
+            i.info.version = version;
+            i.info.cipher_type = libc::TLS_CIPHER_AES_GCM_128;
+            let iv = iv.as_ref();
+            fill(&mut i.salt, iv.get(..4).unwrap_or_default(), "salt")?;
+            fill(&mut i.iv, iv.get(4..).unwrap_or_default(), "iv")?;
+            fill(&mut i.key, key.as_ref(), "key")?;
+            i.rec_seq = rec_seq;
+            set(fd, dir, &mut i)
+        }
+        S::Aes256Gcm { key, iv } => {
+            // SAFETY: as above.
+            let mut i: libc::tls12_crypto_info_aes_gcm_256 = unsafe { std::mem::zeroed() };
+            i.info.version = version;
+            i.info.cipher_type = libc::TLS_CIPHER_AES_GCM_256;
+            let iv = iv.as_ref();
+            fill(&mut i.salt, iv.get(..4).unwrap_or_default(), "salt")?;
+            fill(&mut i.iv, iv.get(4..).unwrap_or_default(), "iv")?;
+            fill(&mut i.key, key.as_ref(), "key")?;
+            i.rec_seq = rec_seq;
+            set(fd, dir, &mut i)
+        }
+        S::Chacha20Poly1305 { key, iv } => {
+            // SAFETY: as above.
+            let mut i: libc::tls12_crypto_info_chacha20_poly1305 = unsafe { std::mem::zeroed() };
+            i.info.version = version;
+            i.info.cipher_type = libc::TLS_CIPHER_CHACHA20_POLY1305;
+            fill(&mut i.iv, iv.as_ref(), "iv")?;
+            fill(&mut i.key, key.as_ref(), "key")?;
+            i.rec_seq = rec_seq;
+            set(fd, dir, &mut i)
+        }
+        _ => Err("a cipher kernel TLS lacks".into()),
     }
 }
 

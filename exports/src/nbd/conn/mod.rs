@@ -134,6 +134,7 @@ pub fn start(worker: &Rc<Worker>, fd: OwnedFd, peer: String, id: u64) {
         descriptors: Vec::new(),
         tls: None,
         tls_grant: 0,
+        ktls: false,
     });
     let p = Box::into_raw(conn);
     // SAFETY: just made; the box's address is stable until the poller frees it.
@@ -242,6 +243,9 @@ pub struct Conn {
     descriptors: Vec<(u32, u32)>,
     /// The TLS session, from STARTTLS on.
     tls: Option<Box<tls::TlsConn>>,
+    /// The socket carries TLS records itself (kernel TLS): the connection
+    /// runs the plaintext paths.
+    ktls: bool,
     /// Bytes of the in-flight budget held for the TLS buffers.
     tls_grant: u64,
 }

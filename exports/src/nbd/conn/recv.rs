@@ -81,6 +81,10 @@ impl Conn {
         if res <= 0 {
             let mut why = if res == 0 {
                 "client closed the connection".to_string()
+            } else if res == -libc::EIO && self.ktls {
+                // Kernel TLS hands a record that is not data to a recv
+                // without room for its type as EIO.
+                "TLS: the client sent an alert (close_notify) or a key update".to_string()
             } else {
                 format!("recv: {}", errno_str(res))
             };

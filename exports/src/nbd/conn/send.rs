@@ -239,8 +239,15 @@ impl Conn {
         self.unlend_rest();
         self.point_msg();
         self.stats.sends_ring += 1;
+        // MSG_WAITALL: the ring retries a short send itself. Kernel TLS
+        // refuses the flag (EOPNOTSUPP): there on_sent sends the rest.
+        let flags = if self.ktls {
+            libc::MSG_NOSIGNAL
+        } else {
+            libc::MSG_NOSIGNAL | libc::MSG_WAITALL
+        };
         let e = opcode::SendMsg::new(types::Fd(self.fd.as_raw_fd()), &self.msg)
-            .flags((libc::MSG_NOSIGNAL | libc::MSG_WAITALL) as u32)
+            .flags(flags as u32)
             .build();
         self.send_inflight = true;
         let op: *mut RingOp = &mut self.send_op.op;

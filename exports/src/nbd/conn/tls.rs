@@ -17,6 +17,15 @@
 //!   has left.
 //! - A close after the last reply sends TLS's close_notify; a failed
 //!   handshake sends rustls's alert (what the client prints) and closes.
+//! - Kernel TLS: where the server has it ([`Tls::ktls`]), the handshake's
+//!   reads stop at each record's end, so that when the handshake is over
+//!   rustls holds no byte of a later record. The connection then gives its
+//!   keys to the socket ([`ktls_install`]) and drops rustls: from there on
+//!   it is a plaintext connection whose socket encrypts and decrypts, with
+//!   the plaintext paths' properties (reads lent from the device, payloads
+//!   received straight into their buffers).
+//!
+//! [`Tls::ktls`]: super::super::tls::Tls::ktls
 
 use std::io::{IoSlice, Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
@@ -24,7 +33,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use udm_core::io_uring::{opcode, types};
 use udm_core::RingOp;
 
-use super::super::tls::{subject_name, TLS_OUT_LIMIT};
+use super::super::tls::{ktls_install, subject_name, TLS_OUT_LIMIT};
 use super::{errno_str, Conn};
 
 /// The TLS state of a connection.
@@ -40,32 +49,84 @@ pub(super) struct TlsConn {
     recv_busy: bool,
     /// Bytes of the reply at the head of `ready` already encrypted.
     head_off: usize,
+    /// Where the client's stream is within its records, while the
+    /// connection may still hand its record layer to the kernel.
+    records: Option<Records>,
+    /// The handshake is over and the kernel takes the records once the
+    /// last of rustls's have left.
+    handoff: bool,
+}
+
+/// Where a byte stream is within its TLS records (5-byte header, then the
+/// body of the length the header gives).
+#[derive(Default)]
+struct Records {
+    hdr: [u8; 5],
+    hdr_len: usize,
+    body_left: usize,
+}
+
+impl Records {
+    /// Bytes up to the end of the current header or body.
+    fn limit(&self) -> usize {
+        if self.body_left > 0 {
+            self.body_left
+        } else {
+            self.hdr.len() - self.hdr_len
+        }
+    }
+
+    /// `bytes` went past.
+    fn advance(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            if self.body_left > 0 {
+                let n = self.body_left.min(bytes.len());
+                self.body_left -= n;
+                bytes = &bytes[n..];
+                continue;
+            }
+            let n = (self.hdr.len() - self.hdr_len).min(bytes.len());
+            self.hdr[self.hdr_len..self.hdr_len + n].copy_from_slice(&bytes[..n]);
+            self.hdr_len += n;
+            bytes = &bytes[n..];
+            if self.hdr_len == self.hdr.len() {
+                self.hdr_len = 0;
+                self.body_left = u16::from_be_bytes([self.hdr[3], self.hdr[4]]) as usize;
+            }
+        }
+    }
+
+    /// The stream is between records.
+    fn at_boundary(&self) -> bool {
+        self.hdr_len == 0 && self.body_left == 0
+    }
 }
 
 /// The socket, for rustls's reads and writes: never blocking (the ring
-/// waits for readiness instead), never raising SIGPIPE.
-struct Sock(RawFd);
+/// waits for readiness instead), never raising SIGPIPE. With `records`,
+/// reads stop at the end of each record.
+struct Sock<'a>(RawFd, Option<&'a mut Records>);
 
-impl Read for Sock {
+impl Read for Sock<'_> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        // SAFETY: recv into a live buffer of the length given, on a socket
-        // the connection keeps open.
-        let n = unsafe {
-            libc::recv(
-                self.0,
-                buf.as_mut_ptr().cast(),
-                buf.len(),
-                libc::MSG_DONTWAIT,
-            )
+        let len = match &self.1 {
+            Some(r) => buf.len().min(r.limit()),
+            None => buf.len(),
         };
+        // SAFETY: recv into a live buffer of at least `len` bytes, on a
+        // socket the connection keeps open.
+        let n = unsafe { libc::recv(self.0, buf.as_mut_ptr().cast(), len, libc::MSG_DONTWAIT) };
         if n < 0 {
             return Err(std::io::Error::last_os_error());
+        }
+        if let Some(r) = self.1.as_deref_mut() {
+            r.advance(&buf[..n as usize]);
         }
         Ok(n as usize)
     }
 }
 
-impl Write for Sock {
+impl Write for Sock<'_> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         self.write_vectored(&[IoSlice::new(buf)])
     }
@@ -108,7 +169,11 @@ impl Conn {
         let mut sess =
             rustls::ServerConnection::new(tls.config()).map_err(|e| format!("TLS: {e}"))?;
         sess.set_buffer_limit(Some(TLS_OUT_LIMIT));
+        let mut records = tls.ktls().then(Records::default);
         if self.rstart < self.rend {
+            if let Some(r) = records.as_mut() {
+                r.advance(&self.rbuf[self.rstart..self.rend]);
+            }
             let mut early = &self.rbuf[self.rstart..self.rend];
             while !early.is_empty() {
                 match sess.read_tls(&mut early) {
@@ -128,6 +193,8 @@ impl Conn {
             close_sent: false,
             recv_busy: false,
             head_off: 0,
+            records,
+            handoff: false,
         }));
         Ok(())
     }
@@ -208,21 +275,31 @@ impl Conn {
                     return;
                 }
             }
+            if t.handoff {
+                // flush_tls hands over once rustls's last records left.
+                return;
+            }
             // No plaintext left: records from the socket.
-            match t.sess.read_tls(&mut Sock(fd)) {
+            match t.sess.read_tls(&mut Sock(fd, t.records.as_mut())) {
                 Ok(0) => {
                     self.on_recv(0);
                     return;
                 }
                 Ok(_) => {
-                    if let Err(e) = t.sess.process_new_packets() {
-                        self.tls_failed(format!("TLS: {e}"));
-                        return;
-                    }
+                    let plaintext = match t.sess.process_new_packets() {
+                        Ok(st) => st.plaintext_bytes_to_read(),
+                        Err(e) => {
+                            self.tls_failed(format!("TLS: {e}"));
+                            return;
+                        }
+                    };
                     if t.sess.wants_write() {
                         self.dirty();
                     }
                     self.tls_established();
+                    if self.ktls_due(plaintext) {
+                        return;
+                    }
                 }
                 Err(e) if would_block(&e) => {
                     self.poll(libc::POLLIN, false);
@@ -258,6 +335,65 @@ impl Conn {
             None => "no client certificate".into(),
         };
         tracing::info!("{}: TLS {version} {suite} ({client})", self.tag());
+    }
+
+    /// Once the handshake is over, whether the kernel can take the record
+    /// layer: the stream is between records and nothing rustls decrypted
+    /// waits to be read. Decided once; returns whether the connection
+    /// handed over now (and its receive path runs in plaintext).
+    fn ktls_due(&mut self, plaintext: usize) -> bool {
+        let ready = self.hs_out.is_empty() && self.ready.is_empty();
+        let Some(t) = self.tls.as_deref_mut() else {
+            return false;
+        };
+        let Some(r) = t.records.as_ref() else {
+            return false;
+        };
+        if t.sess.is_handshaking() {
+            return false;
+        }
+        if !(r.at_boundary() && plaintext == 0 && ready) {
+            t.records = None;
+            tracing::info!(
+                "{}: TLS records stay in userspace (data arrived with the handshake's end)",
+                self.tag()
+            );
+            return false;
+        }
+        t.handoff = true;
+        if t.sess.wants_write() || self.send_inflight {
+            self.dirty();
+            return false;
+        }
+        self.ktls_handoff();
+        true
+    }
+
+    /// Gives the session's keys to the socket and drops rustls; the
+    /// connection goes on as a plaintext one. On failure it closes: the
+    /// keys have left rustls.
+    fn ktls_handoff(&mut self) {
+        let Some(t) = self.tls.take() else {
+            return;
+        };
+        let fd = self.fd.as_raw_fd();
+        let TlsConn { sess, .. } = *t;
+        let r = match sess.protocol_version() {
+            Some(v) => sess
+                .dangerous_extract_secrets()
+                .map_err(|e| e.to_string())
+                .and_then(|s| ktls_install(fd, v, s)),
+            None => Err("no protocol version".into()),
+        };
+        self.release_tls();
+        match r {
+            Ok(()) => {
+                self.ktls = true;
+                tracing::info!("{}: TLS records in the kernel (kTLS)", self.tag());
+                self.arm_recv();
+            }
+            Err(why) => self.abort(format!("kernel TLS: {why}")),
+        }
     }
 
     /// The session failed (a bad record, a certificate refused): rustls's
@@ -408,7 +544,7 @@ impl Conn {
             };
             let mut wrote = false;
             while t.sess.wants_write() {
-                match t.sess.write_tls(&mut Sock(fd)) {
+                match t.sess.write_tls(&mut Sock(fd, None)) {
                     Ok(0) => {
                         self.send_failed("send: no progress".into());
                         return;
@@ -427,11 +563,59 @@ impl Conn {
                     }
                 }
             }
+            if t.handoff {
+                self.ktls_handoff();
+                return;
+            }
             let more = !self.hs_out.is_empty() || !self.ready.is_empty();
             // Done, or nothing moved (plaintext waits for the handshake).
             if !more || (taken == 0 && !wrote) {
                 return;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Records;
+
+    /// A record: header (type 23, TLS 1.2 on the wire) and `len` bytes.
+    fn record(len: usize) -> Vec<u8> {
+        let mut r = vec![23, 3, 3, (len >> 8) as u8, len as u8];
+        r.resize(5 + len, 0xab);
+        r
+    }
+
+    #[test]
+    fn reads_stop_at_each_header_and_body_end() {
+        let mut r = Records::default();
+        assert!(r.at_boundary());
+        assert_eq!(r.limit(), 5);
+        let rec = record(300);
+        r.advance(&rec[..3]);
+        assert!(!r.at_boundary());
+        assert_eq!(r.limit(), 2, "the rest of the header");
+        r.advance(&rec[3..5]);
+        assert_eq!(r.limit(), 300, "the body");
+        r.advance(&rec[5..100]);
+        assert_eq!(r.limit(), 205);
+        r.advance(&rec[100..]);
+        assert!(r.at_boundary());
+    }
+
+    #[test]
+    fn many_records_in_one_slice_are_followed_through() {
+        let mut r = Records::default();
+        let mut bytes = record(0);
+        bytes.extend(record(16384 + 256));
+        bytes.extend(record(7));
+        r.advance(&bytes);
+        assert!(r.at_boundary());
+        bytes.extend(record(9));
+        let mut r = Records::default();
+        r.advance(&bytes[..bytes.len() - 1]);
+        assert!(!r.at_boundary());
+        assert_eq!(r.limit(), 1);
     }
 }
