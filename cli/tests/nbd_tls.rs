@@ -767,6 +767,16 @@ fn daemon_exports_take_tls_from_export_add_and_the_config_file() {
     let d = Daemon::start(&["--config", cfg.to_str().unwrap()]);
     let ls = d.ok(&["export", "ls"]);
     assert!(ls.contains(&format!("nbds://127.0.0.1:{port}/lin")), "{ls}");
+    // export ls says what clients are asked for and where records are made
+    // (this host's kernel has no TLS; the guest's ktls scenario has it).
+    assert!(
+        ls.contains("TLS require") && ls.contains("subjects CN=client1,O=Example"),
+        "{ls}"
+    );
+    assert!(
+        ls.contains("records in the kernel (kTLS") || ls.contains("records in userspace (rustls"),
+        "{ls}"
+    );
     run("nbdinfo", &[&uri(port, &pki.dir("client"))]);
     let out = fails("nbdinfo", &[&format!("nbd://127.0.0.1:{port}/lin")], &[]);
     assert!(out.contains("Operation not supported"), "{out}");

@@ -162,6 +162,11 @@ pub struct ExportInfo {
     /// (file on a disk, O_DIRECT))`.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub dispatch: String,
+    /// NBD over TLS: what clients are asked for and where the records are
+    /// made, e.g. `TLS require with DIR (no client certificates); records
+    /// in the kernel (kTLS; rustls for the handshake)`. Empty without TLS.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub tls: String,
 }
 
 impl fmt::Display for ExportInfo {
@@ -175,7 +180,11 @@ impl fmt::Display for ExportInfo {
             self.uri,
             if self.read_only { "\tread-only" } else { "" },
             self.clients
-        )
+        )?;
+        if !self.tls.is_empty() {
+            write!(f, "\t{}", self.tls)?;
+        }
+        Ok(())
     }
 }
 

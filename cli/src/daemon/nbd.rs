@@ -198,6 +198,7 @@ impl Protocol for Nbd {
             clients: 0,
             opts: spec.opts,
             dispatch,
+            tls: tls.as_ref().map(|t| t.describe()).unwrap_or_default(),
         };
         tracing::info!("export '{name}' of '{}' at {}", info.device, info.uri);
         Ok(NbdExport {

@@ -125,6 +125,7 @@ impl Protocol for Ublk {
                 ..spec.opts
             },
             dispatch: format!("{dispatch} ({why})"),
+            tls: String::new(),
         };
         tracing::info!("export '{name}' of '{}' at {}", info.device, info.uri);
         Ok(UblkExport { info, holder, dev })

@@ -158,6 +158,7 @@ impl Protocol for Vhost {
             clients: 0,
             opts: spec.opts,
             dispatch: format!("{dispatch} ({why})"),
+            tls: String::new(),
         };
         tracing::info!(
             "export '{name}' of '{}' at {} (vhost-user-blk, {queues} queues)",
