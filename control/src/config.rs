@@ -48,7 +48,10 @@ pub struct DeviceDef {
     pub table: Option<String>,
 }
 
-/// An export to start.
+/// An export to start. Its options are [`ExportOpts`]'s fields spelled
+/// out rather than a `#[serde(flatten)]` of it: serde does not support
+/// `deny_unknown_fields` with `flatten`, and a misspelt key in a config
+/// file must be an error, not an option silently left out.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ExportDef {
