@@ -492,33 +492,37 @@ fn set_crypto(
         }
     }
     let rec_seq = seq.to_be_bytes();
-    match s {
-        S::Aes128Gcm { key, iv } => {
+    // AES-GCM: the kernel takes the 12-byte IV as a 4-byte salt and the 8
+    // bytes TLS 1.2 sends with each record.
+    macro_rules! gcm {
+        ($info:ty, $cipher:expr, $key:expr, $iv:expr) => {{
             // SAFETY: a C struct of byte arrays and u16s: all-zero is valid.
-            let mut i: libc::tls12_crypto_info_aes_gcm_128 = unsafe { std::mem::zeroed() };
+            let mut i: $info = unsafe { std::mem::zeroed() };
             i.info.version = version;
-            i.info.cipher_type = libc::TLS_CIPHER_AES_GCM_128;
-            let iv = iv.as_ref();
+            i.info.cipher_type = $cipher;
+            let iv = $iv.as_ref();
             fill(&mut i.salt, iv.get(..4).unwrap_or_default(), "salt")?;
             fill(&mut i.iv, iv.get(4..).unwrap_or_default(), "iv")?;
-            fill(&mut i.key, key.as_ref(), "key")?;
+            fill(&mut i.key, $key.as_ref(), "key")?;
             i.rec_seq = rec_seq;
             set(fd, dir, &mut i)
-        }
-        S::Aes256Gcm { key, iv } => {
-            // SAFETY: as above.
-            let mut i: libc::tls12_crypto_info_aes_gcm_256 = unsafe { std::mem::zeroed() };
-            i.info.version = version;
-            i.info.cipher_type = libc::TLS_CIPHER_AES_GCM_256;
-            let iv = iv.as_ref();
-            fill(&mut i.salt, iv.get(..4).unwrap_or_default(), "salt")?;
-            fill(&mut i.iv, iv.get(4..).unwrap_or_default(), "iv")?;
-            fill(&mut i.key, key.as_ref(), "key")?;
-            i.rec_seq = rec_seq;
-            set(fd, dir, &mut i)
-        }
+        }};
+    }
+    match s {
+        S::Aes128Gcm { key, iv } => gcm!(
+            libc::tls12_crypto_info_aes_gcm_128,
+            libc::TLS_CIPHER_AES_GCM_128,
+            key,
+            iv
+        ),
+        S::Aes256Gcm { key, iv } => gcm!(
+            libc::tls12_crypto_info_aes_gcm_256,
+            libc::TLS_CIPHER_AES_GCM_256,
+            key,
+            iv
+        ),
         S::Chacha20Poly1305 { key, iv } => {
-            // SAFETY: as above.
+            // SAFETY: as in gcm!.
             let mut i: libc::tls12_crypto_info_chacha20_poly1305 = unsafe { std::mem::zeroed() };
             i.info.version = version;
             i.info.cipher_type = libc::TLS_CIPHER_CHACHA20_POLY1305;
