@@ -78,6 +78,21 @@ check() {
     fi
 }
 [ "$LONG" = 1 ] && export FIO_SIZE=512M
+# start_daemon LOG [FLAG...]: `udm daemon FLAG...` on $UDM_CONTROL, its
+# output in LOG; returns once it is ready (its log is shown and the call
+# fails if it is not within 10 s). Its pid in DAEMON_PID.
+start_daemon() {
+    local log=$1 i=0
+    shift
+    : >"$log"
+    udm daemon "$@" >"$log" 2>&1 &
+    DAEMON_PID=$!
+    until grep -q "daemon ready" "$log"; do
+        i=$((i + 1))
+        [ $i -lt 100 ] || { cat "$log"; return 1; }
+        sleep 0.1
+    done
+}
 SH
     for s in "${SCEN[@]}"; do
         echo "echo '== scenario $s'"

@@ -11,13 +11,8 @@ grep -q '^ublk_drv ' /proc/modules || insmod /lib/modules/ublk_drv.ko
 grep -q '^brd ' /proc/modules || insmod /lib/modules/brd.ko rd_size=16384 rd_nr=2
 [ -e /dev/ublk-control ] || mdev -s
 export UDM_CONTROL=/tmp/udm-crypt.sock
-: >/tmp/udm-crypt.log
-udm daemon >/tmp/udm-crypt.log 2>&1 &
-CR_PID=$!
-i=0
-until grep -q "daemon ready" /tmp/udm-crypt.log; do
-    i=$((i + 1)); [ $i -lt 100 ] || { cat /tmp/udm-crypt.log; break; }; sleep 0.1
-done
+start_daemon /tmp/udm-crypt.log
+CR_PID=$DAEMON_PID
 udm create cr0 file:/dev/ram0
 udm create cr1 file:/dev/ram1
 K512=$(od -An -tx1 -N64 /dev/urandom | tr -d ' \n')

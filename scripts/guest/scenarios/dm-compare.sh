@@ -17,11 +17,9 @@ insmod /lib/modules/ublk_drv.ko 2>/dev/null
 insmod /lib/modules/brd.ko rd_size=131072 rd_nr=1 2>/dev/null
 [ -e /dev/ublk-control ] || mdev -s
 export UDM_CONTROL=/tmp/udm-cmp.sock
-: >/tmp/cmp.log
-udm daemon ${SCN_UDM_ARGS:-} >/tmp/cmp.log 2>&1 &
-CMP_PID=$!
-i=0
-until grep -q "daemon ready" /tmp/cmp.log; do i=$((i + 1)); [ $i -lt 100 ] || break; sleep 0.1; done
+# shellcheck disable=SC2086 # the flags split on spaces
+start_daemon /tmp/cmp.log ${SCN_UDM_ARGS:-}
+CMP_PID=$DAEMON_PID
 CMP_Q=${SCN_QUEUES:-2}
 udm create cr ram:128M
 udm create clin --table "0 262144 linear cr 0"

@@ -7,13 +7,8 @@ grep -q '^ublk_drv ' /proc/modules || insmod /lib/modules/ublk_drv.ko
 grep -q '^brd ' /proc/modules || insmod /lib/modules/brd.ko rd_size=65536 rd_nr=2
 [ -e /dev/ublk-control ] || mdev -s
 export UDM_CONTROL=/tmp/udm-lw.sock
-: >/tmp/udm-lw.log
-udm daemon >/tmp/udm-lw.log 2>&1 &
-LW_PID=$!
-i=0
-until grep -q "daemon ready" /tmp/udm-lw.log; do
-    i=$((i + 1)); [ $i -lt 100 ] || { cat /tmp/udm-lw.log; break; }; sleep 0.1
-done
+start_daemon /tmp/udm-lw.log
+LW_PID=$DAEMON_PID
 udm create lwdata ram:64M
 udm create lwlog ram:64M
 udm create lw --table "0 131072 log-writes lwdata lwlog"

@@ -82,11 +82,8 @@ check poll_unpolled_run_raises_nvme_interrupts [ "$IRQ2" -gt "$IRQ1" ]
 # Caps::POLL says a device's completions are polled, through the stack: a
 # table has it when every device under it does.
 export UDM_CONTROL=/tmp/udm-poll.sock
-: >/tmp/udm-poll.log
-udm daemon >/tmp/udm-poll.log 2>&1 &
-POLL_DAEMON=$!
-i=0
-until grep -q "daemon ready" /tmp/udm-poll.log; do i=$((i + 1)); [ $i -lt 100 ] || break; sleep 0.1; done
+start_daemon /tmp/udm-poll.log
+POLL_DAEMON=$DAEMON_PID
 udm create nv file:/dev/nvme0n1,iopoll
 udm create nbi file:/dev/nullb0
 udm create plin --table "0 2097152 linear nv 0"

@@ -7,13 +7,8 @@ insmod /lib/modules/brd.ko rd_size=131072 rd_nr=1
 [ -e /dev/ublk-control ] || mdev -s
 export UDM_CONTROL=/tmp/udm-rec.sock
 start_udm() { # LOG: a daemon serving d (file over /dev/ram0)
-    : >"$1"
-    udm daemon >"$1" 2>&1 &
-    UDM_PID=$!
-    local i=0
-    until grep -q "daemon ready" "$1"; do
-        i=$((i + 1)); [ $i -lt 100 ] || { cat "$1"; return 1; }; sleep 0.1
-    done
+    start_daemon "$1" || return 1
+    UDM_PID=$DAEMON_PID
     udm create d file:/dev/ram0
 }
 REC_SIZE=${FIO_SIZE:-16M}

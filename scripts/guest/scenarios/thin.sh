@@ -9,14 +9,9 @@ grep -q '^ublk_drv ' /proc/modules || insmod /lib/modules/ublk_drv.ko
 grep -q '^brd ' /proc/modules || insmod /lib/modules/brd.ko rd_size=65536 rd_nr=4
 [ -e /dev/ublk-control ] || mdev -s
 export UDM_CONTROL=/tmp/udm-thin.sock
-: >/tmp/udm-thin.log
 # Four volumes exported at once: 64 MiB of ublk buffers each.
-udm daemon --max-inflight 512M >/tmp/udm-thin.log 2>&1 &
-TH_PID=$!
-i=0
-until grep -q "daemon ready" /tmp/udm-thin.log; do
-    i=$((i + 1)); [ $i -lt 100 ] || { cat /tmp/udm-thin.log; break; }; sleep 0.1
-done
+start_daemon /tmp/udm-thin.log --max-inflight 512M
+TH_PID=$DAEMON_PID
 POOL_SZ=131072 # the data device: 64 MiB
 VOL_SZ=65536   # each volume: 32 MiB
 BS=128         # 64 KiB data blocks

@@ -4,13 +4,8 @@
 insmod /lib/modules/ublk_drv.ko
 [ -e /dev/ublk-control ] || mdev -s
 export UDM_CONTROL=/tmp/udm.sock
-: >/tmp/udm.log
-udm daemon >/tmp/udm.log 2>&1 &
-UDM_PID=$!
-i=0
-until grep -q "daemon ready" /tmp/udm.log; do
-    i=$((i + 1)); [ $i -lt 100 ] || { cat /tmp/udm.log; break; }; sleep 0.1
-done
+start_daemon /tmp/udm.log
+UDM_PID=$DAEMON_PID
 udm create r0 ram:128M
 udm create r1 ram:64M
 udm create r2 ram:64M
@@ -38,10 +33,10 @@ check ublk_dev_gone sh -c '! test -e /dev/ublkb0'
 check ublk_add_striped udm export add str --ublk --id 0
 check ublk_fio_striped fio_verify /dev/ublkb0 str --iodepth=32
 # An id the kernel has given to another server: refused, naming it.
-: >/tmp/udm2.log
-UDM_CONTROL=/tmp/udm2.sock udm daemon --max-inflight 64M >/tmp/udm2.log 2>&1 &
-UDM2=$!
-sleep 1
+export UDM_CONTROL=/tmp/udm2.sock
+start_daemon /tmp/udm2.log --max-inflight 64M
+UDM2=$DAEMON_PID
+export UDM_CONTROL=/tmp/udm.sock
 UDM_CONTROL=/tmp/udm2.sock udm create other ram:16M
 check ublk_id_in_use_refused sh -c '! UDM_CONTROL=/tmp/udm2.sock udm export add other --ublk --id 0 --queues 1 --depth 16 2>/tmp/id.err && grep -q "ublk device 0 exists" /tmp/id.err'
 cat /tmp/id.err
