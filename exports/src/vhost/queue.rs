@@ -230,7 +230,8 @@ impl VQueue {
                 );
                 continue;
             }
-            let descs = chain.map(|d| (d.addr().0, d.len(), d.is_write_only()));
+            let (table, size) = (self.queue.desc_table(), self.queue.size());
+            let descs = chain::walk_mapped(|a, l| mem.map(a, l), table, size, head);
             self.take(head, descs, &mem);
         }
         if self.reqs.len() >= self.queue.size() as usize {
@@ -314,7 +315,8 @@ impl VQueue {
             );
         }
         for head in heads {
-            self.take(head, chain::walk(&mem.guest, table, size, head), &mem);
+            let descs = chain::walk_mapped(|a, l| mem.map(a, l), table, size, head);
+            self.take(head, descs, &mem);
         }
         self.front.unplug();
     }
