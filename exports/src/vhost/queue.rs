@@ -212,12 +212,36 @@ impl VQueue {
             let p: *mut VQueue = self;
             self.worker().polled.borrow_mut().push(p);
         }
-        while self.reqs.len() < self.queue.size() as usize {
-            let Some(chain) = self.queue.pop_descriptor_chain(&mem.guest) else {
+        // The avail index once per batch (what comes meanwhile is the
+        // next turn's), the heads read through the queue's own map.
+        let size = self.queue.size();
+        let ring = self.queue.avail_ring();
+        let mut next = self.queue.next_avail();
+        let avail = if self.queue.ready() && ring != 0 {
+            match self.queue.avail_idx(&mem.guest, Ordering::Acquire) {
+                Ok(i) => i.0,
+                Err(_) => {
+                    self.fail_ring("its avail ring is outside guest memory");
+                    return n;
+                }
+            }
+        } else {
+            next
+        };
+        if avail.wrapping_sub(next) > size {
+            // More than the ring holds: the driver is broken (virtio-queue
+            // refuses such an index too). Stopped, not polled forever.
+            self.fail_ring("its avail index is further ahead than the ring holds");
+            return n;
+        }
+        while next != avail && self.reqs.len() < size as usize {
+            let Some(head) = avail_head(&mem, ring, size, next) else {
+                self.fail_ring("its avail ring is outside guest memory");
                 break;
             };
+            next = next.wrapping_add(1);
+            self.queue.set_next_avail(next);
             n += 1;
-            let head = chain.head_index();
             if let Some(f) = &mut self.inflight {
                 f.taken(head);
             }
@@ -230,7 +254,7 @@ impl VQueue {
                 );
                 continue;
             }
-            let (table, size) = (self.queue.desc_table(), self.queue.size());
+            let table = self.queue.desc_table();
             let descs = chain::walk_mapped(|a, l| mem.map(a, l), table, size, head);
             self.take(head, descs, &mem);
         }
@@ -584,6 +608,18 @@ impl VQueue {
     fn retirable(&self) -> bool {
         self.stop.is_some() && !self.kick_inflight && !self.cancel_inflight && self.reqs.is_empty()
     }
+}
+
+/// The head the avail ring at guest address `ring` (of `size` entries)
+/// holds at index `idx`: None if that entry is outside guest memory.
+fn avail_head(mem: &Guest, ring: u64, size: u16, idx: u16) -> Option<u16> {
+    let slot = u64::from(idx.checked_rem(size)?);
+    let p = mem.map(ring.checked_add(4 + 2 * slot)?, 2)?;
+    // SAFETY: `map` vouched for 2 bytes at p; a byte array needs no
+    // alignment. Volatile: the driver writes the ring; the avail index
+    // was read with Acquire before, so the entries it covers are seen.
+    let b = unsafe { std::ptr::read_volatile(p.cast::<[u8; 2]>()) };
+    Some(u16::from_le_bytes(b))
 }
 
 /// The [`crate::front::DoneFn`] of every front request of a queue.
