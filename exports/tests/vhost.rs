@@ -764,6 +764,37 @@ mod hostile {
         );
     }
 
+    /// A queue is polled, with kicks off, only while its reactor has
+    /// work: before the reactor sleeps it asks the driver to kick again
+    /// (no NO_NOTIFY flag in the used ring; with EVENT_IDX, `avail_event`
+    /// at the avail index), so the next request wakes it.
+    #[test]
+    fn an_idle_queue_asks_the_driver_to_kick_again() {
+        for event_idx in [false, true] {
+            let srv = Served::start(MemfdDev::new(SIZE), 1, false);
+            let mut g = Guest::memory();
+            g.event_idx = event_idx;
+            g.attach(&srv.path, None, 0);
+            for sector in 0..3 {
+                assert_eq!(g.request(0, sector, 512, F_WRITE), (0, 513));
+                let t0 = Instant::now();
+                loop {
+                    let flags = u16::from_le_bytes(g.read(USED, 2).try_into().unwrap());
+                    let at = USED + 4 + QSIZE as usize * 8;
+                    let avail_event = u16::from_le_bytes(g.read(at, 2).try_into().unwrap());
+                    if event_idx && avail_event == g.avail || !event_idx && flags & 1 == 0 {
+                        break;
+                    }
+                    assert!(
+                        t0.elapsed() < Duration::from_secs(10),
+                        "event_idx {event_idx}: kicks still off (flags {flags}, avail_event {avail_event})"
+                    );
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        }
+    }
+
     #[test]
     fn malformed_chains_are_answered_with_errors_and_the_queue_goes_on() {
         let srv = Served::start(MemfdDev::new(SIZE), 1, false);

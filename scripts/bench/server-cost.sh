@@ -14,7 +14,7 @@
 # scripts/bench/nbd.sh) driven by fio's nbd engine (RW as fio spells it).
 # Env: UDM (binary; default builds target/release/udm), AMOUNT (vhost:
 # seconds, default 3; nbd: MiB, default 256), NULL=1 serves null:256M
-# instead of RAM.
+# instead of RAM, SERVE_ARGS adds `udm serve` options (e.g. --interrupt).
 # Prints "cpu_us/IO <c> syscalls/IO <s> (<top calls>; <n> I/Os)".
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -33,12 +33,14 @@ W=$(mktemp -d /dev/shm/udm-server-cost.XXXX)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$W"' EXIT
 SOCK=$W/sock
 DEV=d=ram:256M
+SERVE_ARGS=${SERVE_ARGS:-}
 [ "${NULL:-0}" = 1 ] && DEV=d=null:256M
 serve() { # wrapper... -> starts the server under the wrapper, sets PID
     rm -f "$SOCK"
+    # shellcheck disable=SC2086 # SERVE_ARGS: options, split on spaces
     case $PROTO in
-    vhost) exec "$@" "$UDM" serve --dev "$DEV" --vhost-user-blk "$SOCK" --queues 1 --dispatch "$MODE" ;;
-    nbd) exec "$@" "$UDM" serve --dev "${DEV/d=/r=}" --dev 'lin=0 524288 linear r 0' --export lin \
+    vhost) exec "$@" "$UDM" serve $SERVE_ARGS --dev "$DEV" --vhost-user-blk "$SOCK" --queues 1 --dispatch "$MODE" ;;
+    nbd) exec "$@" "$UDM" serve $SERVE_ARGS --dev "${DEV/d=/r=}" --dev 'lin=0 524288 linear r 0' --export lin \
         --listen "unix:$SOCK" --dispatch "$MODE" ;;
     esac >"$W/serve.out" 2>&1 &
     PID=$!

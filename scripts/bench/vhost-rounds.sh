@@ -26,7 +26,7 @@ vhost_run() {
     local clk c0 out iops c1
     clk=$(getconf CLK_TCK)
     c0=$(awk '{print $14 + $15}' "/proc/$PID/stat")
-    out=$("$CLIENT" "$SOCK" "$RUNTIME" "$QD" "$BS" "$RW")
+    out=$("$CLIENT" "$SOCK" "$RUNTIME" "$QD" "$BS" "$RW" 2>/dev/null)
     c1=$(awk '{print $14 + $15}' "/proc/$PID/stat")
     kill "$PID"
     wait "$PID" 2>/dev/null || true

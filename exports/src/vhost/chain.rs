@@ -179,23 +179,57 @@ pub fn parse(
 /// table at most, of a whole number of descriptors; at most as many
 /// descriptors as the table holds, so a loop ends; a descriptor that
 /// cannot be read, or a total length past u32, ends the chain; the fuzz
-/// target checks that both walks agree). For chains taken again by head,
-/// not from the avail ring: the inflight resubmission.
-pub fn walk<M: GuestMemory>(mem: &M, table: u64, size: u16, head: u16) -> Walk<'_, M> {
-    Walk {
-        mem,
+/// target checks that the walks agree), each read through `mem`.
+pub fn walk<M: GuestMemory>(
+    mem: &M,
+    table: u64,
+    size: u16,
+    head: u16,
+) -> Walk<impl Fn(u64) -> Option<Descriptor> + '_> {
+    Walk::new(
+        move |at| mem.read_obj(GuestAddress(at)).ok(),
         table,
         size,
-        next: head,
-        ttl: size,
-        indirect: false,
-        bytes: 0,
-    }
+        head,
+    )
 }
 
-/// The iterator of [`walk`].
-pub struct Walk<'a, M> {
-    mem: &'a M,
+/// The same walk, each descriptor read where `map(addr, 16)` says it is
+/// mapped here: a lookup in the few regions and one 16-byte load, where
+/// virtio-queue's reads go through its generic guest-memory accessors
+/// (two thirds of the instructions of taking a request).
+pub fn walk_mapped(
+    map: impl Fn(u64, u32) -> Option<*mut u8>,
+    table: u64,
+    size: u16,
+    head: u16,
+) -> Walk<impl Fn(u64) -> Option<Descriptor>> {
+    Walk::new(
+        move |at| {
+            let p = map(at, 16)?;
+            // SAFETY: `map` vouched for 16 bytes at p; a byte array needs
+            // no alignment. Volatile: the guest may write the descriptor
+            // meanwhile, which only changes the values read (validated as
+            // values by the walk and by parse).
+            let b = unsafe { std::ptr::read_volatile(p.cast::<[u8; 16]>()) };
+            let [a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, f0, f1, n0, n1] = b;
+            Some(Descriptor::new(
+                u64::from_le_bytes([a0, a1, a2, a3, a4, a5, a6, a7]),
+                u32::from_le_bytes([l0, l1, l2, l3]),
+                u16::from_le_bytes([f0, f1]),
+                u16::from_le_bytes([n0, n1]),
+            ))
+        },
+        table,
+        size,
+        head,
+    )
+}
+
+/// The iterator of [`walk`] and [`walk_mapped`]; `read` reads the
+/// descriptor at a guest address (None: outside the guest's memory).
+pub struct Walk<R> {
+    read: R,
     table: u64,
     size: u16,
     next: u16,
@@ -205,7 +239,21 @@ pub struct Walk<'a, M> {
     bytes: u32,
 }
 
-impl<M: GuestMemory> Iterator for Walk<'_, M> {
+impl<R> Walk<R> {
+    fn new(read: R, table: u64, size: u16, head: u16) -> Walk<R> {
+        Walk {
+            read,
+            table,
+            size,
+            next: head,
+            ttl: size,
+            indirect: false,
+            bytes: 0,
+        }
+    }
+}
+
+impl<R: Fn(u64) -> Option<Descriptor>> Iterator for Walk<R> {
     type Item = Desc;
 
     fn next(&mut self) -> Option<Desc> {
@@ -214,7 +262,7 @@ impl<M: GuestMemory> Iterator for Walk<'_, M> {
                 return None;
             }
             let at = self.table.checked_add(self.next as u64 * 16)?;
-            let d: Descriptor = self.mem.read_obj(GuestAddress(at)).ok()?;
+            let d = (self.read)(at)?;
             if d.refers_to_indirect_table() {
                 let n = d.len() / 16;
                 if self.indirect || !d.len().is_multiple_of(16) || n > u16::MAX as u32 {

@@ -2,8 +2,8 @@
 //! and the corpus regression test (`exports/tests/fuzz_corpus.rs`): guest
 //! memory laid out from the input, a queue over it, and every chain the
 //! avail ring names walked by virtio-queue and [`super::chain::parse`],
-//! and walked again by its head with [`super::chain::walk`] (the same
-//! descriptors).
+//! and walked again by its head with [`super::chain::walk`] and
+//! [`super::chain::walk_mapped`] (the same descriptors).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -65,6 +65,9 @@ pub fn chains(data: &[u8]) {
         // The walk by head (inflight resubmission) sees the same chain.
         let again: Vec<chain::Desc> = chain::walk(&mem, DESC, QSIZE, head).collect();
         assert_eq!(descs, again, "the walk by head differs from virtio-queue's");
+        // And so does the walk through mapped pointers (the queue's).
+        let mapped: Vec<chain::Desc> = chain::walk_mapped(map, DESC, QSIZE, head).collect();
+        assert_eq!(descs, mapped, "the mapped walk differs from virtio-queue's");
         if let Ok(p) = chain::parse(descs.into_iter(), map, &mut segs) {
             parsed += 1;
             let inside = |ptr: *mut u8, len: usize| {

@@ -4,6 +4,19 @@
 //! ring, and the driver notified through the call eventfd at the end of
 //! the turn (once for all that completed in it).
 //!
+//! What a request costs in system calls and notifications:
+//! - The kick is one multishot poll, armed once: a kick costs a CQE, not a
+//!   `read` of the eventfd and a new poll. Its counter is never read (a
+//!   poll CQE follows each write to it, whatever the count).
+//! - A queue that took requests is polled, not kicked: notifications stay
+//!   off (EVENT_IDX: `avail_event` is left behind, so the driver kicks at
+//!   most once more) and each turn of the reactor reads the avail index,
+//!   while the reactor spins. Only when it is about to sleep
+//!   ([`Poller::must_spin`]) are notifications turned on again, and the
+//!   ring checked once more for what came meanwhile. A driver that keeps
+//!   the queue busy then makes no `write` per batch, and the server no
+//!   wakeup.
+//!
 //! A reactor owns its queues: nothing here is shared or locked. The
 //! control thread reaches a queue only through messages to its reactor
 //! ([`Worker::start`], [`Worker::stop`], [`Worker::set_call`],
@@ -19,7 +32,7 @@ use std::sync::Arc;
 
 use slab::Slab;
 use udm_core::io_uring::{opcode, types};
-use udm_core::{Bio, BlockDevice, Poller, Reactor, RingOp};
+use udm_core::{cqe_more, Bio, BlockDevice, Poller, Reactor, RingOp};
 use virtio_bindings::virtio_blk::*;
 use virtio_queue::{Queue, QueueT};
 
@@ -70,7 +83,14 @@ struct VReq {
 #[repr(C)]
 pub struct VQueue {
     kick_op: RingOp,
+    /// The kick poll is armed (until its final CQE).
     kick_inflight: bool,
+    /// Cancels the kick poll when the queue stops.
+    cancel_op: RingOp,
+    cancel_inflight: bool,
+    /// Notifications are off and the worker polls the avail ring
+    /// (the queue is in [`Worker::polled`]).
+    polled: bool,
     kick: File,
     call: Option<File>,
     index: u16,
@@ -113,37 +133,46 @@ impl VQueue {
         unsafe { &*self.worker }
     }
 
-    /// Posts a poll of the kick eventfd on the reactor's ring (a poll, not
-    /// a read: a read of an eventfd the frontend made non-blocking, as
-    /// QEMU does, fails with EAGAIN at once instead of waiting).
+    /// Posts a multishot poll of the kick eventfd on the reactor's ring: a
+    /// CQE per kick, with nothing to read or re-arm.
     fn arm_kick(&mut self) {
         if self.kick_inflight || self.stop.is_some() || self.broken {
             return;
         }
-        let e = opcode::PollAdd::new(types::Fd(self.kick.as_raw_fd()), libc::POLLIN as u32).build();
+        let e = opcode::PollAdd::new(types::Fd(self.kick.as_raw_fd()), libc::POLLIN as u32)
+            .multi(true)
+            .build();
         self.kick_inflight = true;
         let op: *mut RingOp = &mut self.kick_op;
         // SAFETY: the op is a field of this boxed queue, which is freed
-        // only once kick_inflight is false again (the CQE arrived:
+        // only once kick_inflight is false again (the final CQE arrived:
         // Worker::retire checks it); the kick file stays open as long as
         // the queue.
         unsafe { self.worker().reactor().ring().push_op(e, op) };
     }
 
-    /// Clears the kick eventfd's counter (non-blocking: see Worker::start).
-    fn drain_kick(&self) {
-        let mut v: u64 = 0;
-        // SAFETY: reads 8 bytes into a live u64 from the queue's eventfd.
-        unsafe { libc::read(self.kick.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+    /// Ends the kick poll (the queue stops): its final CQE follows.
+    fn cancel_kick(&mut self) {
+        if !self.kick_inflight || self.cancel_inflight {
+            return;
+        }
+        let e = opcode::AsyncCancel::new(RingOp::user_data(&self.kick_op)).build();
+        self.cancel_inflight = true;
+        let op: *mut RingOp = &mut self.cancel_op;
+        // SAFETY: as in arm_kick: the queue is freed only once
+        // cancel_inflight is false again (retirable()).
+        unsafe { self.worker().reactor().ring().push_op(e, op) };
     }
 
-    fn on_kick(&mut self, res: i32) {
-        self.kick_inflight = false;
+    fn on_kick(&mut self, res: i32, flags: u32) {
+        if !cqe_more(flags) {
+            self.kick_inflight = false;
+        }
         if self.stop.is_some() {
             self.dirty();
             return;
         }
-        if res < 0 && res != -libc::EINTR && res != -libc::EAGAIN {
+        if res < 0 && res != -libc::EINTR && res != -libc::EAGAIN && res != -libc::ECANCELED {
             tracing::warn!(
                 "vhost: queue {}: polling its kick eventfd: {}",
                 self.index,
@@ -153,9 +182,8 @@ impl VQueue {
             self.dirty();
             return;
         }
-        // Cleared before the ring is read: a kick after this is seen by
-        // the next poll.
-        self.drain_kick();
+        // A kick after the ring is read posts another CQE. A poll the
+        // kernel ended (a full CQ ends multishot) is armed again.
         self.process();
         self.arm_kick();
     }
@@ -163,50 +191,110 @@ impl VQueue {
     /// Takes every available chain, then sends what the front holds of
     /// them: also when the ring breaks mid-batch, since the chains taken
     /// before are in flight and must complete (a stop waits for them).
-    fn process(&mut self) {
-        self.take_all();
+    fn process(&mut self) -> usize {
+        let n = self.take_all();
         self.front.unplug();
+        n
     }
 
-    /// Takes every available chain (the EVENT_IDX loop: notifications off
-    /// while draining, on again, and drain again if more came meanwhile).
-    fn take_all(&mut self) {
+    /// Takes every available chain, with notifications off; the queue is
+    /// then polled ([`Worker::poll`]) until the reactor is about to sleep
+    /// ([`VQueue::quiesce`]). Returns how many it took.
+    fn take_all(&mut self) -> usize {
         let mem = self.mem.clone();
-        loop {
+        let mut n = 0;
+        if !self.polled {
             if self.queue.disable_notification(&mem.guest).is_err() {
-                return self.fail_ring("its avail ring is outside guest memory");
+                self.fail_ring("its avail ring is outside guest memory");
+                return 0;
             }
-            while self.reqs.len() < self.queue.size() as usize {
-                let Some(chain) = self.queue.pop_descriptor_chain(&mem.guest) else {
-                    break;
-                };
-                let head = chain.head_index();
-                if let Some(f) = &mut self.inflight {
-                    f.taken(head);
-                }
-                if head >= self.queue.size() {
-                    // Nothing to answer: a used element must name a head.
-                    tracing::warn!(
-                        "vhost: queue {}: avail entry names descriptor {head}, past the ring's {}; skipped",
-                        self.index,
-                        self.queue.size()
-                    );
-                    continue;
-                }
-                let descs = chain.map(|d| (d.addr().0, d.len(), d.is_write_only()));
-                self.take(head, descs, &mem);
-            }
-            if self.reqs.len() >= self.queue.size() as usize {
-                // Resumed when a request completes.
-                self.throttled = true;
-                break;
-            }
-            match self.queue.enable_notification(&mem.guest) {
-                Ok(true) => continue,
-                Ok(false) => break,
-                Err(_) => return self.fail_ring("its used ring is outside guest memory"),
-            }
+            self.polled = true;
+            let p: *mut VQueue = self;
+            self.worker().polled.borrow_mut().push(p);
         }
+        // The avail index once per batch (what comes meanwhile is the
+        // next turn's), the heads read through the queue's own map.
+        let size = self.queue.size();
+        let ring = self.queue.avail_ring();
+        let mut next = self.queue.next_avail();
+        let avail = if self.queue.ready() && ring != 0 {
+            match self.queue.avail_idx(&mem.guest, Ordering::Acquire) {
+                Ok(i) => i.0,
+                Err(_) => {
+                    self.fail_ring("its avail ring is outside guest memory");
+                    return n;
+                }
+            }
+        } else {
+            next
+        };
+        if avail.wrapping_sub(next) > size {
+            // More than the ring holds: the driver is broken (virtio-queue
+            // refuses such an index too). Stopped, not polled forever.
+            self.fail_ring("its avail index is further ahead than the ring holds");
+            return n;
+        }
+        while next != avail && self.reqs.len() < size as usize {
+            let Some(head) = avail_head(&mem, ring, size, next) else {
+                self.fail_ring("its avail ring is outside guest memory");
+                break;
+            };
+            next = next.wrapping_add(1);
+            self.queue.set_next_avail(next);
+            n += 1;
+            if let Some(f) = &mut self.inflight {
+                f.taken(head);
+            }
+            if head >= self.queue.size() {
+                // Nothing to answer: a used element must name a head.
+                tracing::warn!(
+                    "vhost: queue {}: avail entry names descriptor {head}, past the ring's {}; skipped",
+                    self.index,
+                    self.queue.size()
+                );
+                continue;
+            }
+            let table = self.queue.desc_table();
+            let descs = chain::walk_mapped(|a, l| mem.map(a, l), table, size, head);
+            self.take(head, descs, &mem);
+        }
+        if self.reqs.len() >= self.queue.size() as usize {
+            // Resumed when a request completes.
+            self.throttled = true;
+        }
+        n
+    }
+
+    /// Whether the worker should poll this queue's avail ring.
+    fn pollable(&self) -> bool {
+        self.polled && !self.throttled && self.stop.is_none() && !self.broken
+    }
+
+    /// The reactor is about to sleep: notifications on again (the
+    /// EVENT_IDX `avail_event` brought up to date), then one more look at
+    /// the ring. Returns whether chains came meanwhile (the queue stays
+    /// polled, and the reactor must not sleep); else the queue leaves the
+    /// polled list and a kick wakes the reactor.
+    fn quiesce(&mut self) -> bool {
+        if self.pollable() {
+            match self.queue.enable_notification(&self.mem.guest) {
+                Ok(true) => {
+                    // Off again for the turn that takes them.
+                    if self.queue.disable_notification(&self.mem.guest).is_ok() {
+                        return true;
+                    }
+                    self.fail_ring("its avail ring is outside guest memory");
+                }
+                Ok(false) => {}
+                Err(_) => self.fail_ring("its used ring is outside guest memory"),
+            }
+        } else if self.throttled && self.stop.is_none() && !self.broken {
+            // Resumed by a completion (Worker::poll), not by a kick: it
+            // may sleep with notifications off.
+            return false;
+        }
+        self.polled = false;
+        false
     }
 
     /// Starts the request of the chain at `head`, made of `descs`.
@@ -251,7 +339,8 @@ impl VQueue {
             );
         }
         for head in heads {
-            self.take(head, chain::walk(&mem.guest, table, size, head), &mem);
+            let descs = chain::walk_mapped(|a, l| mem.map(a, l), table, size, head);
+            self.take(head, descs, &mem);
         }
         self.front.unplug();
     }
@@ -517,8 +606,20 @@ impl VQueue {
 
     /// Whether a stopped queue may be freed.
     fn retirable(&self) -> bool {
-        self.stop.is_some() && !self.kick_inflight && self.reqs.is_empty()
+        self.stop.is_some() && !self.kick_inflight && !self.cancel_inflight && self.reqs.is_empty()
     }
+}
+
+/// The head the avail ring at guest address `ring` (of `size` entries)
+/// holds at index `idx`: None if that entry is outside guest memory.
+fn avail_head(mem: &Guest, ring: u64, size: u16, idx: u16) -> Option<u16> {
+    let slot = u64::from(idx.checked_rem(size)?);
+    let p = mem.map(ring.checked_add(4 + 2 * slot)?, 2)?;
+    // SAFETY: `map` vouched for 2 bytes at p; a byte array needs no
+    // alignment. Volatile: the driver writes the ring; the avail index
+    // was read with Acquire before, so the entries it covers are seen.
+    let b = unsafe { std::ptr::read_volatile(p.cast::<[u8; 2]>()) };
+    Some(u16::from_le_bytes(b))
 }
 
 /// The [`crate::front::DoneFn`] of every front request of a queue.
@@ -533,11 +634,25 @@ fn front_done(ctx: *mut (), done: Done<'_>) {
     q.piece_done(done.token as usize, st);
 }
 
-fn kick_done(op: *mut RingOp, res: i32, _flags: u32) {
+fn kick_done(op: *mut RingOp, res: i32, flags: u32) {
     // SAFETY: the op is the first field of a #[repr(C)] VQueue, alive
-    // until its kick read completed (this call).
+    // until the kick poll's final CQE (this call or a later one).
     let q = unsafe { &mut *op.cast::<VQueue>() };
-    q.on_kick(res);
+    q.on_kick(res, flags);
+}
+
+fn cancel_done(op: *mut RingOp, _res: i32, _flags: u32) {
+    // SAFETY: the op is the cancel_op field of a #[repr(C)] VQueue, alive
+    // until this CQE (retirable()); stepping back by the field's offset
+    // gives the queue.
+    let q = unsafe {
+        &mut *op
+            .cast::<u8>()
+            .sub(std::mem::offset_of!(VQueue, cancel_op))
+            .cast::<VQueue>()
+    };
+    q.cancel_inflight = false;
+    q.dirty();
 }
 
 /// A reactor's share of a vhost-user-blk export: the device's front on
@@ -552,6 +667,8 @@ pub struct Worker {
     queues: RefCell<Vec<*mut VQueue>>,
     dirty: RefCell<Vec<*mut VQueue>>,
     scratch: RefCell<Vec<*mut VQueue>>,
+    /// Queues whose avail ring is polled (notifications off).
+    polled: RefCell<Vec<*mut VQueue>>,
     /// The guest's memory registered with this reactor's rings.
     fixed: Registry,
 }
@@ -568,6 +685,7 @@ impl Worker {
             queues: RefCell::new(Vec::new()),
             dirty: RefCell::new(Vec::new()),
             scratch: RefCell::new(Vec::new()),
+            polled: RefCell::new(Vec::new()),
             fixed: Registry::new(reactor),
         })
     }
@@ -611,6 +729,11 @@ impl Worker {
                 complete: kick_done,
             },
             kick_inflight: false,
+            cancel_op: RingOp {
+                complete: cancel_done,
+            },
+            cancel_inflight: false,
+            polled: false,
             kick: s.kick,
             call: s.call,
             index: s.index,
@@ -635,14 +758,6 @@ impl Worker {
             broken: false,
             inflight: s.inflight,
         });
-        // Non-blocking, so that clearing it never waits (the frontend only
-        // writes it: the flag, which it shares, changes nothing for it).
-        // SAFETY: fcntl on the queue's own descriptor.
-        unsafe {
-            let fd = q.kick.as_raw_fd();
-            let fl = libc::fcntl(fd, libc::F_GETFL);
-            libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK);
-        }
         let p = Box::into_raw(q);
         self.queues.borrow_mut().push(p);
         let _ = done.send(Ok(()));
@@ -677,13 +792,7 @@ impl Worker {
         // SAFETY: as in find().
         let q = unsafe { &mut *p };
         q.stop = Some(done);
-        if q.kick_inflight {
-            // Completes the pending read (the eventfd is the driver's; an
-            // extra kick is harmless to it).
-            let one: u64 = 1;
-            // SAFETY: writes 8 bytes from a live u64 to the kick eventfd.
-            unsafe { libc::write(q.kick.as_raw_fd(), (&one as *const u64).cast(), 8) };
-        }
+        q.cancel_kick();
         q.dirty();
     }
 
@@ -724,6 +833,7 @@ impl Worker {
 
     fn retire(&self, p: *mut VQueue) {
         self.queues.borrow_mut().retain(|&x| x != p);
+        self.polled.borrow_mut().retain(|&x| x != p);
         // SAFETY: made by Box::into_raw in start(); no kick read and no
         // request refers to it (retirable()), and it left every list.
         let q = unsafe { Box::from_raw(p) };
@@ -740,8 +850,12 @@ impl Worker {
 
 impl Poller for Worker {
     fn poll(&self) -> usize {
+        let mut took = 0;
+        if !self.polled.borrow().is_empty() {
+            took = self.poll_rings();
+        }
         if self.dirty.borrow().is_empty() {
-            return 0;
+            return took;
         }
         let mut batch = std::mem::take(&mut *self.scratch.borrow_mut());
         std::mem::swap(&mut batch, &mut *self.dirty.borrow_mut());
@@ -768,11 +882,49 @@ impl Poller for Worker {
         }
         batch.clear();
         *self.scratch.borrow_mut() = batch;
-        0
+        took
     }
 
     fn must_spin(&self) -> bool {
-        !self.dirty.borrow().is_empty()
+        if !self.dirty.borrow().is_empty() {
+            return true;
+        }
+        if self.polled.borrow().is_empty() {
+            return false;
+        }
+        let mut list = std::mem::take(&mut *self.polled.borrow_mut());
+        let mut more = false;
+        list.retain(|&p| {
+            // SAFETY: a queue in the polled list is live (retire() takes
+            // it off first); nothing else holds a reference to it while
+            // the reactor decides to sleep.
+            let q = unsafe { &mut *p };
+            more |= q.quiesce();
+            q.polled
+        });
+        // quiesce() adds nothing to the list, which was empty meanwhile.
+        *self.polled.borrow_mut() = list;
+        more
+    }
+}
+
+impl Worker {
+    /// Takes what the drivers queued on the polled rings since the last
+    /// turn. Returns how many chains it took.
+    fn poll_rings(&self) -> usize {
+        let list = std::mem::take(&mut *self.polled.borrow_mut());
+        let mut took = 0;
+        for &p in &list {
+            // SAFETY: as in must_spin().
+            let q = unsafe { &mut *p };
+            if q.pollable() {
+                took += q.process();
+            }
+        }
+        // Queues process() added meanwhile (none: each here is polled).
+        let mut added = std::mem::replace(&mut *self.polled.borrow_mut(), list);
+        self.polled.borrow_mut().append(&mut added);
+        took
     }
 }
 
