@@ -8,6 +8,9 @@
 //! device lend ([`udm_core::BioFlags::MAY_LEND`]) gets a pointer into the
 //! mapping instead, written or not: a never-written page reads as the
 //! kernel's shared zero page there, which costs page tables but no memory.
+//! The channel also gives direct access to the mapping
+//! ([`udm_core::Channel::direct_access`]): a target that transforms the
+//! data (crypt) reads or stores it there in one pass, with no bio.
 //! Discard gives the pages it covers whole back to the kernel
 //! (`MADV_DONTNEED`, as brd frees its pages): they read as zeroes, are
 //! marked never written and count no more in [`RamDevice::allocated_bytes`].
@@ -34,6 +37,7 @@
 //! first-touch page faults.
 
 use std::any::Any;
+use std::ptr::NonNull;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -369,5 +373,26 @@ impl Channel for RamChannel {
         // `rw` needs of it.
         let s = self.dev.rw(&mut bio);
         bio.complete(s);
+    }
+
+    /// The mapping itself: a range inside the device is contiguous there.
+    /// A store marks its pages written (the kernel backs each at its first
+    /// store, as for a write); a read of never-written pages finds the
+    /// kernel's zero page, as a lent read does.
+    #[inline]
+    fn direct_access(&self, sector: u64, len: usize, write: bool) -> Option<NonNull<u8>> {
+        let dev = &*self.dev;
+        let end = sector.checked_add((len as u64).div_ceil(1 << SECTOR_SHIFT))?;
+        if len == 0 || end > dev.limits.sectors {
+            return None;
+        }
+        let pos = (sector << SECTOR_SHIFT) as usize;
+        if write {
+            for idx in pos >> PAGE_SHIFT..=(pos + len - 1) >> PAGE_SHIFT {
+                dev.page(idx, true);
+            }
+        }
+        // SAFETY: `pos + len` lies inside the device, so inside the mapping.
+        NonNull::new(unsafe { dev.mem.as_ptr().add(pos) })
     }
 }

@@ -7,6 +7,7 @@
 
 use std::any::Any;
 use std::fmt;
+use std::ptr::NonNull;
 use std::rc::Rc;
 use std::sync::Arc;
 
@@ -276,6 +277,26 @@ pub trait Channel {
     /// length without another check.
     unsafe fn submit_nocheck(&self, bio: BioPtr) {
         self.submit(bio)
+    }
+
+    /// The device's own memory that holds the `len` bytes from `sector`,
+    /// for a caller that reads (`write` false) or stores (`write` true) the
+    /// data there itself instead of submitting a bio (the kernel's
+    /// `dax_direct_access`; a RAM disk's pages): a target that transforms
+    /// data (crypt) then makes one pass over it, where a bio would add the
+    /// device's copy. None, the default, for a device that keeps its data
+    /// elsewhere, for a range not inside the device, and with `write` for
+    /// a read-only device.
+    ///
+    /// The memory stays valid while the device lives (a channel keeps it
+    /// alive). Bytes stored there are stored as a completed write's are
+    /// (such a device has no volatile cache to flush); with `write` the
+    /// range counts as written (not a hole) from this call on. Accesses
+    /// that overlap I/O in flight to the same sectors may tear, as
+    /// overlapping I/O does on any device.
+    fn direct_access(&self, sector: u64, len: usize, write: bool) -> Option<NonNull<u8>> {
+        let _ = (sector, len, write);
+        None
     }
 }
 

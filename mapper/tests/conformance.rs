@@ -405,12 +405,21 @@ fn error_conforms() {
 /// A crypt device (aes-xts-plain64, `opts`) over a fresh RAM disk, 64
 /// sectors in, whose every sector was first written with zeroes through
 /// the target (as a new encrypted volume is wiped): never-written space
-/// then reads as zeroes, as every device's does.
-fn crypt_over_ram(opts: &str) -> Fixture {
+/// then reads as zeroes, as every device's does. With `direct` the target
+/// works in the RAM disk's memory; without, the RAM disk lies under a
+/// linear device, which gives no direct access, so writes go down from
+/// bounce buffers and reads are decrypted as they complete.
+fn crypt_over_ram(opts: &str, direct: bool) -> Fixture {
     const KEY: &str = "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f\
                        f0e0d0c0b0a090807060504030201000ffeeddccbbaa99887766554433221100";
     let mut devs = Devices::new();
-    devs.ram("r", DEV_SECTORS + 64);
+    if direct {
+        devs.ram("r", DEV_SECTORS + 64);
+    } else {
+        devs.ram("r0", DEV_SECTORS + 64);
+        let lin = mapped(&devs, "r", &format!("0 {} linear r0 0", DEV_SECTORS + 64));
+        devs.add(lin);
+    }
     let line = format!("0 {DEV_SECTORS} crypt aes-xts-plain64 {KEY} 0 r 64 {opts}");
     {
         let fill = mapped(&devs, "wipe", &line);
@@ -427,7 +436,7 @@ fn crypt_over_ram(opts: &str) -> Fixture {
 #[test]
 fn crypt_over_ram_conforms() {
     conformance(
-        || crypt_over_ram(""),
+        || crypt_over_ram("", true),
         Expect::data("crypt over ram", Caps::FLUSH | Caps::FUA),
     );
 }
@@ -435,10 +444,32 @@ fn crypt_over_ram_conforms() {
 #[test]
 fn crypt_4096_byte_sectors_over_ram_conforms() {
     conformance(
-        || crypt_over_ram("2 sector_size:4096 iv_large_sectors"),
+        || crypt_over_ram("2 sector_size:4096 iv_large_sectors", true),
         Expect {
             lbs: 4096,
             ..Expect::data("crypt sector_size:4096 over ram", Caps::FLUSH | Caps::FUA)
+        },
+    );
+}
+
+#[test]
+fn crypt_over_linear_over_ram_conforms() {
+    conformance(
+        || crypt_over_ram("", false),
+        Expect::data("crypt over linear over ram", Caps::FLUSH | Caps::FUA),
+    );
+}
+
+#[test]
+fn crypt_4096_byte_sectors_over_linear_over_ram_conforms() {
+    conformance(
+        || crypt_over_ram("2 sector_size:4096 iv_large_sectors", false),
+        Expect {
+            lbs: 4096,
+            ..Expect::data(
+                "crypt sector_size:4096 over linear over ram",
+                Caps::FLUSH | Caps::FUA,
+            )
         },
     );
 }

@@ -9,6 +9,7 @@ mod common;
 
 use std::io::Write;
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 
 use common::{as_dev, pattern, Devices, Req, Tester, SECTOR};
 use udm_core::{BlockDevice, Caps, Status};
@@ -95,12 +96,39 @@ struct Case {
 /// device's bytes with the reference's ciphertext, whose IV numbers are
 /// dm-crypt's rule written out: (target sector + iv_offset), in 512-byte
 /// sectors, divided by the unit's sectors with `iv_large_sectors`.
+///
+/// Both ways the target works: in the RAM disk's memory (direct access),
+/// and over a device that gives none (bounce buffers down, decryption as
+/// reads complete).
 fn check_against_reference(c: &Case) {
+    for direct in [true, false] {
+        check_against_reference_on(c, direct);
+    }
+}
+
+/// A RAM disk `ram0` of `sectors`, and the name of the device a crypt table
+/// goes over: `ram0` itself (`direct`), or a linear device over all of it,
+/// which gives no direct access to the memory.
+fn ram_below(
+    devs: &mut Devices,
+    sectors: u64,
+    direct: bool,
+) -> (Arc<dyn BlockDevice>, &'static str) {
+    let ram = devs.ram("ram0", sectors);
+    if direct {
+        return (ram, "ram0");
+    }
+    let lin = as_dev(&devs.mapped("lin0", &format!("0 {sectors} linear ram0 0")));
+    devs.add(lin);
+    (ram, "lin0")
+}
+
+fn check_against_reference_on(c: &Case, direct: bool) {
     let mut devs = Devices::new();
-    let ram = devs.ram("ram0", 1024);
+    let (ram, below) = ram_below(&mut devs, 1024, direct);
     let len = 512 - 64;
     let table = format!(
-        "0 {len} crypt {} {} {} ram0 {} {}",
+        "0 {len} crypt {} {} {} {below} {} {}",
         c.cipher, c.key, c.iv_offset, c.dev_offset, c.opts
     );
     let dev = as_dev(&devs.mapped("c", &table));
@@ -232,11 +260,17 @@ fn the_crypto_api_form_names_the_same_cipher() {
 /// as one contiguous write would.
 #[test]
 fn writes_leave_the_callers_buffer_as_it_was() {
+    for direct in [true, false] {
+        writes_leave_the_callers_buffer_as_it_was_on(direct);
+    }
+}
+
+fn writes_leave_the_callers_buffer_as_it_was_on(direct: bool) {
     let mut devs = Devices::new();
-    let ram = devs.ram("ram0", 256);
+    let (ram, below) = ram_below(&mut devs, 256, direct);
     let dev = as_dev(&devs.mapped(
         "c",
-        &format!("0 256 crypt aes-xts-plain64 {KEY512} 0 ram0 0"),
+        &format!("0 256 crypt aes-xts-plain64 {KEY512} 0 {below} 0"),
     ));
     let t = Tester::new();
     let plain = pattern(3, 0, 64);
@@ -257,11 +291,17 @@ fn writes_leave_the_callers_buffer_as_it_was() {
 /// sector for sector.
 #[test]
 fn large_writes_are_split_and_read_back() {
+    for direct in [true, false] {
+        large_writes_are_split_and_read_back_on(direct);
+    }
+}
+
+fn large_writes_are_split_and_read_back_on(direct: bool) {
     let mut devs = Devices::new();
-    devs.ram("ram0", 8192);
+    let (_, below) = ram_below(&mut devs, 8192, direct);
     let dev = as_dev(&devs.mapped(
         "c",
-        &format!("0 8192 crypt aes-xts-plain64 {KEY512} 0 ram0 0 1 sector_size:4096"),
+        &format!("0 8192 crypt aes-xts-plain64 {KEY512} 0 {below} 0 1 sector_size:4096"),
     ));
     let t = Tester::new();
     let plain = pattern(9, 8, 4096 + 8);
@@ -397,14 +437,21 @@ fn workqueue_options_are_accepted_and_printed_back() {
 }
 
 /// Steady state allocates nothing: bounce buffers and descriptors come back
-/// to their caches.
+/// to their caches (over a device without direct access, where writes go
+/// down from bounce buffers; over RAM, no descriptor goes down at all).
 #[test]
 fn steady_writes_reuse_bounce_buffers_and_descriptors() {
+    for direct in [true, false] {
+        steady_writes_reuse_bounce_buffers_and_descriptors_on(direct);
+    }
+}
+
+fn steady_writes_reuse_bounce_buffers_and_descriptors_on(direct: bool) {
     let mut devs = Devices::new();
-    devs.ram("ram0", 256);
+    let (_, below) = ram_below(&mut devs, 256, direct);
     let dev = as_dev(&devs.mapped(
         "c",
-        &format!("0 256 crypt aes-xts-plain64 {KEY512} 0 ram0 0"),
+        &format!("0 256 crypt aes-xts-plain64 {KEY512} 0 {below} 0"),
     ));
     let t = Tester::new();
     for _ in 0..3 {
@@ -417,4 +464,46 @@ fn steady_writes_reuse_bounce_buffers_and_descriptors() {
     let s1 = t.reactor.cache_stats();
     assert_eq!(s1.misses, s0.misses, "descriptors were allocated");
     let _: &dyn BlockDevice = &*dev;
+}
+
+/// What the target relies on to work in a RAM disk's memory: the channel
+/// gives the memory that holds a range inside the device and nothing
+/// beyond it, bytes there are the device's (a write's bytes read through
+/// it, bytes stored through it read back), and a store makes its pages
+/// data, not holes. A mapped device gives no such access.
+#[test]
+fn a_ram_disk_gives_direct_access_to_its_memory_and_nothing_beyond() {
+    let mut devs = Devices::new();
+    let ram = devs.ram("ram0", 64);
+    let t = Tester::new();
+    let ch = t.open(&ram);
+    assert!(ch.direct_access(0, 0, false).is_none(), "an empty range");
+    assert!(ch.direct_access(63, 1024, false).is_none(), "past the end");
+    assert!(ch.direct_access(u64::MAX, 512, true).is_none(), "overflow");
+    let written = pattern(4, 8, 8);
+    t.write(&ram, 8, written.clone());
+    let p = ch.direct_access(8, 4096, false).expect("ram gives access");
+    // SAFETY: 4096 bytes of the device's memory, which lives as long as
+    // `ram`; no I/O runs meanwhile.
+    let seen = unsafe { std::slice::from_raw_parts(p.as_ptr(), 4096) };
+    assert!(seen == &written[..], "the memory does not hold the write");
+
+    let mut holes = Vec::new();
+    ram.block_status(32, 8, &mut holes).expect("block status");
+    assert_eq!(holes[0].alloc, udm_core::Alloc::Hole);
+    let stored = pattern(5, 32, 8);
+    let p = ch.direct_access(32, 4096, true).expect("ram gives access");
+    // SAFETY: as above.
+    unsafe { std::ptr::copy_nonoverlapping(stored.as_ptr(), p.as_ptr(), 4096) };
+    assert!(t.read(&ram, 32, 8) == stored, "a store does not read back");
+    let mut data = Vec::new();
+    ram.block_status(32, 8, &mut data).expect("block status");
+    assert_eq!(
+        data[0].alloc,
+        udm_core::Alloc::Data,
+        "a stored page is a hole"
+    );
+
+    let lin = as_dev(&devs.mapped("lin", "0 64 linear ram0 0"));
+    assert!(t.open(&lin).direct_access(0, 512, false).is_none());
 }

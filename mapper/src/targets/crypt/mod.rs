@@ -42,13 +42,17 @@
 //! that keys stay out of listings, configuration dumps and logs. A key from
 //! the keyring is printed by name, as dm does.
 //!
-//! The data path: a read is remapped and goes down into the caller's
-//! buffer, then is decrypted there in place by [`Target::end_io`] — or,
-//! when the device lends its memory (a one-segment read of a RAM disk),
-//! decrypted from that memory straight into the caller's buffer. A write
-//! is encrypted into a bounce buffer (`bounce.rs`, a pool per reactor)
-//! which goes down in its place in a descriptor of its own; the caller's
-//! buffer is never changed. The cipher is in `cipher.rs`, the key and the
+//! The data path: when the device gives access to its memory
+//! ([`udm_core::Channel::direct_access`], a RAM disk), `map` decrypts a
+//! read from there straight into the caller's buffer and encrypts a write
+//! from the caller's buffer straight into it, and completes the bio: one
+//! pass over the data, no bio down, no buffer of the target's. Otherwise a
+//! read is remapped and goes down into the caller's buffer, then is
+//! decrypted there in place by [`Target::end_io`] — or, when the device
+//! lends its memory (a one-segment read), decrypted from that memory into
+//! the caller's buffer; and a write is encrypted into a bounce buffer
+//! (`bounce.rs`, a pool per reactor) which goes down in its place in a
+//! descriptor of its own. The caller's buffer of a write is never changed. The cipher is in `cipher.rs`, the key and the
 //! memory that keeps it secret in `key.rs`.
 
 mod bounce;
@@ -113,6 +117,11 @@ pub const CRYPT: TargetType = TargetType {
 
 /// I/O is split at this many sectors (1 MiB, the largest bounce buffer).
 pub const MAX_IO_SECTORS: u64 = (bounce::MAX_BOUNCE >> SECTOR_SHIFT) as u64;
+
+/// `per_io[0]` of a read decrypted in `map` already (from the device's
+/// memory); otherwise it holds the read's target-relative sector, never
+/// this large.
+const DECRYPTED: u64 = u64::MAX;
 
 /// The options, as parsed (and printed back in dm's order).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -240,54 +249,93 @@ impl Crypt {
         }
     }
 
-    /// Encrypts a write into a bounce buffer and sends that down instead.
+    /// Encrypts a write: straight into the device's memory when it gives
+    /// access to it ([`udm_core::Channel::direct_access`], a RAM disk), so
+    /// the data is passed over once and no bio goes down; else into a
+    /// bounce buffer which goes down in its place.
     fn write(&self, bio: BioPtr, ctx: &MapCtx<'_>) -> Map {
         let len = bio.len() as usize;
         if len > bounce::MAX_BOUNCE {
             // Split at MAX_IO_SECTORS by the core; never larger.
             return Map::Kill(bio, Status::Inval);
         }
+        let dev_sector = bio.sector + self.devs[0].start;
+        if let Some(p) = ctx.devs[0].direct_access(dev_sector, len, true) {
+            // SAFETY: the device's memory for these `len` bytes, valid while
+            // the device lives (the channel keeps it); only I/O overlapping
+            // this write touches it meanwhile (direct_access's contract),
+            // and it is not the caller's buffer.
+            let dst = unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), len) };
+            self.encrypt_into(&bio, dst);
+            bio.complete(Status::Ok);
+            return Map::Submitted;
+        }
         let b = bounce::take(len);
         // SAFETY: the buffer from `take` holds at least `len` bytes and is
         // ours until given back in `write_done`.
         let dst = unsafe { std::slice::from_raw_parts_mut(b.ptr.as_ptr(), len) };
+        self.encrypt_into(&bio, dst);
+        self.submit_write(bio, b, len, ctx)
+    }
+
+    /// The IV number of unit `i` of an I/O at target-relative sector `rel`.
+    #[inline]
+    fn unit_iv(&self, rel: u64, i: usize) -> u64 {
+        self.iv_number(rel + ((i as u64) << self.shift))
+    }
+
+    /// Encrypts the write `bio`'s data into `dst` (its length): the units
+    /// inside each segment in one call, from there, a unit that straddles
+    /// segments from a copy in `dst`.
+    fn encrypt_into(&self, bio: &Bio, dst: &mut [u8]) {
         let unit = self.opts.sector_size as usize;
         let rel = bio.sector;
-        let step = 1u64 << self.shift;
-        if let [seg] = bio.segs() {
-            if seg.len == len {
-                // SAFETY: the one segment is the caller's buffer of `len`
-                // bytes, readable until the bio completes (add_seg's
-                // contract), and not the bounce buffer.
-                let src = unsafe { std::slice::from_raw_parts(seg.base, len) };
-                self.cipher.units_to(
-                    Dir::Encrypt,
-                    unit,
-                    |i| self.iv_number(rel + i as u64 * step),
-                    src,
-                    dst,
-                );
-                return self.submit_write(bio, b, len, ctx);
+        runs(bio, unit, |off, p, len| match p {
+            Some(p) => {
+                // SAFETY: a run of the caller's segment (`runs`), readable
+                // until the bio completes (add_seg's contract), and not
+                // `dst`.
+                let src = unsafe { std::slice::from_raw_parts(p, len) };
+                let first = off / unit;
+                let n = |i| self.unit_iv(rel, first + i);
+                self.cipher
+                    .units_to(Dir::Encrypt, unit, n, src, &mut dst[off..off + len]);
             }
-        }
-        let mut cur = Cursor::default();
-        for (i, d) in dst.chunks_exact_mut(unit).enumerate() {
-            let n = self.iv_number(rel + i as u64 * step);
-            match cur.next(&bio, unit) {
-                Some(p) => {
-                    // SAFETY: the segment is the caller's buffer, readable
-                    // until the bio completes (add_seg's contract); the unit
-                    // lies in it.
-                    let src = unsafe { std::slice::from_raw_parts(p, unit) };
-                    self.cipher.sector_to(Dir::Encrypt, n, src, d)
-                }
-                None => {
-                    bio.copy_out(i * unit, d);
-                    self.cipher.encrypt(n, d);
-                }
+            None => {
+                let d = &mut dst[off..off + unit];
+                bio.copy_out(off, d);
+                self.cipher.encrypt(self.unit_iv(rel, off / unit), d);
             }
-        }
-        self.submit_write(bio, b, len, ctx)
+        });
+    }
+
+    /// Decrypts a read from `src` (the device's memory, the bio's length)
+    /// into the caller's buffers: the units inside each segment in one
+    /// call, a unit that straddles segments through a copy on the stack.
+    fn decrypt_from(&self, bio: &Bio, rel: u64, src: &[u8]) {
+        let unit = self.opts.sector_size as usize;
+        runs(bio, unit, |off, p, len| match p {
+            Some(p) => {
+                // SAFETY: a run of the caller's segment (`runs`), writable
+                // until the bio completes (add_seg's contract), and not the
+                // device's memory.
+                let dst = unsafe { std::slice::from_raw_parts_mut(p, len) };
+                let first = off / unit;
+                let n = |i| self.unit_iv(rel, first + i);
+                self.cipher
+                    .units_to(Dir::Decrypt, unit, n, &src[off..off + len], dst);
+            }
+            None => {
+                // Here only, not per call: zeroing it costs a pass.
+                let mut tmp = [0u8; 4096];
+                let t = &mut tmp[..unit];
+                let n = self.unit_iv(rel, off / unit);
+                self.cipher
+                    .sector_to(Dir::Decrypt, n, &src[off..off + unit], t);
+                scatter(bio, off, t);
+                zeroize::Zeroize::zeroize(&mut tmp);
+            }
+        });
     }
 
     /// Sends the bounce buffer `b`, `len` bytes encrypted, down in a clone
@@ -308,8 +356,6 @@ impl Crypt {
     /// Decrypts a read the device lent its memory for, from that memory into
     /// the caller's buffer (saved in `map`).
     fn decrypt_lent(&self, bio: &mut Bio) {
-        let unit = self.opts.sector_size as usize;
-        let step = 1u64 << self.shift;
         let rel = bio.per_io[0];
         let len = bio.len() as usize;
         // SAFETY: a lent read's one segment is the device's memory, readable
@@ -319,90 +365,89 @@ impl Crypt {
         // in `map`; it is the caller's buffer, writable until the bio
         // completes (add_seg's contract), and not the lent memory.
         let dst = unsafe { std::slice::from_raw_parts_mut(bio.per_io[1] as *mut u8, len) };
-        let n = |i| self.iv_number(rel + i as u64 * step);
+        let unit = self.opts.sector_size as usize;
+        let n = |i| self.unit_iv(rel, i);
         self.cipher.units_to(Dir::Decrypt, unit, n, src, dst);
     }
 
-    /// Decrypts a completed read in the caller's buffers, unit by unit: a
-    /// unit inside one segment where it is, one that straddles segments
-    /// (a caller's odd iovec) through a copy on the stack.
-    fn decrypt(&self, bio: &mut Bio) {
+    /// Decrypts a completed read in the caller's buffers: the units inside
+    /// each segment in one call, where they are, a unit that straddles
+    /// segments (a caller's odd iovec) through a copy on the stack.
+    fn decrypt(&self, bio: &Bio) {
         let unit = self.opts.sector_size as usize;
-        let step = 1u64 << self.shift;
         let rel = bio.per_io[0];
-        let len = bio.len() as usize;
-        if let [seg] = bio.segs() {
-            if seg.len == len {
-                // SAFETY: the one segment is the caller's buffer of `len`
-                // bytes, writable until the bio completes (add_seg's
-                // contract).
-                let data = unsafe { std::slice::from_raw_parts_mut(seg.base, len) };
-                let n = |i| self.iv_number(rel + i as u64 * step);
+        runs(bio, unit, |off, p, len| match p {
+            Some(p) => {
+                // SAFETY: a run of the caller's segment (`runs`), writable
+                // until the bio completes (add_seg's contract).
+                let data = unsafe { std::slice::from_raw_parts_mut(p, len) };
+                let first = off / unit;
+                let n = |i| self.unit_iv(rel, first + i);
                 self.cipher.units(Dir::Decrypt, unit, n, data);
-                return;
             }
-        }
-        let mut cur = Cursor::default();
-        let mut tmp = [0u8; 4096];
-        for i in 0..bio.len() as usize / unit {
-            let n = self.iv_number(rel + i as u64 * step);
-            match cur.next(bio, unit) {
-                Some(p) => {
-                    // SAFETY: the segment is the caller's buffer, writable
-                    // until the bio completes (add_seg's contract); the unit
-                    // lies in it.
-                    self.cipher
-                        .decrypt(n, unsafe { std::slice::from_raw_parts_mut(p, unit) })
-                }
-                None => {
-                    let t = &mut tmp[..unit];
-                    bio.copy_out(i * unit, t);
-                    self.cipher.decrypt(n, t);
-                    bio.copy_in(i * unit, t);
-                }
+            None => {
+                let mut tmp = [0u8; 4096];
+                let t = &mut tmp[..unit];
+                bio.copy_out(off, t);
+                self.cipher.decrypt(self.unit_iv(rel, off / unit), t);
+                scatter(bio, off, t);
+                zeroize::Zeroize::zeroize(&mut tmp);
             }
-        }
-        zeroize::Zeroize::zeroize(&mut tmp);
+        });
     }
 }
 
-/// Walks a bio's segments a unit at a time.
-#[derive(Default)]
-struct Cursor {
-    /// The segment the next unit starts in, and the byte there.
-    seg: usize,
-    at: usize,
+/// Walks `bio`'s data a unit at a time, in runs: `f(off, Some(p), len)`
+/// for each run of whole units that lie in one segment (`len` bytes at
+/// `p`, bytes `off..off + len` of the bio), `f(off, None, unit)` for each
+/// unit that straddles segments (bytes `off..off + unit` of the bio). The
+/// runs and units follow each other and cover the bio's whole units; a
+/// one-segment bio is one run. Batching a segment's units into one call
+/// keeps the cipher's per-call work (round keys, the tweaks' encryption,
+/// 4 units at a time) off each 512-byte unit of a merged bio.
+#[inline]
+fn runs(bio: &Bio, unit: usize, mut f: impl FnMut(usize, Option<*mut u8>, usize)) {
+    let total = bio.len() as usize / unit * unit;
+    let mut off = 0;
+    let mut seg_start = 0;
+    for s in bio.segs() {
+        let seg_end = seg_start + s.len;
+        if off < seg_end {
+            let whole = (seg_end - off) / unit * unit;
+            if whole > 0 {
+                // In bounds: off - seg_start + whole <= s.len.
+                f(off, Some(s.base.wrapping_add(off - seg_start)), whole);
+                off += whole;
+            }
+            if off < seg_end && off + unit <= total {
+                f(off, None, unit);
+                off += unit;
+            }
+        }
+        seg_start = seg_end;
+    }
 }
 
-impl Cursor {
-    /// Moves past the next `unit` bytes; returns where they are when they
-    /// lie in one segment (`None`: they straddle segments).
-    #[inline]
-    fn next(&mut self, bio: &Bio, unit: usize) -> Option<*mut u8> {
-        let segs = bio.segs();
-        let s = segs.get(self.seg)?;
-        if s.len - self.at >= unit {
-            // In bounds: `at + unit <= len` of this segment.
-            let p = s.base.wrapping_add(self.at);
-            self.at += unit;
-            if self.at == s.len {
-                self.seg += 1;
-                self.at = 0;
-            }
-            return Some(p);
+/// Copies `buf` into a read `bio`'s segments from byte `off` of the bio
+/// ([`Bio::copy_in`] through a shared borrow, which [`runs`] holds).
+fn scatter(bio: &Bio, mut off: usize, mut buf: &[u8]) {
+    debug_assert!(!bio.flags.contains(BioFlags::LENT));
+    for s in bio.segs() {
+        if buf.is_empty() {
+            break;
         }
-        let mut left = unit;
-        while left > 0 {
-            let Some(s) = segs.get(self.seg) else { break };
-            let take = (s.len - self.at).min(left);
-            left -= take;
-            self.at += take;
-            if self.at == s.len {
-                self.seg += 1;
-                self.at = 0;
-            }
+        if off >= s.len {
+            off -= s.len;
+            continue;
         }
-        None
+        let take = (s.len - off).min(buf.len());
+        // SAFETY: a read's segments are the caller's buffers, writable and
+        // unaliased until the bio completes (add_seg's contract; not lent:
+        // the callers decrypt into buffers of the caller only);
+        // `off + take <= s.len`, and `buf` is the target's own copy.
+        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), s.base.add(off), take) };
+        buf = &buf[take..];
+        off = 0;
     }
 }
 
@@ -429,6 +474,21 @@ impl Target for Crypt {
     fn map(&self, mut bio: BioPtr, ctx: &MapCtx<'_>) -> Map {
         match bio.op {
             Op::Read => {
+                let len = bio.len() as usize;
+                let dev_sector = bio.sector + self.devs[0].start;
+                if let Some(p) = ctx.devs[0].direct_access(dev_sector, len, false) {
+                    // SAFETY: the device's memory for these `len` bytes,
+                    // valid while the device lives (the channel keeps it);
+                    // only I/O overlapping this read writes it meanwhile
+                    // (direct_access's contract).
+                    let src = unsafe { std::slice::from_raw_parts(p.as_ptr(), len) };
+                    let rel = bio.sector;
+                    self.decrypt_from(&bio, rel, src);
+                    // end_io must not decrypt it again.
+                    bio.per_io[0] = DECRYPTED;
+                    bio.complete(Status::Ok);
+                    return Map::Submitted;
+                }
                 bio.per_io[0] = bio.sector;
                 // A one-segment read lets the device lend its memory: end_io
                 // then decrypts from there into the caller's buffer, which
@@ -470,7 +530,7 @@ impl Target for Crypt {
     }
 
     fn end_io(&self, bio: &mut Bio, _dev: usize) {
-        if bio.op == Op::Read && bio.status().is_ok() {
+        if bio.op == Op::Read && bio.status().is_ok() && bio.per_io[0] != DECRYPTED {
             if bio.flags.contains(BioFlags::LENT) {
                 self.decrypt_lent(bio);
             } else {
