@@ -345,11 +345,12 @@ fn jobs_pinned_with_cpus_run() {
     assert!(out.contains("\"mismatches\":0"), "{out}");
 }
 
-/// Queued dispatch (seed 004): batches of sequential and random I/O,
-/// merged into multi-segment bios that the targets then split at chunk
-/// and target boundaries, verify on every target over every backend.
+/// Queued, stream and auto dispatch (seed 004): batches of sequential and
+/// random I/O, merged into multi-segment bios that the targets then split
+/// at chunk and target boundaries, verify on every target over every
+/// backend.
 #[test]
-fn queued_and_stream_dispatch_verify_on_every_target_over_every_backend() {
+fn queued_stream_and_auto_dispatch_verify_on_every_target_over_every_backend() {
     for (backend, devs, _files) in backends("queued") {
         for (name, table) in TABLES {
             for (rw, mode) in [
@@ -357,6 +358,8 @@ fn queued_and_stream_dispatch_verify_on_every_target_over_every_backend() {
                 ("randwrite", "queued"),
                 ("write", "stream"),
                 ("randwrite", "stream"),
+                ("write", "auto"),
+                ("randwrite", "auto"),
             ] {
                 verify(
                     &backend,

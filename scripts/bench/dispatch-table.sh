@@ -4,14 +4,20 @@
 # disk (prefilled) and on an O_DIRECT file on /dev/shm, in interleaved
 # rounds (the modes' order reverses every round); a markdown table of
 # medians: direct's IOPS, each mode's median per-round ratio to the direct
-# run beside it, and auto / the better of direct and queued.
+# run beside it, and auto / the better of direct and queued (the median of
+# the per-round ratios, the rounds' range after it; bold below 0.95), then
+# how many cells are below 0.95; the same again for I/Os per CPU-second of
+# the job's thread (what a run costs, which being descheduled on a loaded
+# host changes far less than its IOPS), and the load average before and
+# after.
 #
 #   scripts/bench/dispatch-table.sh [ROUNDS=3]
 #
 # Env: RUNTIME (seconds per run, default 1), BS (default 4k), DEVS (default
 # "ram file"), FILE (default /dev/shm/udm-dispatch-table.img, 256 MiB,
-# written once before the rounds and kept: scripts/once.sh), UDM (binary;
-# default builds target/release/udm).
+# written once before the rounds and kept: scripts/once.sh), CPUS (passed
+# to --cpus: pin the job, e.g. 1), UDM (binary; default builds
+# target/release/udm).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 . scripts/once.sh
@@ -26,6 +32,9 @@ if [ -z "${UDM:-}" ]; then
 fi
 OUT=$(mktemp)
 trap 'rm -f "$OUT"' EXIT
+PIN=()
+[ -z "${CPUS:-}" ] || PIN=(--cpus "$CPUS")
+LOAD0=$(cut -d' ' -f1-3 /proc/loadavg)
 MODES=(direct queued stream auto)
 for dev in $DEVS; do
     case $dev in
@@ -45,29 +54,42 @@ for dev in $DEVS; do
         for rw in read randread write randwrite; do
             for qd in 1 4 32; do
                 for m in "${order[@]}"; do
-                    iops=$("$UDM" bench --dev "$SPEC" --target d --rw "$rw" --bs "$BS" --iodepth "$qd" \
-                        --runtime "$RUNTIME" --dispatch "$m" "${EXTRA[@]}" --json |
-                        python3 -c 'import json,sys; print(json.load(sys.stdin)["iops"])')
-                    echo "$dev $rw $qd $r $m $iops" >>"$OUT"
+                    res=$("$UDM" bench --dev "$SPEC" --target d --rw "$rw" --bs "$BS" --iodepth "$qd" \
+                        --runtime "$RUNTIME" --dispatch "$m" "${EXTRA[@]}" "${PIN[@]}" --json |
+                        python3 -c 'import json,sys; j=json.load(sys.stdin); print(j["iops"], j["ios"] / max(j["cpu_user_s"] + j["cpu_sys_s"], 1e-6))')
+                    echo "$dev $rw $qd $r $m $res" >>"$OUT"
                 done
             done
         done
     done
 done
-python3 - "$OUT" <<'PY'
+LOAD1=$(cut -d' ' -f1-3 /proc/loadavg)
+python3 - "$OUT" "$LOAD0" "$LOAD1" <<'PY'
 import sys, statistics as st
 from collections import defaultdict
-runs = defaultdict(dict)
-for dev, rw, qd, r, m, iops in (l.split() for l in open(sys.argv[1])):
-    runs[(dev, rw, int(qd))].setdefault(int(r), {})[m] = float(iops)
-print("| device | rw | QD | direct IOPS | queued / direct | stream / direct | auto / direct | auto / max(direct, queued) |")
-print("|---|---|---|---|---|---|---|---|")
-for (dev, rw, qd), rounds in runs.items():
-    rs = rounds.values()
-    med = lambda f: st.median(f(v) for v in rs)
-    d = med(lambda v: v["direct"])
-    ratio = lambda m: med(lambda v: v[m] / v["direct"])
-    best = med(lambda v: v["auto"] / max(v["direct"], v["queued"]))
-    fmt = f"{d / 1e6:.2f} M" if d >= 1e6 else f"{d / 1e3:.0f} k"
-    print(f"| {dev} | {rw} | {qd} | {fmt} | {ratio('queued'):.2f} | {ratio('stream'):.2f} | {ratio('auto'):.2f} | {best:.2f} |")
+runs = [defaultdict(dict), defaultdict(dict)]
+for dev, rw, qd, r, m, iops, per_cpu in (l.split() for l in open(sys.argv[1])):
+    runs[0][(dev, rw, int(qd))].setdefault(int(r), {})[m] = float(iops)
+    runs[1][(dev, rw, int(qd))].setdefault(int(r), {})[m] = float(per_cpu)
+for what, table in zip(["IOPS", "I/Os per CPU-second of the job's thread"], runs):
+    print(f"{what}:")
+    print()
+    print("| device | rw | QD | direct | queued / direct | stream / direct | auto / direct | auto / max(direct, queued) |")
+    print("|---|---|---|---|---|---|---|---|")
+    below = 0
+    for (dev, rw, qd), rounds in table.items():
+        rs = rounds.values()
+        med = lambda f: st.median(f(v) for v in rs)
+        d = med(lambda v: v["direct"])
+        ratio = lambda m: med(lambda v: v[m] / v["direct"])
+        per = [v["auto"] / max(v["direct"], v["queued"]) for v in rs]
+        best = st.median(per)
+        below += best < 0.95
+        cell = f"{best:.2f}" if best >= 0.95 else f"**{best:.2f}**"
+        fmt = f"{d / 1e6:.2f} M" if d >= 1e6 else f"{d / 1e3:.0f} k"
+        print(f"| {dev} | {rw} | {qd} | {fmt} | {ratio('queued'):.2f} | {ratio('stream'):.2f} | {ratio('auto'):.2f} | {cell} ({min(per):.2f}-{max(per):.2f}) |")
+    print()
+    print(f"cells where auto < 0.95x the better of direct and queued: {below} of {len(table)}")
+    print()
+print(f"load average (1, 5, 15 min) before: {sys.argv[2]}; after: {sys.argv[3]}")
 PY

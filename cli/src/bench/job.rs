@@ -191,8 +191,8 @@ struct Job {
     /// Queued dispatch: the slots whose I/O is held until [`Job::unplug`]
     /// (capacity iodepth, so it never grows).
     plug: UnsafeCell<Vec<*mut Slot>>,
-    /// Stream and auto dispatch: where the I/O issued last ended.
-    next_sector: Cell<u64>,
+    /// Stream and auto dispatch: the block after the I/O issued last.
+    next_block: Cell<u64>,
     /// The largest merged bio: the device's limits.
     max_bytes: u32,
     max_segs: usize,
@@ -316,8 +316,8 @@ impl Job {
         }
         let held = match M {
             M_DIRECT => false,
-            M_AUTO => self.hold_auto(slot, op, sector),
-            _ => self.hold(slot, op, sector),
+            M_AUTO => self.hold_auto(slot, op, block),
+            _ => self.hold(slot, op, block, sector),
         };
         if held {
             return true;
@@ -342,44 +342,52 @@ impl Job {
     /// goes first when it cannot take this one); any other sends what is
     /// held and returns false, to go direct. Out of line.
     #[inline(never)]
-    fn hold(&self, slot: *mut Slot, op: Op, sector: u64) -> bool {
-        let follows = self.cfg.dispatch == Dispatch::Queued
-            || self.next_sector.replace(sector + self.bs_sectors) == sector;
-        if !follows {
-            self.unplug();
-            return false;
+    fn hold(&self, slot: *mut Slot, op: Op, block: u64, sector: u64) -> bool {
+        if self.cfg.dispatch != Dispatch::Queued {
+            if self.next_block.replace(block + 1) != block {
+                self.unplug();
+                return false;
+            }
+            if !self.continues_plug(op, sector) {
+                self.unplug();
+            }
         }
-        self.hold_run(slot, op, sector, self.cfg.dispatch != Dispatch::Queued);
+        self.hold_slot(slot, op, sector);
         true
     }
 
-    /// Auto dispatch: holds the I/O as stream does ([`Job::hold`]), but
-    /// only while other I/Os are in flight (a lone one could merge with
-    /// nothing); false: it goes direct. Inline, so that what goes direct
-    /// pays only the test.
+    /// Auto dispatch: holds the I/O as stream does ([`Job::hold`]) only
+    /// while other I/Os are in flight and it continues the one issued
+    /// before it; false: it goes direct. Inline, so that what goes direct
+    /// pays only the test: a lone I/O (nothing in flight, so nothing held)
+    /// is not even recorded, and a scattered one records where it ends but
+    /// leaves a run held meanwhile to the batch's end.
     #[inline]
-    fn hold_auto(&self, slot: *mut Slot, op: Op, sector: u64) -> bool {
-        if self.next_sector.replace(sector + self.bs_sectors) == sector {
-            // Held I/Os count as in flight: with none, nothing is held.
-            if self.inflight.get() == 0 {
-                return false;
-            }
-            self.hold_run(slot, op, sector, true);
-            return true;
+    fn hold_auto(&self, slot: *mut Slot, op: Op, block: u64) -> bool {
+        // Held I/Os count as in flight: with none, nothing is held and
+        // this one could merge with nothing.
+        if self.next_block.replace(block + 1) != block || self.inflight.get() == 0 {
+            return false;
         }
-        self.unplug();
-        false
+        self.hold_auto_run(slot, op, block);
+        true
     }
 
-    /// Holds the slot's I/O, which continues the one issued before it
-    /// when `run` (stream and auto dispatch: what is held goes first when
-    /// it cannot take this one), until [`Job::unplug`]. Inline in both
-    /// callers (a second call cost stream 10 instructions per I/O).
-    #[inline]
-    fn hold_run(&self, slot: *mut Slot, op: Op, sector: u64, run: bool) {
-        if run && !self.continues_plug(op, sector) {
+    /// [`Job::hold_auto`]'s holding, out of line: kept out of `issue`, it
+    /// leaves direct's path there the registers it has in direct's copy.
+    /// It finds the sector itself: passing it cost `issue` a spill.
+    #[inline(never)]
+    fn hold_auto_run(&self, slot: *mut Slot, op: Op, block: u64) {
+        let sector = self.cfg.region_start + block * self.bs_sectors;
+        if !self.continues_plug(op, sector) {
             self.unplug();
         }
+        self.hold_slot(slot, op, sector);
+    }
+
+    /// Adds the slot's I/O to the plug, until [`Job::unplug`].
+    #[inline]
+    fn hold_slot(&self, slot: *mut Slot, op: Op, sector: u64) {
         // SAFETY: slots live in the job's vector, which is not resized
         // after setup; no I/O of this slot is in flight.
         let s = unsafe { &mut *slot };
@@ -403,6 +411,15 @@ impl Job {
         if matches!(p, Phase::Done | Phase::Ready) {
             return;
         }
+        // The phase's first batch is one submission (the kernel plugs
+        // one too): stream and auto hold its first I/O as well, as if it
+        // continued a run (a phase starts at block 0 but for random
+        // passes) with the batch in flight behind it. Sent alone, it would
+        // split every later batch of a device whose completions come back
+        // in the groups they went down in (the O_DIRECT file: 1 + 3 at QD4
+        // for ever), where queued dispatch sends one bio.
+        self.next_block.set(0);
+        self.inflight.set(self.inflight.get() + 1);
         // SAFETY: the slot vector is not resized after setup.
         let n = unsafe { (*self.slots.get()).len() };
         for i in 0..n {
@@ -418,14 +435,16 @@ impl Job {
             }
         }
         self.unplug();
+        self.inflight.set(self.inflight.get() - 1);
         if self.inflight.get() == 0 {
             self.advance();
         }
     }
 
-    /// Stream and auto dispatch: whether an I/O of `op` at `sector`, where the one
-    /// issued before it ended, can join the run held (or nothing is held)
-    /// within the device's limits.
+    /// Stream and auto dispatch: whether an I/O of `op` at `sector`, where
+    /// the one issued before it ended, can join the run held (or nothing is
+    /// held) within the device's limits. In auto dispatch the one before
+    /// may have gone direct after the run: then it cannot.
     fn continues_plug(&self, op: Op, sector: u64) -> bool {
         // SAFETY: the job runs on one thread; nothing else borrows the
         // plug list during this call.
@@ -436,8 +455,8 @@ impl Job {
         // SAFETY: the plug's entries are slots of the job's vector, not
         // resized after setup.
         let (lop, lsector) = unsafe { ((*last).op, (*last).sector) };
-        debug_assert_eq!(lsector + self.bs_sectors, sector);
         lop == op
+            && lsector + self.bs_sectors == sector
             && plug.len() < self.max_segs
             && (plug.len() as u32 + 1) * self.cfg.bs <= self.max_bytes
     }
@@ -509,11 +528,31 @@ impl Job {
             if j == i + 1 {
                 bio.buf_index = self.buf_index;
             }
-            bio.set_end_io(bench_merged_end_io, first.cast());
+            // Each I/O's next goes as the job's mode sends it (auto's
+            // through auto's test, not stream's).
+            let end_io = if self.cfg.dispatch == Dispatch::Auto {
+                bench_merged_end_io::<M_AUTO>
+            } else {
+                bench_merged_end_io::<M_HOLD>
+            };
+            bio.set_end_io(end_io, first.cast());
             self.chan.submit(bio);
             i = j;
         }
         plug.clear();
+    }
+
+    /// Whether a reactor turn may leave an I/O held: in queued and stream
+    /// dispatch, and in auto dispatch with more than one I/O in flight. At
+    /// iodepth 1 every I/O a completion issues has nothing else in flight,
+    /// so auto sends it direct, and the run loop need not look for a batch
+    /// to send (a phase's first batch, held, [`Job::start_phase`] sends).
+    fn may_hold(&self) -> bool {
+        match self.cfg.dispatch {
+            Dispatch::Direct => false,
+            Dispatch::Auto => self.cfg.iodepth > 1,
+            Dispatch::Queued | Dispatch::Stream => true,
+        }
     }
 
     /// Moves to the next phase once the current one has drained.
@@ -548,9 +587,11 @@ fn bench_end_io<const M: u8>(bio: BioPtr) {
     }
 }
 
-/// The end_io of a bio of queued dispatch: private is the first slot of
-/// the chain of I/Os it carries; each completes with the bio's status.
-fn bench_merged_end_io(bio: BioPtr) {
+/// The end_io of a bio that [`Job::unplug`] sent (queued, stream or auto
+/// dispatch): private is the first slot of the chain of I/Os it carries;
+/// each completes with the bio's status.
+/// `M`: as in [`Job::issue`] ([`M_AUTO`] or [`M_HOLD`]).
+fn bench_merged_end_io<const M: u8>(bio: BioPtr) {
     let mut slot = bio.private() as *mut Slot;
     // SAFETY: private is a slot of a live job (set in unplug).
     let job = unsafe { &*(*slot).job };
@@ -570,7 +611,7 @@ fn bench_merged_end_io(bio: BioPtr) {
         }
         job.inflight.set(job.inflight.get() - 1);
         let more = phase != Phase::Run || job.cfg.runtime.is_none() || now < job.deadline.get();
-        if !(more && job.issue::<M_HOLD>(slot)) && job.inflight.get() == 0 {
+        if !(more && job.issue::<M>(slot)) && job.inflight.get() == 0 {
             job.advance();
         }
         slot = next;
@@ -701,7 +742,7 @@ fn run_on(
         progress,
         slots: UnsafeCell::new(Vec::new()),
         plug: UnsafeCell::new(Vec::with_capacity(cfg.iodepth as usize)),
-        next_sector: Cell::new(u64::MAX),
+        next_block: Cell::new(u64::MAX),
         max_bytes: dev.limits().max_io_bytes.max(cfg.bs),
         max_segs: dev.limits().max_segments.max(1) as usize,
         cfg,
@@ -726,7 +767,7 @@ fn run_on(
     if job.cfg.prefill && !job.cfg.verify {
         job.start_phase(Phase::Prefill);
         let prefilled = || job.phase.get() != Phase::Prefill;
-        if job.cfg.dispatch != Dispatch::Direct {
+        if job.may_hold() {
             reactor.run_until(|| {
                 job.unplug();
                 prefilled()
@@ -750,9 +791,10 @@ fn run_on(
     // Each call of the closure after a turn ends that turn's batch: the
     // I/Os its completions issued go down together (queued and stream
     // dispatch).
-    // (Two loops, so that direct dispatch's pays nothing for the check.)
+    // (Two loops, so that a job that never holds an I/O pays nothing for
+    // the check.)
     let done = || job.phase.get() == Phase::Done && job.inflight.get() == 0;
-    if job.cfg.dispatch != Dispatch::Direct {
+    if job.may_hold() {
         reactor.run_until(|| {
             job.unplug();
             done()
