@@ -238,7 +238,31 @@ impl Shared {
     /// resync barrier, or its dirty bit is not durable yet) it is counted
     /// out again, the mark it needs is asked for, and the caller parks it
     /// until the worker kicks the channels.
+    #[inline]
     pub fn enter(&self, r0: u64, r1: u64) -> bool {
+        if r0 == r1 {
+            // One region, already marked, no barrier on it (the common
+            // case): one locked add, then loads.
+            let r = r0;
+            self.writers[r as usize].fetch_add(1, Ordering::SeqCst);
+            let (w, bit) = ((r / 64) as usize, 1u64 << (r % 64));
+            if self.barrier.load(Ordering::SeqCst) != r
+                && self.ondisk[w].load(Ordering::SeqCst) & bit != 0
+            {
+                if self.touched[w].load(Ordering::Relaxed) & bit == 0 {
+                    self.touched[w].fetch_or(bit, Ordering::Relaxed);
+                }
+                return true;
+            }
+            self.exit(r, r);
+            return self.enter_slow(r, r);
+        }
+        self.enter_slow(r0, r1)
+    }
+
+    /// [`Shared::enter`] for any range.
+    #[cold]
+    fn enter_slow(&self, r0: u64, r1: u64) -> bool {
         let mut ok = true;
         for r in r0..=r1 {
             self.writers[r as usize].fetch_add(1, Ordering::SeqCst);

@@ -603,7 +603,15 @@ fn apply(w: &Worker, legs: &[LegMeta]) -> Result<(), Error> {
 }
 
 fn run(sh: Arc<Shared>, tx: mpsc::Sender<Result<(), Error>>) {
-    let reactor = match Reactor::new(ReactorConfig::default()) {
+    // UDM_RAID_WORKER_POLL=1 makes the worker spin instead of sleeping in
+    // io_uring_enter: valgrind holds its big lock across that call, so a
+    // sleeping worker would stop every other thread under callgrind
+    // (scripts/bench/raid-instr.sh sets it and counts the other threads).
+    let mut rc = ReactorConfig::default();
+    if std::env::var_os("UDM_RAID_WORKER_POLL").is_some_and(|v| v == "1") {
+        rc.mode = udm_core::CompletionMode::Poll;
+    }
+    let reactor = match Reactor::new(rc) {
         Ok(r) => r,
         Err(e) => {
             let _ = tx.send(Err(Error::os("raid: creating the worker's reactor", e)));
