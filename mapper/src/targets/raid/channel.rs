@@ -21,15 +21,13 @@
 
 use std::any::Any;
 use std::cell::{Cell, RefCell};
-use std::rc::{Rc, Weak};
+use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use udm_core::{
-    Bio, BioPtr, BlockDevice, Caps, Channel, Error, Limits, Op, Poller, Reactor, Status, WorkQueue,
-};
+use udm_core::{Bio, BioPtr, BlockDevice, Caps, Channel, Error, Limits, Op, Reactor, Status};
 
-use super::state::{test, Shared};
+use super::state::{test, Counts, Shared};
 
 static NEXT_KEY: AtomicU64 = AtomicU64::new(0x7261_0000_0000);
 
@@ -106,17 +104,14 @@ impl BlockDevice for RaidDev {
             legs.push(l.data.clone().open(reactor)?);
         }
         let n = legs.len();
-        let ch = Rc::new_cyclic(|me| RaidChannel {
+        let ch = Rc::new(RaidChannel {
             sh: self.shared.clone(),
             legs,
             outstanding: (0..n).map(|_| Cell::new(0)).collect(),
             rr: Cell::new(0),
+            writers: self.shared.new_counts(),
             parked: RefCell::new(Vec::new()),
             sb_wait: RefCell::new(Vec::new()),
-            exits: RefCell::new(Vec::new()),
-            exits_queued: Cell::new(false),
-            work: reactor.work_queue(),
-            me: me.clone(),
         });
         reactor.set_local(self.key, ch.clone());
         let mut chans = self.shared.chans.lock().unwrap_or_else(|p| p.into_inner());
@@ -142,41 +137,13 @@ pub(crate) struct RaidChannel {
     outstanding: Vec<Cell<u32>>,
     /// Where the next read's search for the least busy leg starts.
     rr: Cell<usize>,
+    /// This reactor's writes in flight per region.
+    writers: Counts,
     /// Writes waiting for a region's mark or the resync barrier.
     parked: RefCell<Vec<BioPtr>>,
     /// Writes that saw a leg fail, waiting for the superblock generation
     /// that records it.
     sb_wait: RefCell<Vec<(u64, BioPtr)>>,
-    /// Regions of completed writes, counted out of `Shared::writers` in
-    /// one batch on the reactor's next turn: a locked decrement right
-    /// after a leg's copy waits for the store buffer to drain, once per
-    /// write; batched, once per turn.
-    exits: RefCell<Vec<(u64, u64)>>,
-    exits_queued: Cell<bool>,
-    work: WorkQueue,
-    me: Weak<RaidChannel>,
-}
-
-impl Poller for RaidChannel {
-    fn poll(&self) -> usize {
-        self.exits_queued.set(false);
-        let exits = std::mem::take(&mut *self.exits.borrow_mut());
-        for &(r0, r1) in &exits {
-            self.sh.exit(r0, r1);
-        }
-        let n = exits.len();
-        // Keep the vector's capacity (no allocation per turn).
-        let mut e = self.exits.borrow_mut();
-        if e.is_empty() {
-            *e = exits;
-            e.clear();
-        }
-        n
-    }
-
-    fn pending(&self) -> bool {
-        false
-    }
 }
 
 /// Context bits of a caller's bio while its clones are out: the legs that
@@ -284,7 +251,7 @@ impl RaidChannel {
             return bio.complete(Status::IoErr);
         }
         let (r0, r1) = sh.regions(bio.sector, bio.sectors());
-        if !sh.enter(r0, r1) {
+        if !sh.enter(&self.writers, r0, r1) {
             self.parked.borrow_mut().push(bio);
             return;
         }
@@ -301,7 +268,7 @@ impl RaidChannel {
         let me = self as *const RaidChannel as *mut ();
         let mut bio = if bio.can_push() { bio } else { bio.make_room() };
         if live == 0 {
-            self.exit_later(&bio);
+            self.exit(&bio);
             return bio.complete(Status::IoErr);
         }
         let first = live.trailing_zeros() as usize;
@@ -311,7 +278,12 @@ impl RaidChannel {
             let _ = bio.push_end_io_ctx(first_done, me, SOLO | first as u64);
             return self.legs[first].submit(bio);
         }
-        let n = others.count_ones() as u64;
+        // Two legs (one clone) without a popcount.
+        let n = if others & (others - 1) == 0 {
+            1
+        } else {
+            others.count_ones() as u64
+        };
         let mut leader: *mut Bio = std::ptr::null_mut();
         while others != 0 {
             let i = others.trailing_zeros() as usize;
@@ -347,18 +319,12 @@ impl RaidChannel {
         self.legs[first].submit(bio);
     }
 
-    /// Counts `bio`'s regions out of `Shared::writers` on the reactor's
-    /// next turn (a flush has none).
-    fn exit_later(&self, bio: &Bio) {
-        if bio.op == Op::Flush {
-            return;
-        }
-        let r = self.sh.regions(bio.sector, bio.sectors());
-        self.exits.borrow_mut().push(r);
-        if !self.exits_queued.replace(true) {
-            if let Some(me) = self.me.upgrade() {
-                self.work.queue(me);
-            }
+    /// Counts `bio`'s regions out of this reactor's writers (a flush has
+    /// none).
+    fn exit(&self, bio: &Bio) {
+        if bio.op != Op::Flush {
+            let (r0, r1) = self.sh.regions(bio.sector, bio.sectors());
+            self.sh.exit(&self.writers, r0, r1);
         }
     }
 
@@ -371,7 +337,7 @@ impl RaidChannel {
         } else {
             Status::IoErr
         });
-        self.exit_later(&bio);
+        self.exit(&bio);
         if failed != 0 {
             let gen = self.sh.fail_legs(failed);
             if bits & SOME_OK != 0 {

@@ -23,6 +23,10 @@ use super::worker::Worker;
 const CHUNK_BYTES: u64 = 1 << 20;
 /// Chunks in flight per region.
 const CHUNKS_IN_FLIGHT: u32 = 8;
+/// How often a resync waiting for a region's writes to drain looks again
+/// without being poked (a write's count-out is a plain store, and the poke
+/// it sends may have missed the barrier).
+const DRAIN_RECHECK: Duration = Duration::from_millis(1);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
@@ -50,8 +54,18 @@ pub(crate) struct Job {
     targets: u64,
     /// Waiting for the region's writes to drain.
     draining: bool,
+    /// See [`Job::recheck`].
+    recheck: Instant,
     /// The source failed: do the region again.
     retry: bool,
+}
+
+impl Job {
+    /// While waiting for the region's writes to drain: when to look again
+    /// if no write's count-out pokes the worker first.
+    pub fn recheck(&self) -> Option<Instant> {
+        self.draining.then_some(self.recheck)
+    }
 }
 
 impl Worker {
@@ -63,11 +77,13 @@ impl Worker {
         };
         match draining {
             Some((true, r)) => {
-                if sh.writers[r as usize].load(Ordering::SeqCst) == 0 {
+                if !sh.writing(r) {
                     if let Some(j) = self.job.borrow_mut().as_mut() {
                         j.draining = false;
                     }
                     self.pump();
+                } else if let Some(j) = self.job.borrow_mut().as_mut() {
+                    j.recheck = Instant::now() + DRAIN_RECHECK;
                 }
                 return;
             }
@@ -125,9 +141,10 @@ impl Worker {
             source,
             targets,
             draining: true,
+            recheck: Instant::now() + DRAIN_RECHECK,
             retry: false,
         });
-        if sh.writers[region as usize].load(Ordering::SeqCst) == 0 {
+        if !sh.writing(region) {
             if let Some(j) = self.job.borrow_mut().as_mut() {
                 j.draining = false;
             }
@@ -213,6 +230,7 @@ impl Worker {
             source: 0,
             targets: legs,
             draining: false,
+            recheck: Instant::now(),
             retry: false,
         });
         let me = self.clone();

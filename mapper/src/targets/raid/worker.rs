@@ -402,14 +402,11 @@ impl Worker {
                     if sh.touched[wi].fetch_and(!bit, Ordering::Relaxed) & bit != 0 {
                         continue;
                     }
-                    if r == barrier
-                        || state::test(&sh.unsynced, r)
-                        || sh.writers[r as usize].load(Ordering::SeqCst) != 0
-                    {
+                    if r == barrier || state::test(&sh.unsynced, r) || sh.writing(r) {
                         continue;
                     }
                     state::clear(&sh.ondisk, r);
-                    if sh.writers[r as usize].load(Ordering::SeqCst) != 0 {
+                    if sh.writing(r) {
                         // A write saw the bit before it went: keep it.
                         state::set(&sh.ondisk, r);
                         continue;
@@ -450,11 +447,14 @@ impl Worker {
         if !self.sh.lock().active {
             return None;
         }
-        let d = self.next_daemon.get();
-        Some(match self.not_before.get() {
-            Some(t) => t.min(d),
-            None => d,
-        })
+        let mut d = self.next_daemon.get();
+        if let Some(t) = self.not_before.get() {
+            d = d.min(t);
+        }
+        if let Some(t) = self.job.borrow().as_ref().and_then(|j| j.recheck()) {
+            d = d.min(t);
+        }
+        Some(d)
     }
 }
 
