@@ -80,6 +80,9 @@ pub(crate) struct State {
     pub sb_wanted: u64,
     /// The last superblock generation written.
     pub sb_done: u64,
+    /// The rebuild's checkpoint the superblock records (region index; see
+    /// `Super::recovery_offset`), and where a rebuild starts.
+    pub recovery_offset: u64,
     /// The running action and where it is (region index).
     pub action: Action,
     pub frozen: bool,
@@ -179,6 +182,7 @@ impl Shared {
                 sb_wanted: 0,
                 sb_done: 0,
                 action: Action::Idle,
+                recovery_offset: 0,
                 frozen: false,
                 cursor: 0,
                 mismatches: 0,

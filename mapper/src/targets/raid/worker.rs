@@ -62,6 +62,10 @@ pub(crate) struct Worker {
     pub rate_t0: Cell<Instant>,
     /// Chunk buffers handed back, reused.
     pub bufs: RefCell<Vec<AlignedBuf>>,
+    /// When the rebuild may record its next checkpoint, and whether one is
+    /// being recorded.
+    pub next_checkpoint: Cell<Instant>,
+    pub checkpointing: Cell<bool>,
 }
 
 impl Worker {
@@ -244,6 +248,7 @@ impl Worker {
                 events: st.events,
                 failed,
                 recovering: sh.all_legs() & !sh.insync.load(Ordering::Acquire) & !failed,
+                recovery_offset: st.recovery_offset,
             };
             (marks, gen, sb.then_some(sbv))
         };
@@ -569,6 +574,15 @@ fn apply(w: &Worker, legs: &[LegMeta]) -> Result<(), Error> {
     // (as dm-raid does on a reload); one whose metadata cannot be read
     // stays failed.
     let recovering = (a.recovering | a.failed | cfg.rebuild) & all & !unreadable;
+    // A rebuild goes on from its checkpoint when the legs to rebuild are
+    // those it was rebuilding (no leg added since: a blank one, one taken
+    // back), unless the table names legs to rebuild: as dm-raid's
+    // `rebuild`, that starts from the beginning (their data may be new).
+    let recovery_offset = if recovering != 0 && recovering == a.recovering && cfg.rebuild == 0 {
+        a.recovery_offset
+    } else {
+        0
+    };
     sh.failed.store(unreadable, Ordering::Release);
     sh.insync
         .store(all & !recovering & !unreadable, Ordering::Release);
@@ -599,6 +613,7 @@ fn apply(w: &Worker, legs: &[LegMeta]) -> Result<(), Error> {
     st.uuid = a.uuid;
     st.events = a.events;
     st.action = Action::Idle;
+    st.recovery_offset = recovery_offset;
     Ok(())
 }
 
@@ -654,6 +669,8 @@ fn run(sh: Arc<Shared>, tx: mpsc::Sender<Result<(), Error>>) {
         rate_bytes: Cell::new(0),
         rate_t0: Cell::new(Instant::now()),
         bufs: RefCell::new(Vec::new()),
+        next_checkpoint: Cell::new(Instant::now()),
+        checkpointing: Cell::new(false),
     });
     let found: Rc<RefCell<Vec<Option<LegMeta>>>> =
         Rc::new(RefCell::new((0..n).map(|_| None).collect()));
