@@ -46,8 +46,13 @@ pub struct MappedDevice {
 }
 
 impl MappedDevice {
-    /// A device called `name` with `table` live.
+    /// A device called `name` with `table` live: its targets are resumed
+    /// (dm's create is a load and a resume), so that background work such as
+    /// a mirror's resync starts now rather than at the first I/O.
     pub fn new(name: impl Into<String>, table: Table) -> Arc<MappedDevice> {
+        for t in &table.targets {
+            t.target.resume();
+        }
         Arc::new(MappedDevice {
             name: name.into(),
             key: NEXT_KEY.fetch_add(1, Ordering::Relaxed),

@@ -6,8 +6,9 @@
 //! reactor, holding that reactor's channels to the legs and what it parks.
 //!
 //! - A write (or discard, write-zeroes) enters its regions (see
-//!   `Shared::enter`), then goes to every live leg as a clone pointing into
-//!   the caller's buffers; the caller's bio completes when all have. A leg
+//!   `Shared::enter`), then goes to every live leg: the caller's bio itself,
+//!   remapped in place, to the first, and a clone pointing into its buffers
+//!   to each other; the caller's bio completes when all have. A leg
 //!   that fails is marked failed, and the bio waits for the superblock that
 //!   says so before it completes, without an error as long as a leg took
 //!   the write.
@@ -20,15 +21,13 @@
 
 use std::any::Any;
 use std::cell::{Cell, RefCell};
-use std::rc::{Rc, Weak};
+use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use udm_core::{
-    Bio, BioPtr, BlockDevice, Caps, Channel, Error, Limits, Op, Poller, Reactor, Status, WorkQueue,
-};
+use udm_core::{Bio, BioPtr, BlockDevice, Caps, Channel, Error, Limits, Op, Reactor, Status};
 
-use super::state::{test, Shared};
+use super::state::{test, Counts, Shared};
 
 static NEXT_KEY: AtomicU64 = AtomicU64::new(0x7261_0000_0000);
 
@@ -105,17 +104,14 @@ impl BlockDevice for RaidDev {
             legs.push(l.data.clone().open(reactor)?);
         }
         let n = legs.len();
-        let ch = Rc::new_cyclic(|me| RaidChannel {
+        let ch = Rc::new(RaidChannel {
             sh: self.shared.clone(),
             legs,
             outstanding: (0..n).map(|_| Cell::new(0)).collect(),
             rr: Cell::new(0),
+            writers: self.shared.new_counts(),
             parked: RefCell::new(Vec::new()),
             sb_wait: RefCell::new(Vec::new()),
-            exits: RefCell::new(Vec::new()),
-            exits_queued: Cell::new(false),
-            work: reactor.work_queue(),
-            me: me.clone(),
         });
         reactor.set_local(self.key, ch.clone());
         let mut chans = self.shared.chans.lock().unwrap_or_else(|p| p.into_inner());
@@ -141,41 +137,13 @@ pub(crate) struct RaidChannel {
     outstanding: Vec<Cell<u32>>,
     /// Where the next read's search for the least busy leg starts.
     rr: Cell<usize>,
+    /// This reactor's writes in flight per region.
+    writers: Counts,
     /// Writes waiting for a region's mark or the resync barrier.
     parked: RefCell<Vec<BioPtr>>,
     /// Writes that saw a leg fail, waiting for the superblock generation
     /// that records it.
     sb_wait: RefCell<Vec<(u64, BioPtr)>>,
-    /// Regions of completed writes, counted out of `Shared::writers` in
-    /// one batch on the reactor's next turn: a locked decrement right
-    /// after a leg's copy waits for the store buffer to drain, once per
-    /// write; batched, once per turn.
-    exits: RefCell<Vec<(u64, u64)>>,
-    exits_queued: Cell<bool>,
-    work: WorkQueue,
-    me: Weak<RaidChannel>,
-}
-
-impl Poller for RaidChannel {
-    fn poll(&self) -> usize {
-        self.exits_queued.set(false);
-        let exits = std::mem::take(&mut *self.exits.borrow_mut());
-        for &(r0, r1) in &exits {
-            self.sh.exit(r0, r1);
-        }
-        let n = exits.len();
-        // Keep the vector's capacity (no allocation per turn).
-        let mut e = self.exits.borrow_mut();
-        if e.is_empty() {
-            *e = exits;
-            e.clear();
-        }
-        n
-    }
-
-    fn pending(&self) -> bool {
-        false
-    }
 }
 
 /// Context bits of a caller's bio while its clones are out: the legs that
@@ -283,125 +251,197 @@ impl RaidChannel {
             return bio.complete(Status::IoErr);
         }
         let (r0, r1) = sh.regions(bio.sector, bio.sectors());
-        if !sh.enter(r0, r1) {
+        if !sh.enter(&self.writers, r0, r1) {
             self.parked.borrow_mut().push(bio);
             return;
         }
         self.fan_out(bio);
     }
 
-    /// Sends a clone of `bio` to every live leg (a write that entered its
-    /// regions, or a flush).
+    /// Sends `bio` to every live leg (a write that entered its regions, or
+    /// a flush): the bio itself, remapped in place, to the first, and a
+    /// clone pointing into its buffers to each other. The first clone (the
+    /// leader) counts the completions in its `per_io` (see [`L_PARENT`]),
+    /// so that the fan-out allocates nothing but the clones.
     fn fan_out(&self, bio: BioPtr) {
         let live = self.sh.live();
         let me = self as *const RaidChannel as *mut ();
-        let mut bio = bio.make_room();
-        if !bio.push_end_io(parent_end, me) {
-            return self.finish(bio, false);
-        }
+        let mut bio = if bio.can_push() { bio } else { bio.make_room() };
         if live == 0 {
-            bio.set_status(Status::IoErr);
-            return self.finish(bio, false);
+            self.exit(&bio);
+            return bio.complete(Status::IoErr);
         }
-        bio.set_status(Status::Ok);
-        bio.pending = live.count_ones() + 1;
-        let p = bio.into_raw();
-        // SAFETY: `p` came from into_raw above; the parent stays alive while
-        // its pending count (one held here, one per clone) is non-zero, and
-        // clones complete on a later reactor turn at the earliest.
-        let parent = unsafe { &*p };
-        let mut m = live;
-        while m != 0 {
-            let i = m.trailing_zeros() as usize;
-            m &= m - 1;
-            let mut c = parent.alloc_clone();
-            if parent.op.has_data() {
-                c.add_segs_from(parent, 0, parent.len() as usize);
-                c.sector = parent.sector;
+        let first = live.trailing_zeros() as usize;
+        let mut others = live & (live - 1);
+        if others == 0 {
+            // make_room left a free frame.
+            let _ = bio.push_end_io_ctx(first_done, me, SOLO | first as u64);
+            return self.legs[first].submit(bio);
+        }
+        // Two legs (one clone) without a popcount.
+        let n = if others & (others - 1) == 0 {
+            1
+        } else {
+            others.count_ones() as u64
+        };
+        let mut leader: *mut Bio = std::ptr::null_mut();
+        while others != 0 {
+            let i = others.trailing_zeros() as usize;
+            others &= others - 1;
+            let mut c = bio.alloc_clone();
+            if bio.op.has_data() {
+                if let [seg] = bio.segs() {
+                    // SAFETY: the clone points into the caller's buffer,
+                    // valid until the caller's bio completes, which is
+                    // after every clone has (the leader's count).
+                    unsafe { c.add_seg(seg.base, seg.len) };
+                    c.buf_index = bio.buf_index;
+                } else {
+                    c.add_segs_from(&bio, 0, bio.len() as usize);
+                }
+                c.sector = bio.sector;
             } else {
-                c.set_dataless(parent.op, parent.sector, parent.len());
+                c.set_dataless(bio.op, bio.sector, bio.len());
             }
-            c.set_end_io(leg_done, p.cast());
+            if leader.is_null() {
+                // Every completion to come: the clones' and the bio's own.
+                c.per_io = [0, (n + 1) | (first as u64) << 32, 0, me as u64];
+                c.set_end_io(leader_done, me);
+                leader = &mut *c;
+            } else {
+                c.set_end_io(clone_done, leader.cast());
+            }
             c.set_ctx(i as u64);
             self.legs[i].submit(c);
         }
-        // SAFETY: as above; we still hold one pending count.
-        let bio = unsafe { BioPtr::from_raw(p) };
-        self.put(bio, false);
+        // make_room left a free frame.
+        let _ = bio.push_end_io_ctx(first_done, me, leader as u64);
+        self.legs[first].submit(bio);
     }
 
-    /// Drops one pending count of a fanned-out bio; the last finishes it.
-    fn put(&self, mut bio: BioPtr, in_completion: bool) {
-        bio.pending -= 1;
-        if bio.pending > 0 {
-            let _ = bio.into_raw();
-            return;
-        }
-        let ctx = bio.ctx();
-        let failed = ctx & !SOME_OK;
-        if ctx & SOME_OK == 0 {
-            bio.set_status(Status::IoErr);
-        } else {
-            bio.set_status(Status::Ok);
-        }
+    /// Counts `bio`'s regions out of this reactor's writers (a flush has
+    /// none).
+    fn exit(&self, bio: &Bio) {
         if bio.op != Op::Flush {
-            let r = self.sh.regions(bio.sector, bio.sectors());
-            self.exits.borrow_mut().push(r);
-            if !self.exits_queued.replace(true) {
-                if let Some(me) = self.me.upgrade() {
-                    self.work.queue(me);
-                }
-            }
+            let (r0, r1) = self.sh.regions(bio.sector, bio.sectors());
+            self.sh.exit(&self.writers, r0, r1);
         }
+    }
+
+    /// Every leg is done with a fanned-out `bio` (our frame on top):
+    /// `bits` says which legs failed and whether any succeeded.
+    fn done(&self, mut bio: BioPtr, bits: u64) {
+        let failed = bits & !SOME_OK;
+        bio.set_status(if bits & SOME_OK != 0 {
+            Status::Ok
+        } else {
+            Status::IoErr
+        });
+        self.exit(&bio);
         if failed != 0 {
             let gen = self.sh.fail_legs(failed);
-            if ctx & SOME_OK != 0 {
+            if bits & SOME_OK != 0 {
                 // Acknowledged only once the superblock says which legs
                 // hold this write (kick releases it).
                 self.sb_wait.borrow_mut().push((gen, bio));
                 return;
             }
         }
-        self.finish(bio, in_completion);
-    }
-
-    fn finish(&self, mut bio: BioPtr, in_completion: bool) {
         let s = bio.status();
-        if bio.depth() > 0 && bio.private() == self as *const RaidChannel as *mut () {
-            bio.pop_end_io();
-        }
-        if in_completion {
-            bio.set_status(s);
-            bio.endio();
-        } else {
-            bio.complete(s);
-        }
+        bio.pop_end_io();
+        bio.set_status(s);
+        bio.endio();
     }
 }
 
-/// Never runs: a fanned-out bio's frame is popped before it completes.
-fn parent_end(mut bio: BioPtr) {
-    bio.pop_end_io();
-    bio.endio();
+/// A fan-out's count, in its leader clone's `per_io`: the caller's bio once
+/// its own leg is done (null before), kept there until the last completion.
+const L_PARENT: usize = 0;
+/// Completions still to come (low 32 bits) and the caller's bio's leg (high).
+const L_LEFT: usize = 1;
+/// Legs that failed, and [`SOME_OK`] once one succeeded.
+const L_BITS: usize = 2;
+/// The channel (`*const RaidChannel`).
+const L_CHAN: usize = 3;
+
+/// The caller's bio's context when no clone is out (one live leg): this
+/// flag and the leg.
+const SOLO: u64 = 1 << 63;
+
+/// Counts one completion of a fan-out whose leader is `leader`, on `leg`;
+/// `parent` is the caller's bio when it is the one completing. On the last
+/// completion, frees the leader and finishes the caller's bio.
+///
+/// # Safety
+/// `leader` is a fan-out's leader clone, alive (in flight, or given up with
+/// `into_raw` by `leader_done`) until its count drops to zero here, and
+/// its `per_io` touched by nothing but this fan-out's completions (the
+/// legs below never look at the `per_io` of a bio they did not allocate).
+unsafe fn count(leader: *mut Bio, leg: usize, ok: bool, parent: Option<BioPtr>) {
+    // SAFETY: see the function's contract; the reactor runs one
+    // completion at a time, so no other reference to the leader is in use.
+    let l = unsafe { &mut (*leader).per_io };
+    l[L_BITS] |= if ok { SOME_OK } else { 1 << leg };
+    l[L_LEFT] -= 1;
+    let left = l[L_LEFT] as u32;
+    let ch = l[L_CHAN] as *const RaidChannel;
+    if left != 0 {
+        if let Some(p) = parent {
+            l[L_PARENT] = p.into_raw() as u64;
+        }
+        return;
+    }
+    let bits = l[L_BITS];
+    let parent = match parent {
+        Some(p) => p,
+        // SAFETY: the caller's bio completed before (it is counted) and
+        // was given up into L_PARENT, taken back only here, once.
+        None => unsafe { BioPtr::from_raw(l[L_PARENT] as *mut Bio) },
+    };
+    // SAFETY: the leader completed before, or is completing (the caller
+    // gave it up); nothing refers to it past this point.
+    drop(unsafe { BioPtr::from_raw(leader) });
+    // SAFETY: the channel pushed the caller's bio's frame and is kept
+    // alive by its table while I/O is in flight.
+    unsafe { &*ch }.done(parent, bits);
 }
 
-/// A leg's clone of a write or flush completed.
-fn leg_done(c: BioPtr) {
-    let p = c.private() as *mut Bio;
-    // SAFETY: a clone's private is its parent, alive while the clone is
-    // pending (put drops the count only below).
-    let parent = unsafe { &mut *p };
-    // SAFETY: the parent's private is the RaidChannel that pushed its frame,
-    // kept alive by its table while I/O is in flight.
-    let ch = unsafe { &*(parent.private() as *const RaidChannel) };
-    let leg = c.ctx();
-    let ok = c.status().is_ok();
+/// The caller's bio completed on its leg (the first live one).
+fn first_done(bio: BioPtr) {
+    let ctx = bio.ctx();
+    let ok = bio.status().is_ok();
+    if ctx & SOLO != 0 {
+        // SAFETY: the private of the frame pushed in `fan_out` is the
+        // RaidChannel, kept alive by its table while I/O is in flight.
+        let ch = unsafe { &*(bio.private() as *const RaidChannel) };
+        let leg = (ctx & 0xff) as usize;
+        return ch.done(bio, if ok { SOME_OK } else { 1 << leg });
+    }
+    let leader = ctx as *mut Bio;
+    // SAFETY: the leader's count includes this completion, so it is alive.
+    let leg = (unsafe { (*leader).per_io[L_LEFT] } >> 32) as usize;
+    // SAFETY: as above.
+    unsafe { count(leader, leg, ok, Some(bio)) };
+}
+
+/// The leader clone completed on its leg: it stays allocated (given up)
+/// while the fan-out's other completions come.
+fn leader_done(c: BioPtr) {
+    let (leg, ok) = (c.ctx() as usize, c.status().is_ok());
+    let leader = c.into_raw();
+    // SAFETY: the leader is alive (given up just above) and counts this
+    // completion.
+    unsafe { count(leader, leg, ok, None) };
+}
+
+/// Another clone completed on its leg.
+fn clone_done(c: BioPtr) {
+    let (leg, ok) = (c.ctx() as usize, c.status().is_ok());
+    let leader = c.private() as *mut Bio;
     drop(c);
-    let ctx = parent.ctx() | if ok { SOME_OK } else { 1 << leg };
-    parent.set_ctx(ctx);
-    // SAFETY: we hold one of the parent's pending counts; it is ours again.
-    let bio = unsafe { BioPtr::from_raw(p) };
-    ch.put(bio, true);
+    // SAFETY: a clone's private is its leader, whose count includes this
+    // completion, so it is alive.
+    unsafe { count(leader, leg, ok, None) };
 }
 
 /// A read completed on a leg: done, or retried on another one.

@@ -42,6 +42,9 @@ pub(crate) struct Super {
     pub failed: u64,
     /// Legs being rebuilt (bit per leg): not in sync.
     pub recovering: u64,
+    /// The rebuild's checkpoint (md's `recovery_offset`): the regions
+    /// below it are copied onto the legs being rebuilt, and durable there.
+    pub recovery_offset: u64,
 }
 
 fn fnv1a(b: &[u8]) -> u64 {
@@ -68,6 +71,7 @@ impl Super {
         o[48..56].copy_from_slice(&self.events.to_le_bytes());
         o[56..64].copy_from_slice(&self.failed.to_le_bytes());
         o[64..72].copy_from_slice(&self.recovering.to_le_bytes());
+        o[72..80].copy_from_slice(&self.recovery_offset.to_le_bytes());
         let sum = fnv1a(&o[0..SB_BYTES - 8]);
         o[SB_BYTES - 8..].copy_from_slice(&sum.to_le_bytes());
     }
@@ -111,6 +115,7 @@ impl Super {
             events: u64_at(48),
             failed: u64_at(56),
             recovering: u64_at(64),
+            recovery_offset: u64_at(72),
         }))
     }
 }
@@ -150,6 +155,9 @@ pub(crate) struct Assembly {
     /// Legs that must be rebuilt: as the freshest superblock says, and new
     /// (blank) legs of an existing array.
     pub recovering: u64,
+    /// Where their rebuild goes on from (region index): the freshest
+    /// superblock's checkpoint, or 0 when a blank leg joins them.
+    pub recovery_offset: u64,
     /// Regions dirty on any leg (the union: a safe superset).
     pub dirty: Vec<u64>,
     /// No leg had a superblock: the array is new.
@@ -171,6 +179,7 @@ pub(crate) fn assemble(
         events: 0,
         failed: 0,
         recovering: 0,
+        recovery_offset: 0,
         dirty: vec![0; words],
         fresh: true,
     };
@@ -220,6 +229,7 @@ pub(crate) fn assemble(
         a.events = b.events;
         a.failed = b.failed;
         a.recovering = b.recovering;
+        a.recovery_offset = b.recovery_offset.min(nregions);
     }
     for (i, l) in legs.iter().enumerate() {
         match l {
@@ -229,7 +239,10 @@ pub(crate) fn assemble(
                 }
             }
             LegMeta::Unreadable => a.failed |= 1 << i,
-            LegMeta::Blank if !a.fresh => a.recovering |= 1 << i,
+            LegMeta::Blank if !a.fresh => {
+                a.recovering |= 1 << i;
+                a.recovery_offset = 0;
+            }
             _ => {}
         }
     }
@@ -256,6 +269,7 @@ mod tests {
             events,
             failed: 0,
             recovering: 0,
+            recovery_offset: 0,
         }
     }
 

@@ -375,6 +375,12 @@ impl Target for Raid {
         true
     }
 
+    /// `map` is a remap by 0 onto the mirror: the fast path does it itself
+    /// (linear's plan), without calling `map`.
+    fn remap_offset(&self) -> Option<u64> {
+        Some(0)
+    }
+
     /// An event when a leg fails and when an action finishes (as dm-raid).
     fn events(&self) -> u64 {
         self.shared.events.load(Ordering::Acquire)

@@ -23,6 +23,12 @@ use super::worker::Worker;
 const CHUNK_BYTES: u64 = 1 << 20;
 /// Chunks in flight per region.
 const CHUNKS_IN_FLIGHT: u32 = 8;
+/// How often a rebuild records where it is (see `Worker::checkpoint`).
+const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
+/// How often a resync waiting for a region's writes to drain looks again
+/// without being poked (a write's count-out is a plain store, and the poke
+/// it sends may have missed the barrier).
+const DRAIN_RECHECK: Duration = Duration::from_millis(1);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kind {
@@ -50,8 +56,18 @@ pub(crate) struct Job {
     targets: u64,
     /// Waiting for the region's writes to drain.
     draining: bool,
+    /// See [`Job::recheck`].
+    recheck: Instant,
     /// The source failed: do the region again.
     retry: bool,
+}
+
+impl Job {
+    /// While waiting for the region's writes to drain: when to look again
+    /// if no write's count-out pokes the worker first.
+    pub fn recheck(&self) -> Option<Instant> {
+        self.draining.then_some(self.recheck)
+    }
 }
 
 impl Worker {
@@ -63,11 +79,13 @@ impl Worker {
         };
         match draining {
             Some((true, r)) => {
-                if sh.writers[r as usize].load(Ordering::SeqCst) == 0 {
+                if !sh.writing(r) {
                     if let Some(j) = self.job.borrow_mut().as_mut() {
                         j.draining = false;
                     }
                     self.pump();
+                } else if let Some(j) = self.job.borrow_mut().as_mut() {
+                    j.recheck = Instant::now() + DRAIN_RECHECK;
                 }
                 return;
             }
@@ -125,9 +143,10 @@ impl Worker {
             source,
             targets,
             draining: true,
+            recheck: Instant::now() + DRAIN_RECHECK,
             retry: false,
         });
-        if sh.writers[region as usize].load(Ordering::SeqCst) == 0 {
+        if !sh.writing(region) {
             if let Some(j) = self.job.borrow_mut().as_mut() {
                 j.draining = false;
             }
@@ -152,7 +171,7 @@ impl Worker {
         if recovering != 0 && sh.source().is_some() {
             if st.action != Action::Recover {
                 st.action = Action::Recover;
-                st.cursor = 0;
+                st.cursor = st.recovery_offset;
             }
             if st.cursor >= n {
                 return Some((Kind::FinishRecovery, 0));
@@ -213,6 +232,7 @@ impl Worker {
             source: 0,
             targets: legs,
             draining: false,
+            recheck: Instant::now(),
             retry: false,
         });
         let me = self.clone();
@@ -225,6 +245,7 @@ impl Worker {
             {
                 let mut st = sh.lock();
                 st.action = Action::Idle;
+                st.recovery_offset = 0;
                 st.sb_wanted += 1;
             }
             sh.events.fetch_add(1, Ordering::AcqRel);
@@ -399,6 +420,34 @@ impl Worker {
         }
     }
 
+    /// Records, at most every [`CHECKPOINT_EVERY`], that the rebuild has
+    /// copied the regions below `at` onto `legs`: once a flush of those
+    /// legs makes the copies durable, the next superblock says so, and a
+    /// restart goes on from there.
+    fn checkpoint(self: &Rc<Self>, at: u64, legs: u64) {
+        let now = Instant::now();
+        if self.checkpointing.get() || now < self.next_checkpoint.get() {
+            return;
+        }
+        self.checkpointing.set(true);
+        let me = self.clone();
+        self.flush_legs(true, legs, move |bad| {
+            let sh = &*me.sh;
+            if bad != 0 {
+                sh.fail_legs(bad);
+            } else {
+                let mut st = sh.lock();
+                if st.action == Action::Recover && at > st.recovery_offset {
+                    st.recovery_offset = at;
+                    st.sb_wanted += 1;
+                }
+            }
+            me.checkpointing.set(false);
+            me.next_checkpoint.set(Instant::now() + CHECKPOINT_EVERY);
+            me.step();
+        });
+    }
+
     /// The region is done: lift the barrier, move on, pace the next.
     fn finish_region(self: &Rc<Self>) {
         let Some(j) = self.job.borrow_mut().take() else {
@@ -418,6 +467,9 @@ impl Worker {
         }
         sh.barrier.store(NO_BARRIER, Ordering::SeqCst);
         sh.kick_all();
+        if j.kind == Kind::Recover && !j.retry {
+            self.checkpoint(j.region + 1, j.targets);
+        }
         let rate = sh.cfg.max_recovery_rate;
         if rate > 0 {
             let t0 = self.rate_t0.get();

@@ -5,10 +5,17 @@
 //! The I/O path and the worker meet on two handshakes, each a store then a
 //! load on both sides (sequentially consistent), so that one of the two
 //! always sees the other:
-//! - a write counts itself in its regions' `writers`, then looks at
-//!   `barrier`; a resync sets `barrier`, then waits for `writers` to drain;
+//! - a write counts itself in its regions' writers, then looks at
+//!   `barrier`; a resync sets `barrier`, then waits for the writers to
+//!   drain;
 //! - a write counts itself, then looks at `ondisk`; the daemon clears
-//!   `ondisk`, then looks at `writers` (and puts the bit back if any).
+//!   `ondisk`, then looks at the writers (and puts the bit back if any).
+//!
+//! Writers are counted per reactor ([`Counts`]): only the reactor's channel
+//! changes its counts, so counting a write out is a plain store (no locked
+//! instruction, which would wait for the leg's copy to leave the store
+//! buffer); counting in is one locked add, the handshakes' store-load
+//! order. The worker sums the counts over the reactors.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -73,6 +80,9 @@ pub(crate) struct State {
     pub sb_wanted: u64,
     /// The last superblock generation written.
     pub sb_done: u64,
+    /// The rebuild's checkpoint the superblock records (region index; see
+    /// `Super::recovery_offset`), and where a rebuild starts.
+    pub recovery_offset: u64,
     /// The running action and where it is (region index).
     pub action: Action,
     pub frozen: bool,
@@ -93,8 +103,10 @@ pub(crate) struct State {
 pub(crate) struct Shared {
     pub cfg: Config,
     st: Mutex<State>,
-    /// Writes in flight per region.
-    pub writers: Vec<AtomicU32>,
+    /// Every leg (a mask of `cfg.legs.len()` bits).
+    all: u64,
+    /// Every reactor's writes in flight per region.
+    writers: Mutex<Vec<Counts>>,
     /// Regions whose dirty bit is durable: writes go straight to the legs.
     pub ondisk: Vec<AtomicU64>,
     /// Regions written since the daemon last looked (kept dirty a pass).
@@ -124,6 +136,9 @@ pub(crate) struct Shared {
     pub chans: Mutex<Vec<(ReactorHandle, u64)>>,
 }
 
+/// One reactor's writes in flight per region (see the module docs).
+pub(crate) type Counts = Arc<[AtomicU32]>;
+
 #[inline]
 pub(crate) fn test(v: &[AtomicU64], i: u64) -> bool {
     v[(i / 64) as usize].load(Ordering::SeqCst) & (1 << (i % 64)) != 0
@@ -148,7 +163,9 @@ impl Shared {
         let n = cfg.nregions;
         let words = n.div_ceil(64) as usize;
         Shared {
-            writers: (0..n).map(|_| AtomicU32::new(0)).collect(),
+            writers: Mutex::new(Vec::new()),
+            // At most MAX_LEGS (32) legs.
+            all: (1u64 << cfg.legs.len()) - 1,
             ondisk: bits(n),
             touched: bits(n),
             unsynced: bits(n),
@@ -165,6 +182,7 @@ impl Shared {
                 sb_wanted: 0,
                 sb_done: 0,
                 action: Action::Idle,
+                recovery_offset: 0,
                 frozen: false,
                 cursor: 0,
                 mismatches: 0,
@@ -195,13 +213,9 @@ impl Shared {
     }
 
     /// The legs that mask of all.
+    #[inline]
     pub fn all_legs(&self) -> u64 {
-        let n = self.cfg.legs.len();
-        if n >= 64 {
-            u64::MAX
-        } else {
-            (1 << n) - 1
-        }
+        self.all
     }
 
     /// Live legs: every write goes to each.
@@ -233,15 +247,55 @@ impl Shared {
         (sector >> s, (sector + sectors.max(1) - 1) >> s)
     }
 
-    /// A write to regions `r0..=r1` starts: counts it in, and returns
-    /// whether it may go to the legs now. If not (a region is under the
-    /// resync barrier, or its dirty bit is not durable yet) it is counted
-    /// out again, the mark it needs is asked for, and the caller parks it
-    /// until the worker kicks the channels.
-    pub fn enter(&self, r0: u64, r1: u64) -> bool {
+    /// New counts for a reactor's channel, summed by [`Shared::writing`].
+    pub fn new_counts(&self) -> Counts {
+        let c: Counts = (0..self.cfg.nregions).map(|_| AtomicU32::new(0)).collect();
+        let mut w = self.writers.lock().unwrap_or_else(|p| p.into_inner());
+        // Counts only this list holds belong to closed channels (all zero).
+        w.retain(|c| Arc::strong_count(c) > 1);
+        w.push(c.clone());
+        c
+    }
+
+    /// Whether a write to region `r` is in flight on any reactor.
+    pub fn writing(&self, r: u64) -> bool {
+        let w = self.writers.lock().unwrap_or_else(|p| p.into_inner());
+        w.iter().any(|c| c[r as usize].load(Ordering::SeqCst) != 0)
+    }
+
+    /// A write to regions `r0..=r1` starts on the reactor that owns `w`:
+    /// counts it in, and returns whether it may go to the legs now. If not
+    /// (a region is under the resync barrier, or its dirty bit is not
+    /// durable yet) it is counted out again, the mark it needs is asked
+    /// for, and the caller parks it until the worker kicks the channels.
+    #[inline]
+    pub fn enter(&self, w: &[AtomicU32], r0: u64, r1: u64) -> bool {
+        if r0 == r1 {
+            // One region, already marked, no barrier on it (the common
+            // case): one locked add, then loads.
+            let r = r0;
+            w[r as usize].fetch_add(1, Ordering::SeqCst);
+            let (i, bit) = ((r / 64) as usize, 1u64 << (r % 64));
+            if self.barrier.load(Ordering::SeqCst) != r
+                && self.ondisk[i].load(Ordering::SeqCst) & bit != 0
+            {
+                if self.touched[i].load(Ordering::Relaxed) & bit == 0 {
+                    self.touched[i].fetch_or(bit, Ordering::Relaxed);
+                }
+                return true;
+            }
+            self.exit(w, r, r);
+            return self.enter_slow(w, r, r);
+        }
+        self.enter_slow(w, r0, r1)
+    }
+
+    /// [`Shared::enter`] for any range.
+    #[cold]
+    fn enter_slow(&self, w: &[AtomicU32], r0: u64, r1: u64) -> bool {
         let mut ok = true;
         for r in r0..=r1 {
-            self.writers[r as usize].fetch_add(1, Ordering::SeqCst);
+            w[r as usize].fetch_add(1, Ordering::SeqCst);
         }
         let b = self.barrier.load(Ordering::SeqCst);
         if (r0..=r1).contains(&b) {
@@ -253,16 +307,16 @@ impl Shared {
                 if !test(&self.ondisk, r) {
                     need_mark = true;
                 }
-                let (w, bit) = ((r / 64) as usize, 1u64 << (r % 64));
-                if self.touched[w].load(Ordering::Relaxed) & bit == 0 {
-                    self.touched[w].fetch_or(bit, Ordering::Relaxed);
+                let (i, bit) = ((r / 64) as usize, 1u64 << (r % 64));
+                if self.touched[i].load(Ordering::Relaxed) & bit == 0 {
+                    self.touched[i].fetch_or(bit, Ordering::Relaxed);
                 }
             }
         }
         if ok && !need_mark {
             return true;
         }
-        self.exit(r0, r1);
+        self.exit(w, r0, r1);
         if need_mark {
             let mut st = self.lock();
             for r in r0..=r1 {
@@ -277,16 +331,31 @@ impl Shared {
         false
     }
 
-    /// A write to regions `r0..=r1` is done with the legs.
+    /// A write to regions `r0..=r1` is done with the legs, on the reactor
+    /// that owns `w` (the only one that changes it: a load and a store).
+    /// A resync that waits for one of the regions to drain is poked; should
+    /// it miss the store, it looks again on its own (see
+    /// `Worker::next_deadline`).
     #[inline]
-    pub fn exit(&self, r0: u64, r1: u64) {
-        let b = self.barrier.load(Ordering::SeqCst);
-        for r in r0..=r1 {
-            let left = self.writers[r as usize].fetch_sub(1, Ordering::SeqCst) - 1;
-            if left == 0 && r == b {
-                // The resync waits for this region to drain.
+    pub fn exit(&self, w: &[AtomicU32], r0: u64, r1: u64) {
+        if r0 == r1 {
+            let c = &w[r0 as usize];
+            let left = c.load(Ordering::Relaxed) - 1;
+            c.store(left, Ordering::Release);
+            if left == 0 && self.barrier.load(Ordering::SeqCst) == r0 {
                 self.poke();
             }
+            return;
+        }
+        let mut last = false;
+        for r in r0..=r1 {
+            let c = &w[r as usize];
+            let left = c.load(Ordering::Relaxed) - 1;
+            c.store(left, Ordering::Release);
+            last |= left == 0;
+        }
+        if last && (r0..=r1).contains(&self.barrier.load(Ordering::SeqCst)) {
+            self.poke();
         }
     }
 

@@ -62,6 +62,10 @@ pub(crate) struct Worker {
     pub rate_t0: Cell<Instant>,
     /// Chunk buffers handed back, reused.
     pub bufs: RefCell<Vec<AlignedBuf>>,
+    /// When the rebuild may record its next checkpoint, and whether one is
+    /// being recorded.
+    pub next_checkpoint: Cell<Instant>,
+    pub checkpointing: Cell<bool>,
 }
 
 impl Worker {
@@ -244,6 +248,7 @@ impl Worker {
                 events: st.events,
                 failed,
                 recovering: sh.all_legs() & !sh.insync.load(Ordering::Acquire) & !failed,
+                recovery_offset: st.recovery_offset,
             };
             (marks, gen, sb.then_some(sbv))
         };
@@ -402,14 +407,11 @@ impl Worker {
                     if sh.touched[wi].fetch_and(!bit, Ordering::Relaxed) & bit != 0 {
                         continue;
                     }
-                    if r == barrier
-                        || state::test(&sh.unsynced, r)
-                        || sh.writers[r as usize].load(Ordering::SeqCst) != 0
-                    {
+                    if r == barrier || state::test(&sh.unsynced, r) || sh.writing(r) {
                         continue;
                     }
                     state::clear(&sh.ondisk, r);
-                    if sh.writers[r as usize].load(Ordering::SeqCst) != 0 {
+                    if sh.writing(r) {
                         // A write saw the bit before it went: keep it.
                         state::set(&sh.ondisk, r);
                         continue;
@@ -450,11 +452,14 @@ impl Worker {
         if !self.sh.lock().active {
             return None;
         }
-        let d = self.next_daemon.get();
-        Some(match self.not_before.get() {
-            Some(t) => t.min(d),
-            None => d,
-        })
+        let mut d = self.next_daemon.get();
+        if let Some(t) = self.not_before.get() {
+            d = d.min(t);
+        }
+        if let Some(t) = self.job.borrow().as_ref().and_then(|j| j.recheck()) {
+            d = d.min(t);
+        }
+        Some(d)
     }
 }
 
@@ -569,6 +574,15 @@ fn apply(w: &Worker, legs: &[LegMeta]) -> Result<(), Error> {
     // (as dm-raid does on a reload); one whose metadata cannot be read
     // stays failed.
     let recovering = (a.recovering | a.failed | cfg.rebuild) & all & !unreadable;
+    // A rebuild goes on from its checkpoint when the legs to rebuild are
+    // those it was rebuilding (no leg added since: a blank one, one taken
+    // back), unless the table names legs to rebuild: as dm-raid's
+    // `rebuild`, that starts from the beginning (their data may be new).
+    let recovery_offset = if recovering != 0 && recovering == a.recovering && cfg.rebuild == 0 {
+        a.recovery_offset
+    } else {
+        0
+    };
     sh.failed.store(unreadable, Ordering::Release);
     sh.insync
         .store(all & !recovering & !unreadable, Ordering::Release);
@@ -599,11 +613,20 @@ fn apply(w: &Worker, legs: &[LegMeta]) -> Result<(), Error> {
     st.uuid = a.uuid;
     st.events = a.events;
     st.action = Action::Idle;
+    st.recovery_offset = recovery_offset;
     Ok(())
 }
 
 fn run(sh: Arc<Shared>, tx: mpsc::Sender<Result<(), Error>>) {
-    let reactor = match Reactor::new(ReactorConfig::default()) {
+    // UDM_RAID_WORKER_POLL=1 makes the worker spin instead of sleeping in
+    // io_uring_enter: valgrind holds its big lock across that call, so a
+    // sleeping worker would stop every other thread under callgrind
+    // (scripts/bench/raid-instr.sh sets it and counts the other threads).
+    let mut rc = ReactorConfig::default();
+    if std::env::var_os("UDM_RAID_WORKER_POLL").is_some_and(|v| v == "1") {
+        rc.mode = udm_core::CompletionMode::Poll;
+    }
+    let reactor = match Reactor::new(rc) {
         Ok(r) => r,
         Err(e) => {
             let _ = tx.send(Err(Error::os("raid: creating the worker's reactor", e)));
@@ -646,6 +669,8 @@ fn run(sh: Arc<Shared>, tx: mpsc::Sender<Result<(), Error>>) {
         rate_bytes: Cell::new(0),
         rate_t0: Cell::new(Instant::now()),
         bufs: RefCell::new(Vec::new()),
+        next_checkpoint: Cell::new(Instant::now()),
+        checkpointing: Cell::new(false),
     });
     let found: Rc<RefCell<Vec<Option<LegMeta>>>> =
         Rc::new(RefCell::new((0..n).map(|_| None).collect()));
