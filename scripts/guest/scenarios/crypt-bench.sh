@@ -40,11 +40,8 @@ case ",$have," in
 *) echo "RESULT crypt_bench_udm_path=portable_software" ;;
 esac
 export UDM_CONTROL=/tmp/udm-cb.sock
-: >/tmp/cb.log
-udm daemon >/tmp/cb.log 2>&1 &
-CB_PID=$!
-i=0
-until grep -q "daemon ready" /tmp/cb.log; do i=$((i + 1)); [ $i -lt 100 ] || break; sleep 0.1; done
+start_daemon /tmp/cb.log
+CB_PID=$DAEMON_PID
 CB_KEY=$(od -An -tx1 -N64 /dev/urandom | tr -d ' \n')
 CB_OPTS="1 sector_size:$CB_SECTOR"
 [ "$CB_SECTOR" = 512 ] && CB_OPTS=""
