@@ -7,6 +7,8 @@
 #             every write provisions a whole block (no zeroing, no copy);
 #   first4k   4 KiB writes, one at the start of each 64 KiB block of another
 #             fresh volume: every write provisions a block it covers in part;
+#   over64k   64 KiB random writes over the second volume, now provisioned:
+#             overwrites, the floor the first three compare with;
 #   break4k   the first volume snapshotted, then 4 KiB writes, one per block
 #             of it: every write breaks sharing (a copy of the 64 KiB block).
 # QD32, one job. The data devices are written over once before the first
@@ -44,9 +46,9 @@ fio_w() {
         --iodepth=32 --numjobs=1 --size=64M --output-format=terse --terse-version=3 \
         2>/dev/null | cut -d';' -f49
 }
-# One round on udm: prints "first64k first4k break4k".
+# One round on udm: prints "first64k first4k over64k break4k".
 round_udm() {
-    local a b c
+    local a b c o
     local n=0
     udm create tbmeta ram:16M >/dev/null || return 1
     # The last round's pool lets go of the data device once every reactor
@@ -62,16 +64,17 @@ round_udm() {
     [ -e /dev/ublkb32 ] || mdev -s
     a=$(fio_w /dev/ublkb31 randwrite 64k)
     b=$(fio_w /dev/ublkb32 write:60k 4k)
+    o=$(fio_w /dev/ublkb32 randwrite 64k)
     udm suspend tbv0 && udm message tbpool 0 create_snap 2 0 && udm resume tbv0 || return 1
     c=$(fio_w /dev/ublkb31 write:60k 4k)
     udm status tbpool >&2
     udm export remove tbv0; udm export remove tbv1
     udm remove tbv0; udm remove tbv1; udm remove tbpool; udm remove tbmeta
-    echo "$a $b $c"
+    echo "$a $b $o $c"
 }
 # The same on Linux's dm-thin: metadata on /dev/ram0, data on /dev/ram1.
 round_kernel() {
-    local a b c
+    local a b c o
     dd if=/dev/zero of=/dev/ram0 bs=1M count=16 oflag=direct 2>/dev/null
     dmsetup create kbpool --table "0 $TB_POOL thin-pool /dev/ram0 /dev/ram1 128 0 1 skip_block_zeroing" &&
         dmsetup message kbpool 0 'create_thin 0' && dmsetup message kbpool 0 'create_thin 1' &&
@@ -79,14 +82,15 @@ round_kernel() {
         dmsetup create kbv1 --table "0 $TB_VOL thin /dev/mapper/kbpool 1" || return 1
     a=$(fio_w /dev/mapper/kbv0 randwrite 64k)
     b=$(fio_w /dev/mapper/kbv1 write:60k 4k)
+    o=$(fio_w /dev/mapper/kbv1 randwrite 64k)
     dmsetup suspend kbv0 && dmsetup message kbpool 0 'create_snap 2 0' && dmsetup resume kbv0 || return 1
     c=$(fio_w /dev/mapper/kbv0 write:60k 4k)
     dmsetup status kbpool >&2
     dmsetup remove kbv0; dmsetup remove kbv1; dmsetup remove kbpool
-    echo "$a $b $c"
+    echo "$a $b $o $c"
 }
 median() { tr ' ' '\n' | grep . | sort -n | awk '{v[NR]=$1} END {print v[int((NR+1)/2)]}'; }
-TB_JOBS="first64k first4k break4k"
+TB_JOBS="first64k first4k over64k break4k"
 for j in $TB_JOBS; do eval "U_$j= K_$j= R_$j="; done
 r=0
 while [ $r -lt "$TB_ROUNDS" ]; do

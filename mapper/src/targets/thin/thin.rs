@@ -358,6 +358,8 @@ impl BlockDevice for Engine {
             backoff: Cell::new(0),
         });
         reactor.set_local(self.key, Rc::new(ChanRef(Rc::downgrade(&ch))));
+        // A reserve ahead of the first writes.
+        ch.ask();
         Ok(ch)
     }
 

@@ -186,8 +186,10 @@ pub(crate) enum Job {
     Wake(u32, u64),
 }
 
-/// The most blocks a channel holds in reserve.
-pub(crate) const RESERVE: usize = 64;
+/// The most blocks a channel holds in reserve: enough to bridge a wait
+/// for the worker of a few milliseconds at full speed (16 MiB of 64 KiB
+/// blocks).
+pub(crate) const RESERVE: usize = 256;
 
 /// The worker's state; it lives on the worker thread only.
 pub(crate) struct Worker {
@@ -615,16 +617,22 @@ impl Worker {
         match self.meta.alloc_data_block() {
             Ok(Some(b)) => {
                 self.set_dirty(true);
-                let (used, total) = self.data_usage();
-                let lwm = self.sh.lock_cfg().low_water_blocks;
-                if total - used.min(total) <= lwm && !self.lwm_raised {
-                    self.lwm_raised = true;
-                    self.sh.events.fetch_add(1, Ordering::Relaxed);
-                }
+                self.check_low_water();
                 Ok(Some(b))
             }
             Ok(None) => Ok(None),
             Err(e) => Err(self.meta_failed(e)),
+        }
+    }
+
+    /// Raises the low water mark's event when the free blocks (reserves
+    /// counted free) reach it.
+    fn check_low_water(&mut self) {
+        let (used, total) = self.data_usage();
+        let lwm = self.sh.lock_cfg().low_water_blocks;
+        if total - used.min(total) <= lwm && !self.lwm_raised {
+            self.lwm_raised = true;
+            self.sh.events.fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -769,6 +777,9 @@ impl Worker {
     /// the metadata failed (and dropped them).
     pub fn apply_journal(&mut self) -> Status {
         let journal = self.sh.take_journal();
+        if journal.is_empty() {
+            return Status::Ok;
+        }
         let mut s = Status::Ok;
         for p in journal {
             // A block not reserved any more was of a transaction dropped
@@ -786,6 +797,7 @@ impl Worker {
                 Err(e) => s = self.meta_failed(e),
             }
         }
+        self.check_low_water();
         s
     }
 
@@ -834,7 +846,8 @@ impl Worker {
     }
 
     /// Reserves blocks for a channel: up to what it wants, a quarter of
-    /// the free blocks above the low water mark at most.
+    /// the free blocks above the low water mark at most, and no more than
+    /// keeps every reserve together under half the free blocks.
     fn refill(&mut self, r: RefillJob) {
         let mut g = Blocks {
             sh: self.sh.clone(),
@@ -845,7 +858,11 @@ impl Worker {
         if r.vol.provision.load(Ordering::Relaxed) {
             let (used, total) = self.meta.data_usage();
             let lwm = self.sh.lock_cfg().low_water_blocks;
-            let n = (total.saturating_sub(used).saturating_sub(lwm) / 4).min(r.want as u64);
+            // `used` counts the reserves.
+            let free = total.saturating_sub(used);
+            let n = (free.saturating_sub(lwm) / 4)
+                .min((free / 2).saturating_sub(self.reserved.len() as u64))
+                .min(r.want as u64);
             for _ in 0..n {
                 match self.meta.alloc_data_block() {
                     Ok(Some(b)) => {
