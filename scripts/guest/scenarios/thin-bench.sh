@@ -10,18 +10,21 @@
 #   over64k   64 KiB random writes over the second volume, now provisioned:
 #             overwrites, the floor the first three compare with;
 #   break4k   the first volume snapshotted, then 4 KiB writes, one per block
-#             of it: every write breaks sharing (a copy of the 64 KiB block).
+#             of it: every write breaks sharing (a copy of the 64 KiB block);
+#   lin64k    64 KiB random writes over linear (udm's over RAM, dm-linear over
+#             brd): what the export and the RAM cost without thin.
 # QD32, one job. The data devices are written over once before the first
 # round, so that no run pays first-touch page faults of the RAM under it.
 # Prints each run and the medians as RESULT lines (write IOPS) and the
 # ratios udm/kernel. Figures only compare within one guest run (TCG).
 # Knobs: SCN_THIN_ROUNDS (default 5; 7 with --long).
 grep -q '^ublk_drv ' /proc/modules || insmod /lib/modules/ublk_drv.ko
-grep -q '^brd ' /proc/modules || insmod /lib/modules/brd.ko rd_size=204800 rd_nr=2
+grep -q '^brd ' /proc/modules || insmod /lib/modules/brd.ko rd_size=204800 rd_nr=3
 [ -e /dev/ublk-control ] || mdev -s
 export UDM_CONTROL=/tmp/udm-tb.sock
 : >/tmp/udm-tb.log
-udm daemon >/tmp/udm-tb.log 2>&1 &
+# Three volumes exported at once: 64 MiB of ublk buffers each.
+udm daemon --max-inflight 512M >/tmp/udm-tb.log 2>&1 &
 TB_PID=$!
 i=0
 until grep -q "daemon ready" /tmp/udm-tb.log; do
@@ -39,6 +42,14 @@ udm export add tbfill --ublk --id 30 >/dev/null
 dd if=/dev/zero of=/dev/ublkb30 bs=1M count=200 oflag=direct 2>/dev/null
 udm export remove tbfill; udm remove tbfill
 dd if=/dev/zero of=/dev/ram1 bs=1M count=200 oflag=direct 2>/dev/null
+# The linear controls, 64 MiB each, written over once too.
+udm create tblram ram:64M
+udm create tblin --table "0 $TB_VOL linear tblram 0"
+udm export add tblin --ublk --id 33 >/dev/null
+[ -e /dev/ublkb33 ] || mdev -s
+dd if=/dev/zero of=/dev/ublkb33 bs=1M count=64 oflag=direct 2>/dev/null
+dmsetup create kblin --table "0 $TB_VOL linear /dev/ram2 0"
+dd if=/dev/zero of=/dev/mapper/kblin bs=1M count=64 oflag=direct 2>/dev/null
 
 # fio_w DEV RW BS -> write IOPS
 fio_w() {
@@ -46,9 +57,10 @@ fio_w() {
         --iodepth=32 --numjobs=1 --size=64M --output-format=terse --terse-version=3 \
         2>/dev/null | cut -d';' -f49
 }
-# One round on udm: prints "first64k first4k over64k break4k".
+# One round on udm: prints "first64k first4k over64k break4k lin64k".
 round_udm() {
-    local a b c o
+    local a b c o l
+    l=$(fio_w /dev/ublkb33 randwrite 64k)
     local n=0
     udm create tbmeta ram:16M >/dev/null || return 1
     # The last round's pool lets go of the data device once every reactor
@@ -70,11 +82,12 @@ round_udm() {
     udm status tbpool >&2
     udm export remove tbv0; udm export remove tbv1
     udm remove tbv0; udm remove tbv1; udm remove tbpool; udm remove tbmeta
-    echo "$a $b $o $c"
+    echo "$a $b $o $c $l"
 }
 # The same on Linux's dm-thin: metadata on /dev/ram0, data on /dev/ram1.
 round_kernel() {
-    local a b c o
+    local a b c o l
+    l=$(fio_w /dev/mapper/kblin randwrite 64k)
     dd if=/dev/zero of=/dev/ram0 bs=1M count=16 oflag=direct 2>/dev/null
     dmsetup create kbpool --table "0 $TB_POOL thin-pool /dev/ram0 /dev/ram1 128 0 1 skip_block_zeroing" &&
         dmsetup message kbpool 0 'create_thin 0' && dmsetup message kbpool 0 'create_thin 1' &&
@@ -87,10 +100,10 @@ round_kernel() {
     c=$(fio_w /dev/mapper/kbv0 write:60k 4k)
     dmsetup status kbpool >&2
     dmsetup remove kbv0; dmsetup remove kbv1; dmsetup remove kbpool
-    echo "$a $b $o $c"
+    echo "$a $b $o $c $l"
 }
 median() { tr ' ' '\n' | grep . | sort -n | awk '{v[NR]=$1} END {print v[int((NR+1)/2)]}'; }
-TB_JOBS="first64k first4k over64k break4k"
+TB_JOBS="first64k first4k over64k break4k lin64k"
 for j in $TB_JOBS; do eval "U_$j= K_$j= R_$j="; done
 r=0
 while [ $r -lt "$TB_ROUNDS" ]; do
@@ -121,5 +134,7 @@ for j in $TB_JOBS; do
     echo "RESULT tb_median_kernel_$j=$mk"
     echo "RESULT tb_ratio_$j=$(echo "$rs" | median) tb_ratios_$j=$(echo $rs | tr ' ' ',')"
 done
+dmsetup remove kblin
+udm export remove tblin; udm remove tblin; udm remove tblram
 udm remove tbdata
 kill $TB_PID; wait $TB_PID
