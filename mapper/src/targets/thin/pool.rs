@@ -551,6 +551,12 @@ impl Target for PoolTarget {
         let sh = &self.pool.sh;
         match ty {
             StatusType::Info => {
+                // The mappings the reactors made count (as dm's counts
+                // include every allocation).
+                let _ = sh.call(|w| {
+                    let _ = w.apply_journal();
+                    w.refresh_stat();
+                });
                 let st = sh.lock_stat().clone();
                 let cfg = sh.lock_cfg().clone();
                 let held = st

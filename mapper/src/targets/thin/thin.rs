@@ -354,6 +354,7 @@ impl BlockDevice for Engine {
             data,
             origin,
             reserve: RefCell::new(Vec::new()),
+            id: NEXT_KEY.fetch_add(1, Ordering::Relaxed),
             asked: Cell::new(false),
             backoff: Cell::new(0),
         });
@@ -379,6 +380,8 @@ struct EngineChannel {
     origin: Option<Rc<dyn Channel>>,
     /// Data blocks the worker reserved for this channel's provisioning.
     reserve: RefCell<Vec<u64>>,
+    /// This channel's number, for the worker's reclaim.
+    id: u64,
     /// A refill is asked for and not answered yet.
     asked: Cell<bool>,
     /// Allocating writes to pass before asking again after an empty refill.
@@ -386,7 +389,7 @@ struct EngineChannel {
 }
 
 /// A channel asks for a refill when its reserve falls below this.
-const REFILL_AT: usize = RESERVE / 2;
+const REFILL_AT: usize = RESERVE * 3 / 4;
 
 impl Drop for EngineChannel {
     fn drop(&mut self) {
@@ -475,6 +478,7 @@ impl EngineChannel {
             vol: self.eng.vol.clone(),
             handle: self.handle.clone(),
             key: self.eng.key,
+            id: self.id,
             want,
         }));
     }

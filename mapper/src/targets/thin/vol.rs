@@ -186,13 +186,12 @@ impl Vol {
     }
 
     /// Marks `vblock` provisioning for the worker, which provisions it
-    /// (worker only); false if a reactor is provisioning it.
-    pub fn take(&self, vblock: u64) -> bool {
+    /// (worker only), if its entry is still `from`; false if a reactor
+    /// changed it.
+    pub fn take(&self, vblock: u64, from: u64) -> bool {
         self.entry(vblock, PROVISIONING).is_some_and(|e| {
-            e.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |cur| {
-                (!provisioning(cur)).then_some(PROVISIONING)
-            })
-            .is_ok()
+            e.compare_exchange(from, PROVISIONING, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
         })
     }
 

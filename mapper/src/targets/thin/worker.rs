@@ -144,6 +144,9 @@ pub(crate) struct RefillJob {
     pub handle: ReactorHandle,
     /// The channel's reactor-local key.
     pub key: u64,
+    /// The channel's own number (a volume has a channel on each reactor,
+    /// all under one key).
+    pub id: u64,
     pub want: usize,
 }
 
@@ -187,9 +190,9 @@ pub(crate) enum Job {
 }
 
 /// The most blocks a channel holds in reserve: enough to bridge a wait
-/// for the worker of a few milliseconds at full speed (16 MiB of 64 KiB
+/// for the worker of several milliseconds at full speed (64 MiB of 64 KiB
 /// blocks).
-pub(crate) const RESERVE: usize = 256;
+pub(crate) const RESERVE: usize = 1024;
 
 /// The worker's state; it lives on the worker thread only.
 pub(crate) struct Worker {
@@ -209,9 +212,9 @@ pub(crate) struct Worker {
     /// Blocks reserved for the reactors and not yet seen in the journal:
     /// counted in the space map between commits, not in a commit.
     reserved: HashSet<u64>,
-    /// Channels holding reserved blocks, by key: asked to give them back
-    /// when the data device runs out.
-    grants: HashMap<u64, ReactorHandle>,
+    /// Channels holding reserved blocks, by id (with their key): asked to
+    /// give them back when the data device runs out.
+    grants: HashMap<u64, (u64, ReactorHandle)>,
     /// Channels asked to give their blocks back and not answered yet.
     reclaiming: usize,
     /// Writes waiting for a block a reactor is provisioning.
@@ -417,6 +420,10 @@ impl Worker {
             if provisioning(b.vol.get(v)) {
                 return self.wait_provisioning(b);
             }
+            // A reactor that ended its provisioning just now journaled
+            // the mapping before the entry changed: insert it before the
+            // lookup.
+            let _ = self.apply_journal();
         }
         let found = match self.meta.lookup(dev, v) {
             Ok(f) => f,
@@ -436,7 +443,7 @@ impl Worker {
             }
             Op::Write => {
                 self.set_entry(dev, v, entry);
-                self.write(b, found)
+                self.write(b, found, entry)
             }
             Op::Discard => self.discard(b, found),
             _ => b.reply.send(Action::Complete(Status::NotSupp)),
@@ -464,7 +471,8 @@ impl Worker {
         }
     }
 
-    fn write(&mut self, b: BioJob, found: Option<Lookup>) {
+    /// A write; `entry` is what the volume's cache was just set to.
+    fn write(&mut self, b: BioJob, found: Option<Lookup>, entry: u64) {
         let bs = self.bs();
         let (v, off) = (b.sector / bs, b.sector % bs);
         if let Some(m) = found.filter(|m| !m.shared) {
@@ -480,9 +488,13 @@ impl Worker {
             return b.reply.send(Action::Remap { sector, epoch });
         }
         // The block is the worker's to provision from here: no reactor
-        // claims it, and writes to it wait in its cell.
-        if !b.vol.take(v) {
-            return self.wait_provisioning(b);
+        // claims it, and writes to it wait in its cell. If a reactor
+        // claimed it since the lookup (and maybe mapped it already), the
+        // write runs again.
+        if !b.vol.take(v, entry) {
+            let _ = self.apply_journal();
+            self.ready.push_front(Job::Bio(b));
+            return;
         }
         self.maybe_enable(&b.vol);
         let block = match self.alloc() {
@@ -878,7 +890,7 @@ impl Worker {
                 }
             }
             if !g.blocks.is_empty() {
-                self.grants.insert(r.key, r.handle.clone());
+                self.grants.insert(r.id, (r.key, r.handle.clone()));
             }
         }
         let key = r.key;
@@ -915,7 +927,7 @@ impl Worker {
         for v in self.sh.vols(None) {
             v.provision.store(false, Ordering::SeqCst);
         }
-        for (key, handle) in std::mem::take(&mut self.grants) {
+        for (_, (key, handle)) in std::mem::take(&mut self.grants) {
             self.reclaiming += 1;
             let g = Blocks {
                 sh: self.sh.clone(),
