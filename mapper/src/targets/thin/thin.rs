@@ -355,6 +355,7 @@ impl BlockDevice for Engine {
             origin,
             reserve: RefCell::new(Vec::new()),
             id: NEXT_KEY.fetch_add(1, Ordering::Relaxed),
+            parked: RefCell::new(Vec::new()),
             asked: Cell::new(false),
             backoff: Cell::new(0),
         });
@@ -382,6 +383,8 @@ struct EngineChannel {
     reserve: RefCell<Vec<u64>>,
     /// This channel's number, for the worker's reclaim.
     id: u64,
+    /// First writes waiting for the refill asked for (one trip for all).
+    parked: RefCell<Vec<BioPtr>>,
     /// A refill is asked for and not answered yet.
     asked: Cell<bool>,
     /// Allocating writes to pass before asking again after an empty refill.
@@ -393,6 +396,9 @@ const REFILL_AT: usize = RESERVE * 3 / 4;
 
 impl Drop for EngineChannel {
     fn drop(&mut self) {
+        for bio in std::mem::take(self.parked.get_mut()) {
+            bio.complete(Status::IoErr);
+        }
         let blocks = std::mem::take(self.reserve.get_mut());
         if !blocks.is_empty() {
             self.eng.pool.sh.push(Job::Return {
@@ -436,6 +442,12 @@ impl EngineChannel {
         }
         let Some(block) = self.reserve.borrow_mut().pop() else {
             self.ask();
+            if self.asked.get() {
+                // A refill is on its way: the write waits for it here
+                // rather than go to the worker (two trips).
+                self.parked.borrow_mut().push(bio);
+                return None;
+            }
             return Some(bio);
         };
         // Counted before the flag and the entry are read (see Vol::enter):
@@ -534,6 +546,12 @@ pub(crate) fn granted(r: &Reactor, key: u64, mut g: Blocks) {
     }
     ch.reserve.borrow_mut().append(&mut g.blocks);
     ch.asked.set(false);
+    // The parked writes go again: provisioned here, or (none to spare)
+    // to the worker.
+    let parked = std::mem::take(&mut *ch.parked.borrow_mut());
+    for bio in parked {
+        ch.submit(bio);
+    }
 }
 
 /// The worker asks for the reserve of the channel of `key` back.
