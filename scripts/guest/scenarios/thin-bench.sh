@@ -17,7 +17,8 @@
 # round, so that no run pays first-touch page faults of the RAM under it.
 # Prints each run and the medians as RESULT lines (write IOPS) and the
 # ratios udm/kernel. Figures only compare within one guest run (TCG).
-# Knobs: SCN_THIN_ROUNDS (default 5; 7 with --long).
+# Knobs: SCN_THIN_ROUNDS (default 5; 7 with --long). Needs GUEST_MEM=2G
+# (two RAM disks of each side, and three exports' ublk buffers).
 grep -q '^ublk_drv ' /proc/modules || insmod /lib/modules/ublk_drv.ko
 grep -q '^brd ' /proc/modules || insmod /lib/modules/brd.ko rd_size=204800 rd_nr=3
 [ -e /dev/ublk-control ] || mdev -s
