@@ -355,11 +355,25 @@ impl BlockDevice for Engine {
             origin,
             reserve: RefCell::new(Vec::new()),
             id: NEXT_KEY.fetch_add(1, Ordering::Relaxed),
-            parked: RefCell::new(Vec::new()),
             asked: Cell::new(false),
             backoff: Cell::new(0),
         });
-        reactor.set_local(self.key, Rc::new(ChanRef(Rc::downgrade(&ch))));
+        // Each channel of the engine on this reactor is listed (a table
+        // may be opened more than once): reserves go to the one that asked.
+        match reactor
+            .local(self.key)
+            .and_then(|l| l.downcast::<ChanRef>().ok())
+        {
+            Some(c) => {
+                let mut v = c.0.borrow_mut();
+                v.retain(|w| w.strong_count() > 0);
+                v.push(Rc::downgrade(&ch));
+            }
+            None => reactor.set_local(
+                self.key,
+                Rc::new(ChanRef(RefCell::new(vec![Rc::downgrade(&ch)]))),
+            ),
+        }
         // A reserve ahead of the first writes.
         ch.ask();
         Ok(ch)
@@ -370,9 +384,9 @@ impl BlockDevice for Engine {
     }
 }
 
-/// The reactor-local that finds an engine's channel (weak: the tables own
-/// the channel).
-struct ChanRef(Weak<EngineChannel>);
+/// The reactor-local that finds an engine's channels on a reactor (weak:
+/// the tables own them); the last opened answers for the engine.
+struct ChanRef(RefCell<Vec<Weak<EngineChannel>>>);
 
 struct EngineChannel {
     handle: ReactorHandle,
@@ -383,8 +397,6 @@ struct EngineChannel {
     reserve: RefCell<Vec<u64>>,
     /// This channel's number, for the worker's reclaim.
     id: u64,
-    /// First writes waiting for the refill asked for (one trip for all).
-    parked: RefCell<Vec<BioPtr>>,
     /// A refill is asked for and not answered yet.
     asked: Cell<bool>,
     /// Allocating writes to pass before asking again after an empty refill.
@@ -396,9 +408,6 @@ const REFILL_AT: usize = RESERVE * 3 / 4;
 
 impl Drop for EngineChannel {
     fn drop(&mut self) {
-        for bio in std::mem::take(self.parked.get_mut()) {
-            bio.complete(Status::IoErr);
-        }
         let blocks = std::mem::take(self.reserve.get_mut());
         if !blocks.is_empty() {
             self.eng.pool.sh.push(Job::Return {
@@ -442,12 +451,6 @@ impl EngineChannel {
         }
         let Some(block) = self.reserve.borrow_mut().pop() else {
             self.ask();
-            if self.asked.get() {
-                // A refill is on its way: the write waits for it here
-                // rather than go to the worker (two trips).
-                self.parked.borrow_mut().push(bio);
-                return None;
-            }
             return Some(bio);
         };
         // Counted before the flag and the entry are read (see Vol::enter):
@@ -536,8 +539,8 @@ fn provision_endio(mut bio: BioPtr) {
 }
 
 /// Reserved blocks from the worker arrive for the channel of `key`.
-pub(crate) fn granted(r: &Reactor, key: u64, mut g: Blocks) {
-    let Some(ch) = channel(r, key) else {
+pub(crate) fn granted(r: &Reactor, key: u64, id: u64, mut g: Blocks) {
+    let Some(ch) = channel_id(r, key, id) else {
         return; // dropping `g` gives the blocks back
     };
     if g.blocks.is_empty() {
@@ -546,26 +549,27 @@ pub(crate) fn granted(r: &Reactor, key: u64, mut g: Blocks) {
     }
     ch.reserve.borrow_mut().append(&mut g.blocks);
     ch.asked.set(false);
-    // The parked writes go again: provisioned here, or (none to spare)
-    // to the worker.
-    let parked = std::mem::take(&mut *ch.parked.borrow_mut());
-    for bio in parked {
-        ch.submit(bio);
-    }
 }
 
 /// The worker asks for the reserve of the channel of `key` back.
-pub(crate) fn reclaimed(r: &Reactor, key: u64, mut g: Blocks) {
-    if let Some(ch) = channel(r, key) {
+pub(crate) fn reclaimed(r: &Reactor, key: u64, id: u64, mut g: Blocks) {
+    if let Some(ch) = channel_id(r, key, id) {
         g.blocks.append(&mut ch.reserve.borrow_mut());
     }
     // Dropped: back to the worker, which counts the answer.
 }
 
 fn channel(r: &Reactor, key: u64) -> Option<Rc<EngineChannel>> {
-    r.local(key)
-        .and_then(|l| l.downcast::<ChanRef>().ok())
-        .and_then(|c| c.0.upgrade())
+    let c = r.local(key)?.downcast::<ChanRef>().ok()?;
+    let v = c.0.borrow();
+    v.iter().rev().find_map(Weak::upgrade)
+}
+
+/// The channel `id` of the engine of `key` on this reactor.
+fn channel_id(r: &Reactor, key: u64, id: u64) -> Option<Rc<EngineChannel>> {
+    let c = r.local(key)?.downcast::<ChanRef>().ok()?;
+    let v = c.0.borrow();
+    v.iter().filter_map(Weak::upgrade).find(|ch| ch.id == id)
 }
 
 impl Channel for EngineChannel {

@@ -893,9 +893,9 @@ impl Worker {
                 self.grants.insert(r.id, (r.key, r.handle.clone()));
             }
         }
-        let key = r.key;
+        let (key, id) = (r.key, r.id);
         r.handle
-            .send(move |reactor| super::thin::granted(reactor, key, g));
+            .send(move |reactor| super::thin::granted(reactor, key, id, g));
     }
 
     /// Reserved blocks came back (`reclaim`: asked for).
@@ -927,14 +927,14 @@ impl Worker {
         for v in self.sh.vols(None) {
             v.provision.store(false, Ordering::SeqCst);
         }
-        for (_, (key, handle)) in std::mem::take(&mut self.grants) {
+        for (id, (key, handle)) in std::mem::take(&mut self.grants) {
             self.reclaiming += 1;
             let g = Blocks {
                 sh: self.sh.clone(),
                 blocks: Vec::new(),
                 reclaim: true,
             };
-            handle.send(move |reactor| super::thin::reclaimed(reactor, key, g));
+            handle.send(move |reactor| super::thin::reclaimed(reactor, key, id, g));
         }
         true
     }
