@@ -123,6 +123,59 @@ fn writes_across_blocks_and_many_in_flight_provision_each_block_once() {
     );
 }
 
+/// The pool status's used data blocks.
+fn used_data(p: &Pool) -> String {
+    p.status()
+        .split_whitespace()
+        .nth(5)
+        .unwrap_or("")
+        .to_string()
+}
+
+#[test]
+fn first_writes_on_the_reactors_map_each_block_once_and_snapshots_see_them() {
+    let p = pool(256, 0, "1 skip_block_zeroing");
+    p.ok("create_thin 0");
+    let t = p.thin("t", 64 * BS, "pool 0");
+    let dev = as_dev(&t);
+    let tr = Tester::new();
+    // Rounds of 4 KiB writes, each round all in flight at once, four to
+    // each of 16 fresh blocks: the first round finds no reserve yet (the
+    // worker provisions), later rounds provision on the reactor.
+    let at = |round: u64, i: u64| (round * 16 + i / 4) * BS + (i % 4) * 8;
+    for round in 0..4u64 {
+        let reqs: Vec<Req> = (0..64u64)
+            .map(|i| Req::write(at(round, i), pattern(10 + round, at(round, i), 8)))
+            .collect();
+        for d in tr.run_all(&dev, reqs) {
+            assert_eq!(d.status, Status::Ok);
+        }
+    }
+    for round in 0..4u64 {
+        for i in 0..64u64 {
+            let s = at(round, i);
+            assert_sectors_eq(&tr.read(&dev, s, 8), &pattern(10 + round, s, 8), "write");
+        }
+    }
+    // Blocks reserved for the reactor and not used are not counted.
+    assert_eq!(used_data(&p), "64/256", "{}", p.status());
+    // A snapshot holds every write completed before it; a write to the
+    // origin then breaks sharing.
+    p.ok("create_snap 1 0");
+    let s = p.thin("s", 64 * BS, "pool 1");
+    tr.write(&dev, 0, pattern(20, 0, 8));
+    assert_sectors_eq(&tr.read(&dev, 0, 8), &pattern(20, 0, 8), "origin");
+    assert_sectors_eq(&tr.read(&as_dev(&s), 0, 8), &pattern(10, 0, 8), "snap");
+    // And first writes after it provision again.
+    tr.write(&dev, 63 * BS, pattern(21, 63 * BS, 8));
+    assert_sectors_eq(
+        &tr.read(&dev, 63 * BS, 8),
+        &pattern(21, 63 * BS, 8),
+        "after",
+    );
+    assert_eq!(used_data(&p), "66/256", "{}", p.status());
+}
+
 #[test]
 fn a_snapshot_keeps_its_blocks_while_the_origin_is_overwritten() {
     let p = pool(64, 0, "");

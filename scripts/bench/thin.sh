@@ -8,7 +8,8 @@
 #                                                   volume (allocating) vs a prefilled one
 #                                                   (overwrites) vs linear, data on a tmpfs file
 #   scripts/bench/thin.sh two ROUNDS UDM            one reactor on one volume vs two reactors on
-#                                                   two volumes of one pool, provisioned randwrite
+#                                                   two volumes of one pool, provisioned randwrite;
+#                                                   the same for two linear devices over one RAM disk
 #   scripts/bench/thin.sh instr UDM                 instructions per 512 B read at QD1: linear
 #                                                   over RAM vs a provisioned thin volume
 #
@@ -17,7 +18,7 @@
 # also how much CPU the host left it.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-[ $# -ge 2 ] || { sed -n 2,18p "$0"; exit 2; }
+[ $# -ge 2 ] || { sed -n 2,19p "$0"; exit 2; }
 mode=$1; shift
 f() { python3 -c 'import json,sys; j=json.loads(sys.stdin.read()); print("%.0f %.0f" % (j["iops"], j["ios"]/max(1e-9,j["cpu_user_s"]+j["cpu_sys_s"])))'; }
 THIN=(--dev meta=ram:64M --dev data=ram:1G --dev 'pool=0 2097152 thin-pool meta data 128 0 1 skip_block_zeroing'
@@ -51,11 +52,15 @@ two)
     R=$1; U=$2
     P=(--dev meta=ram:64M --dev data=ram:512M --dev 'pool=0 1048576 thin-pool meta data 128 0 1 skip_block_zeroing'
        --message 'pool 0 create_thin 0' --dev 't0=0 524288 thin pool 0' --message 'pool 0 create_thin 1' --dev 't1=0 524288 thin pool 1')
+    # The host's own ceiling: two linear devices over one RAM disk.
+    L=(--dev ram0=ram:512M --dev 'l0=0 524288 linear ram0 0' --dev 'l1=0 524288 linear ram0 524288')
     C=(--rw randwrite --bs 4k --iodepth 32 --size 256M --runtime 2 --prefill --dispatch direct --json)
     for r in $(seq 1 "$R"); do
         if (( r % 2 )); then a=$("$U" bench "${P[@]}" --target t0 --jobs 1 "${C[@]}" | f); b=$("$U" bench "${P[@]}" --target t0,t1 --jobs 2 "${C[@]}" | f)
-        else b=$("$U" bench "${P[@]}" --target t0,t1 --jobs 2 "${C[@]}" | f); a=$("$U" bench "${P[@]}" --target t0 --jobs 1 "${C[@]}" | f); fi
-        echo "two $r one $a two $b"
+            c=$("$U" bench "${L[@]}" --target l0 --jobs 1 "${C[@]}" | f); d=$("$U" bench "${L[@]}" --target l0,l1 --jobs 2 "${C[@]}" | f)
+        else d=$("$U" bench "${L[@]}" --target l0,l1 --jobs 2 "${C[@]}" | f); c=$("$U" bench "${L[@]}" --target l0 --jobs 1 "${C[@]}" | f)
+            b=$("$U" bench "${P[@]}" --target t0,t1 --jobs 2 "${C[@]}" | f); a=$("$U" bench "${P[@]}" --target t0 --jobs 1 "${C[@]}" | f); fi
+        echo "two $r one $a two $b linear-one $c linear-two $d"
     done ;;
 instr)
     # The volume is provisioned beforehand (metadata in a file) so that the
@@ -70,5 +75,5 @@ instr)
     C=(--rw read --bs 512 --iodepth 1 --dispatch direct)
     echo "linear: $(UDM=$U ONLY=Ring::reap scripts/bench/instr-per-io.sh --dev ram0=ram:64M --dev 'lin=0 131072 linear ram0 0' --target lin "${C[@]}")"
     echo "thin:   $(UDM=$U ONLY=Ring::reap scripts/bench/instr-per-io.sh "${P[@]}" --dev 't=0 131072 thin pool 0' --target t "${C[@]}")" ;;
-*) sed -n 2,18p "$0"; exit 2 ;;
+*) sed -n 2,19p "$0"; exit 2 ;;
 esac

@@ -38,6 +38,12 @@ pub(crate) trait MetaStore {
     /// A free data block, its reference count one; `Ok(None)` when the
     /// data device is full.
     fn alloc_data_block(&mut self) -> Result<Option<u64>, Error>;
+    /// Drops the reference [`MetaStore::alloc_data_block`] gave, for a
+    /// block that was not mapped.
+    fn release_data_block(&mut self, block: u64) -> Result<(), Error>;
+    /// Takes a reference to free `block` again, outside the transaction
+    /// (a reserve kept over a commit).
+    fn claim_data_block(&mut self, block: u64) -> Result<(), Error>;
     /// Makes the transaction durable.
     fn commit(&mut self) -> Result<(), Error>;
     /// Drops every change since the last commit.
@@ -108,6 +114,12 @@ impl MetaStore for ThinMetadata {
             Err(e) if is_no_space(&e) => Ok(None),
             Err(e) => Err(e),
         }
+    }
+    fn release_data_block(&mut self, block: u64) -> Result<(), Error> {
+        ThinMetadata::release_data_block(self, block)
+    }
+    fn claim_data_block(&mut self, block: u64) -> Result<(), Error> {
+        ThinMetadata::claim_data_block(self, block)
     }
     fn commit(&mut self) -> Result<(), Error> {
         ThinMetadata::commit(self)

@@ -806,6 +806,26 @@ impl ThinMetadata {
         self.change(|md| md.data_sm.counts.dec(block).map(drop))
     }
 
+    /// Takes a reference to free data block `block` again: a reserved
+    /// block given back before a commit (so that the commit does not count
+    /// it) is reserved again after. Not a change of the transaction.
+    pub fn claim_data_block(&mut self, block: u64) -> Result<(), Error> {
+        if self.read_only || self.failed {
+            return self.change(|_| Ok(()));
+        }
+        if block >= self.data_sm.counts.nr_blocks() {
+            return Err(Error::invalid(format!(
+                "data block {block} is beyond the data device"
+            )));
+        }
+        match self.data_sm.counts.get(block)? {
+            0 => Ok(self.data_sm.counts.set(block, 1)?),
+            n => Err(Error::invalid(format!(
+                "data block {block} is in use ({n} references)"
+            ))),
+        }
+    }
+
     /// Commits the transaction: the changed device details and space maps,
     /// every new block, a flush, then the superblock and a flush.
     pub fn commit(&mut self) -> Result<(), Error> {

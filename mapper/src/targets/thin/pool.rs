@@ -19,7 +19,7 @@ use super::meta::MetaStore;
 use super::metadata::ThinMetadata;
 use super::metaio::MetaIo;
 use super::vol::Vol;
-use super::worker::{worker_gone, Job, Worker};
+use super::worker::{worker_gone, Job, Provisioned, Worker};
 use crate::device::MappedDevice;
 use crate::target::{CtrCtx, DevArea, Map, MapCtx, StatusType, Target, TargetType};
 
@@ -98,6 +98,11 @@ pub(crate) struct Shared {
     /// The metadata changed since the last commit (the worker's; read by
     /// the fast path for FUA writes).
     pub dirty: AtomicBool,
+    /// The mappings reactors made, for the worker to insert (see
+    /// `worker.rs`).
+    journal: Mutex<Vec<Provisioned>>,
+    /// The table's `skip_block_zeroing`, for the reactors.
+    pub skip_zeroing: AtomicBool,
     stop: AtomicBool,
 }
 
@@ -136,6 +141,28 @@ impl Shared {
         Ok(q.pop_front())
     }
 
+    /// Records a mapping a reactor made; the pool is dirty before the
+    /// volume's cache shows it (see `dirty`).
+    pub fn journal(&self, p: Provisioned) {
+        let mut j = lock(&self.journal);
+        j.push(p);
+        self.dirty.store(true, Ordering::SeqCst);
+    }
+
+    /// The mappings journaled since the last call (worker only).
+    pub fn take_journal(&self) -> Vec<Provisioned> {
+        std::mem::take(&mut *lock(&self.journal))
+    }
+
+    /// After a commit: the pool is clean unless a reactor journaled a
+    /// mapping since the worker last took the journal.
+    pub fn clean_unless_journaled(&self) {
+        let j = lock(&self.journal);
+        if j.is_empty() {
+            self.dirty.store(false, Ordering::SeqCst);
+        }
+    }
+
     /// Runs `f` on the worker and waits for its answer.
     pub fn call<R: Send + 'static>(
         &self,
@@ -168,6 +195,7 @@ impl Shared {
     /// shared, so that no write takes the fast path (the worker fails them).
     pub fn read_only_caches(&self) {
         for v in self.vols(None) {
+            v.provision.store(false, Ordering::SeqCst);
             v.share_all();
         }
     }
@@ -257,6 +285,7 @@ impl Pool {
     ) -> Result<Arc<Pool>, Error> {
         let nr_blocks = data.limits().sectors / block_sectors;
         let read_only = cfg.read_only;
+        let skip_zeroing = cfg.skip_block_zeroing;
         let sh = Arc::new(Shared {
             meta_dev: meta,
             data_dev: data,
@@ -280,6 +309,8 @@ impl Pool {
             vols: Mutex::new(Vec::new()),
             events: AtomicU64::new(0),
             dirty: AtomicBool::new(false),
+            journal: Mutex::new(Vec::new()),
+            skip_zeroing: AtomicBool::new(skip_zeroing),
             stop: AtomicBool::new(false),
         });
         let (tx, rx) = mpsc::channel();
@@ -520,6 +551,12 @@ impl Target for PoolTarget {
         let sh = &self.pool.sh;
         match ty {
             StatusType::Info => {
+                // The mappings the reactors made count (as dm's counts
+                // include every allocation).
+                let _ = sh.call(|w| {
+                    let _ = w.apply_journal();
+                    w.refresh_stat();
+                });
                 let st = sh.lock_stat().clone();
                 let cfg = sh.lock_cfg().clone();
                 let held = st
@@ -598,6 +635,7 @@ impl Target for PoolTarget {
                     // so that the snapshot holds every write completed
                     // before this message returns (dm asks for the origin
                     // to be suspended instead).
+                    w.quiesce(origin);
                     for v in w.sh.vols(Some(origin)) {
                         v.share_all();
                     }
@@ -675,6 +713,8 @@ impl Target for PoolTarget {
     fn resume(&self) {
         let sh = &self.pool.sh;
         *sh.lock_cfg() = self.cfg.clone();
+        sh.skip_zeroing
+            .store(self.cfg.skip_block_zeroing, Ordering::SeqCst);
         let ro = {
             let mut st = sh.lock_stat();
             if self.cfg.read_only {

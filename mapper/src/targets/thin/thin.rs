@@ -2,6 +2,7 @@
 //! whose channel takes what the fast path does not (see `mod.rs`).
 
 use std::any::Any;
+use std::cell::{Cell, RefCell};
 use std::rc::{Rc, Weak};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -12,8 +13,10 @@ use udm_core::{
 };
 
 use super::pool::{pool_of_device, Pool, MAX_DEV_ID};
-use super::vol::{Vol, MAPPED, SHARED, UNMAPPED};
-use super::worker::{Action, BioJob, DoneJob, Insert, Job, Reply, SendBio};
+use super::vol::{mapped, Vol, MAPPED, SHARED, UNMAPPED};
+use super::worker::{
+    Action, BioJob, Blocks, DoneJob, Insert, Job, Provisioned, RefillJob, Reply, SendBio, RESERVE,
+};
 use crate::target::{
     BlockMap, CtrCtx, DevArea, EndIoWhen, Map, MapCtx, StatusType, Target, TargetType,
 };
@@ -81,6 +84,9 @@ fn thin_ctr(ctx: &CtrCtx<'_>, argv: &[&str]) -> Result<Box<dyn Target>, Error> {
         if !w.meta.device_exists(dev) {
             return Ok(false);
         }
+        // A view already open (a reload) stops provisioning on its
+        // reactors first, so that this one loads every mapping made.
+        w.quiesce(dev);
         let runs = w.meta.mapped_ranges(dev, 0, v.nr_blocks)?;
         v.load(&runs);
         w.sh.add_vol(&v);
@@ -347,8 +353,29 @@ impl BlockDevice for Engine {
             eng: self.clone(),
             data,
             origin,
+            reserve: RefCell::new(Vec::new()),
+            id: NEXT_KEY.fetch_add(1, Ordering::Relaxed),
+            asked: Cell::new(false),
+            backoff: Cell::new(0),
         });
-        reactor.set_local(self.key, Rc::new(ChanRef(Rc::downgrade(&ch))));
+        // Each channel of the engine on this reactor is listed (a table
+        // may be opened more than once): reserves go to the one that asked.
+        match reactor
+            .local(self.key)
+            .and_then(|l| l.downcast::<ChanRef>().ok())
+        {
+            Some(c) => {
+                let mut v = c.0.borrow_mut();
+                v.retain(|w| w.strong_count() > 0);
+                v.push(Rc::downgrade(&ch));
+            }
+            None => reactor.set_local(
+                self.key,
+                Rc::new(ChanRef(RefCell::new(vec![Rc::downgrade(&ch)]))),
+            ),
+        }
+        // A reserve ahead of the first writes.
+        ch.ask();
         Ok(ch)
     }
 
@@ -357,15 +384,38 @@ impl BlockDevice for Engine {
     }
 }
 
-/// The reactor-local that finds an engine's channel (weak: the tables own
-/// the channel).
-struct ChanRef(Weak<EngineChannel>);
+/// The reactor-local that finds an engine's channels on a reactor (weak:
+/// the tables own them); the last opened answers for the engine.
+struct ChanRef(RefCell<Vec<Weak<EngineChannel>>>);
 
 struct EngineChannel {
     handle: ReactorHandle,
     eng: Arc<Engine>,
     data: Rc<dyn Channel>,
     origin: Option<Rc<dyn Channel>>,
+    /// Data blocks the worker reserved for this channel's provisioning.
+    reserve: RefCell<Vec<u64>>,
+    /// This channel's number, for the worker's reclaim.
+    id: u64,
+    /// A refill is asked for and not answered yet.
+    asked: Cell<bool>,
+    /// Allocating writes to pass before asking again after an empty refill.
+    backoff: Cell<u32>,
+}
+
+/// A channel asks for a refill when its reserve falls below this.
+const REFILL_AT: usize = RESERVE * 3 / 4;
+
+impl Drop for EngineChannel {
+    fn drop(&mut self) {
+        let blocks = std::mem::take(self.reserve.get_mut());
+        if !blocks.is_empty() {
+            self.eng.pool.sh.push(Job::Return {
+                blocks,
+                reclaim: false,
+            });
+        }
+    }
 }
 
 impl EngineChannel {
@@ -378,8 +428,159 @@ impl EngineChannel {
     }
 }
 
+impl EngineChannel {
+    /// A block's first write, provisioned here when it can be: the block
+    /// known unmapped, no zeroing or copy needed (the write covers the
+    /// block, or `skip_block_zeroing`), not FUA (which waits for a
+    /// commit), a reserved block at hand and the worker letting reactors
+    /// provision. Gives the bio back otherwise.
+    fn provision(&self, bio: BioPtr) -> Option<BioPtr> {
+        let eng = &self.eng;
+        let (sh, vol) = (&eng.pool.sh, &eng.vol);
+        if bio.flags.contains(BioFlags::FUA) || eng.origin.is_some() {
+            return Some(bio);
+        }
+        let bs = sh.block_sectors;
+        let (v, off) = (bio.sector / bs, bio.sector % bs);
+        if v >= vol.nr_blocks
+            || off + bio.sectors() > bs
+            || !(off == 0 && bio.sectors() == bs || sh.skip_zeroing.load(Ordering::Relaxed))
+            || vol.get(v) != UNMAPPED
+        {
+            return Some(bio);
+        }
+        let Some(block) = self.reserve.borrow_mut().pop() else {
+            self.ask();
+            return Some(bio);
+        };
+        // Counted before the flag and the entry are read (see Vol::enter):
+        // the worker's quiesce waits for this write.
+        let e = vol.enter();
+        if !vol.provision.load(Ordering::SeqCst) || !vol.claim(v) {
+            vol.exit(e);
+            self.reserve.borrow_mut().push(block);
+            return Some(bio);
+        }
+        if self.reserve.borrow().len() < REFILL_AT {
+            self.ask();
+        }
+        let ctx = Box::new(ProvCtx {
+            eng: eng.clone(),
+            vblock: v,
+            block,
+            epoch: e,
+        });
+        let mut bio = bio.make_room();
+        let _ = bio.push_end_io(provision_endio, Box::into_raw(ctx).cast());
+        bio.sector = block * bs + off;
+        self.data.submit(bio);
+        None
+    }
+
+    /// Asks the worker for reserved blocks, once at a time.
+    fn ask(&self) {
+        if self.asked.get() {
+            return;
+        }
+        let b = self.backoff.get();
+        if b > 0 {
+            self.backoff.set(b - 1);
+            return;
+        }
+        self.asked.set(true);
+        let want = RESERVE.saturating_sub(self.reserve.borrow().len());
+        self.eng.pool.sh.push(Job::Refill(RefillJob {
+            vol: self.eng.vol.clone(),
+            handle: self.handle.clone(),
+            key: self.eng.key,
+            id: self.id,
+            want,
+        }));
+    }
+}
+
+/// A write a reactor provisions.
+struct ProvCtx {
+    eng: Arc<Engine>,
+    vblock: u64,
+    block: u64,
+    epoch: usize,
+}
+
+/// A provisioning write completed: its mapping goes to the journal before
+/// the cache shows it and before the bio completes (so that a FLUSH after
+/// it commits the mapping).
+fn provision_endio(mut bio: BioPtr) {
+    // SAFETY: private is the Box<ProvCtx> leaked in `provision`, taken
+    // back once.
+    let ctx = unsafe { Box::from_raw(bio.private() as *mut ProvCtx) };
+    bio.pop_end_io();
+    let (sh, vol) = (&ctx.eng.pool.sh, &ctx.eng.vol);
+    let v = ctx.vblock;
+    let waited = if bio.status().is_ok() {
+        sh.journal(Provisioned {
+            vol: vol.clone(),
+            vblock: v,
+            block: ctx.block,
+        });
+        vol.end_provisioning(v, mapped(ctx.block, false))
+    } else {
+        sh.push(Job::Return {
+            blocks: vec![ctx.block],
+            reclaim: false,
+        });
+        vol.end_provisioning(v, UNMAPPED)
+    };
+    if waited {
+        sh.push(Job::Wake(vol.dev, v));
+    }
+    vol.exit(ctx.epoch);
+    bio.endio();
+}
+
+/// Reserved blocks from the worker arrive for the channel of `key`.
+pub(crate) fn granted(r: &Reactor, key: u64, id: u64, mut g: Blocks) {
+    let Some(ch) = channel_id(r, key, id) else {
+        return; // dropping `g` gives the blocks back
+    };
+    if g.blocks.is_empty() {
+        // None to spare: ask again after a while.
+        ch.backoff.set(RESERVE as u32);
+    }
+    ch.reserve.borrow_mut().append(&mut g.blocks);
+    ch.asked.set(false);
+}
+
+/// The worker asks for the reserve of the channel of `key` back.
+pub(crate) fn reclaimed(r: &Reactor, key: u64, id: u64, mut g: Blocks) {
+    if let Some(ch) = channel_id(r, key, id) {
+        g.blocks.append(&mut ch.reserve.borrow_mut());
+    }
+    // Dropped: back to the worker, which counts the answer.
+}
+
+fn channel(r: &Reactor, key: u64) -> Option<Rc<EngineChannel>> {
+    let c = r.local(key)?.downcast::<ChanRef>().ok()?;
+    let v = c.0.borrow();
+    v.iter().rev().find_map(Weak::upgrade)
+}
+
+/// The channel `id` of the engine of `key` on this reactor.
+fn channel_id(r: &Reactor, key: u64, id: u64) -> Option<Rc<EngineChannel>> {
+    let c = r.local(key)?.downcast::<ChanRef>().ok()?;
+    let v = c.0.borrow();
+    v.iter().filter_map(Weak::upgrade).find(|ch| ch.id == id)
+}
+
 impl Channel for EngineChannel {
     fn submit(&self, bio: BioPtr) {
+        let bio = match bio.op {
+            Op::Write => match self.provision(bio) {
+                Some(bio) => bio,
+                None => return,
+            },
+            _ => bio,
+        };
         let sh = &self.eng.pool.sh;
         match bio.op {
             Op::Flush => sh.push(Job::Flush(self.reply(bio))),
@@ -439,11 +640,7 @@ pub(crate) fn finish(r: &Reactor, key: u64, bio: SendBio, a: Action) {
     // SAFETY: the pointer came from `EngineChannel::reply` on this reactor
     // and the worker handed it back exactly once.
     let bio = unsafe { BioPtr::from_raw(bio.0) };
-    let ch = r
-        .local(key)
-        .and_then(|l| l.downcast::<ChanRef>().ok())
-        .and_then(|c| c.0.upgrade());
-    let Some(ch) = ch else {
+    let Some(ch) = channel(r, key) else {
         // The volume's table is gone from this reactor (it cannot be while
         // its bios are in flight): fail rather than lose the bio.
         return bio.complete(Status::IoErr);

@@ -10,7 +10,17 @@
 //!   0                     unknown: ask the worker
 //!   1                     not mapped (reads as zeroes or the external origin)
 //!   block << 2 | 2 | s    mapped to `block`; s = 1 if shared (writes copy)
+//!   4 | w << 3            being provisioned by a reactor (its write is in
+//!                         flight); w = 1 if the worker holds bios for it
 //! ```
+//!
+//! A reactor provisions a block itself when the worker let it
+//! ([`Vol::provision`]): it takes a data block the worker reserved for it,
+//! moves the entry from unmapped to provisioning (a compare-and-swap: one
+//! reactor wins, the rest ask the worker, which holds their bios until
+//! the provisioning ends), writes, and then maps the entry and records
+//! the mapping in the pool's journal, which the worker inserts into the
+//! metadata before anything else it does.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
@@ -27,6 +37,16 @@ pub(crate) const UNMAPPED: u64 = 1;
 pub(crate) const MAPPED: u64 = 2;
 /// Set in the entry of a mapped block that another device shares.
 pub(crate) const SHARED: u64 = 1;
+/// The entry of a block a reactor is provisioning.
+pub(crate) const PROVISIONING: u64 = 4;
+/// Set in a provisioning entry when the worker holds bios for the block.
+pub(crate) const WAITING: u64 = 8;
+
+/// Whether `e` is the entry of a block being provisioned by a reactor.
+#[inline]
+pub(crate) fn provisioning(e: u64) -> bool {
+    e & !WAITING == PROVISIONING
+}
 
 /// The entry of a block mapped to `block`.
 #[inline]
@@ -48,6 +68,11 @@ pub(crate) struct Vol {
     complete: AtomicBool,
     /// Which counter new remaps count in (its low bit).
     epoch: AtomicU64,
+    /// Reactors may provision unmapped blocks of this view themselves (set
+    /// by the worker while this is its device's only view and the pool
+    /// writes; cleared, and the view drained, before anything that must
+    /// see every mapping: a snapshot, a second view).
+    pub provision: AtomicBool,
     /// Remapped bios in flight, by the epoch they started in, counted per
     /// thread (see [`Vol::enter`]); the last slot is shared by threads
     /// past [`SLOTS`] and by every thread without membarrier.
@@ -113,6 +138,7 @@ impl Vol {
             pages: (0..n).map(|_| OnceLock::new()).collect(),
             complete: AtomicBool::new(false),
             epoch: AtomicU64::new(0),
+            provision: AtomicBool::new(false),
             slots: (0..=SLOTS).map(|_| Slot::default()).collect(),
         }
     }
@@ -128,14 +154,25 @@ impl Vol {
         }
     }
 
-    /// Sets the entry of `vblock` (worker only).
+    /// Sets the entry of `vblock` (worker only), unless a reactor is
+    /// provisioning the block: that reactor ends the provisioning.
     pub fn set(&self, vblock: u64, v: u64) {
-        let (p, i) = (vblock as usize / PAGE, vblock as usize % PAGE);
-        let Some(slot) = self.pages.get(p) else {
+        let Some(e) = self.entry(vblock, v) else {
             return;
         };
+        let _ = e.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |cur| {
+            (!provisioning(cur)).then_some(v)
+        });
+    }
+
+    /// The entry of `vblock` to change to `v` (its page made if need be);
+    /// `None` past the end, or when `v` is unknown and the page is not
+    /// there (it already reads as unknown).
+    fn entry(&self, vblock: u64, v: u64) -> Option<&AtomicU64> {
+        let (p, i) = (vblock as usize / PAGE, vblock as usize % PAGE);
+        let slot = self.pages.get(p)?;
         if v == UNKNOWN && slot.get().is_none() && !self.complete.load(Ordering::Relaxed) {
-            return;
+            return None;
         }
         // A new page of a complete view starts unmapped: that is what its
         // absence meant.
@@ -145,7 +182,75 @@ impl Vol {
             UNKNOWN
         };
         let page = slot.get_or_init(|| (0..PAGE).map(|_| AtomicU64::new(fresh)).collect());
-        page[i].store(v, Ordering::SeqCst);
+        Some(&page[i])
+    }
+
+    /// Marks `vblock` provisioning for the worker, which provisions it
+    /// (worker only), if its entry is still `from`; false if a reactor
+    /// changed it.
+    pub fn take(&self, vblock: u64, from: u64) -> bool {
+        self.entry(vblock, PROVISIONING).is_some_and(|e| {
+            e.compare_exchange(from, PROVISIONING, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+        })
+    }
+
+    /// Sets the entry of `vblock` whatever it was (worker only: the end of
+    /// its own provisioning, see [`Vol::take`]).
+    pub fn store(&self, vblock: u64, v: u64) {
+        if let Some(e) = self.entry(vblock, v) {
+            e.store(v, Ordering::SeqCst);
+        }
+    }
+
+    /// Moves `vblock` from unmapped to provisioning (a reactor's claim);
+    /// false if it is not unmapped (someone else got there first).
+    #[inline]
+    pub fn claim(&self, vblock: u64) -> bool {
+        let (p, i) = (vblock as usize / PAGE, vblock as usize % PAGE);
+        match self.pages.get(p).map(OnceLock::get) {
+            Some(Some(page)) => page[i]
+                .compare_exchange(UNMAPPED, PROVISIONING, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok(),
+            // An unmapped block of a page not made yet: make it (rare).
+            Some(None) if self.complete.load(Ordering::Relaxed) => {
+                self.entry(vblock, UNMAPPED).is_some_and(|e| {
+                    e.compare_exchange(UNMAPPED, PROVISIONING, Ordering::SeqCst, Ordering::SeqCst)
+                        .is_ok()
+                })
+            }
+            _ => false,
+        }
+    }
+
+    /// Ends a reactor's provisioning of `vblock` with entry `v`; returns
+    /// whether the worker holds bios for it (and must be told). Nothing
+    /// changes if the worker replaced the entry meanwhile (it forgot every
+    /// entry after a metadata failure).
+    pub fn end_provisioning(&self, vblock: u64, v: u64) -> bool {
+        let Some(e) = self.entry(vblock, v) else {
+            return false;
+        };
+        match e.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |cur| {
+            provisioning(cur).then_some(v)
+        }) {
+            Ok(old) => old & WAITING != 0,
+            Err(_) => false,
+        }
+    }
+
+    /// Marks a block a reactor is provisioning as waited for (worker
+    /// only); false if it is no longer being provisioned.
+    pub fn wait_for(&self, vblock: u64) -> bool {
+        let (p, i) = (vblock as usize / PAGE, vblock as usize % PAGE);
+        let Some(Some(page)) = self.pages.get(p).map(OnceLock::get) else {
+            return false;
+        };
+        page[i]
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |cur| {
+                provisioning(cur).then_some(cur | WAITING)
+            })
+            .is_ok()
     }
 
     /// Loads the device's mappings (`runs` of (virtual block, data block,

@@ -14,9 +14,18 @@
 //! block is never provisioned twice. Before a block is unmapped, the
 //! worker clears the cache entry and waits for the bios remapped earlier
 //! ([`Vol::drain`]), so that no write lands in a block after it is freed.
+//!
+//! Reactors provision most blocks themselves ([`super::vol`]): the worker
+//! reserves data blocks for each volume's channel on a reactor ahead of
+//! need ([`Job::Refill`]), and inserts the mappings the reactors made from
+//! the pool's journal before each job and each commit. A reserved block
+//! not yet mapped is given back to the space map before a commit and
+//! taken again after it, so that no commit counts a block no mapping
+//! holds; a FLUSH, which the reactors pass on after the writes it covers
+//! completed and were journaled, commits their mappings.
 
 use std::cell::Cell;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
@@ -29,7 +38,7 @@ use udm_core::{
 
 use super::meta::{Lookup, MetaStore};
 use super::pool::{Mode, Shared};
-use super::vol::{mapped, Vol, UNKNOWN, UNMAPPED};
+use super::vol::{mapped, provisioning, Vol, UNKNOWN, UNMAPPED};
 
 /// How often a dirty pool commits at the latest (dm's `COMMIT_PERIOD`).
 const COMMIT_PERIOD: Duration = Duration::from_secs(1);
@@ -122,13 +131,68 @@ pub(crate) struct DoneJob {
 /// A call from a control thread (a message, a status, a resize).
 pub(crate) type Call = Box<dyn FnOnce(&mut Worker) + Send>;
 
+/// A mapping a reactor made (its data written), for the worker to insert.
+pub(crate) struct Provisioned {
+    pub vol: Arc<Vol>,
+    pub vblock: u64,
+    pub block: u64,
+}
+
+/// A volume's channel on a reactor asks for reserved data blocks.
+pub(crate) struct RefillJob {
+    pub vol: Arc<Vol>,
+    pub handle: ReactorHandle,
+    /// The channel's reactor-local key.
+    pub key: u64,
+    /// The channel's own number (a volume has a channel on each reactor,
+    /// all under one key).
+    pub id: u64,
+    pub want: usize,
+}
+
+/// Reserved data blocks on their way between the worker and a channel:
+/// whatever is left in them when dropped (a channel that is gone, a
+/// reactor that stopped) goes back to the worker.
+pub(crate) struct Blocks {
+    pub sh: Arc<Shared>,
+    pub blocks: Vec<u64>,
+    /// The worker asked for them back and counts the answers.
+    pub reclaim: bool,
+}
+
+impl Drop for Blocks {
+    fn drop(&mut self) {
+        if self.reclaim || !self.blocks.is_empty() {
+            self.sh.push(Job::Return {
+                blocks: std::mem::take(&mut self.blocks),
+                reclaim: self.reclaim,
+            });
+        }
+    }
+}
+
 /// What the worker is asked to do.
 pub(crate) enum Job {
     Bio(BioJob),
     Done(DoneJob),
     Flush(Reply),
     Call(Call),
+    /// Reserve blocks for a channel.
+    Refill(RefillJob),
+    /// Reserved blocks come back unused.
+    Return {
+        blocks: Vec<u64>,
+        reclaim: bool,
+    },
+    /// A reactor ended its provisioning of (device, virtual block), for
+    /// which the worker holds bios.
+    Wake(u32, u64),
 }
+
+/// The most blocks a channel holds in reserve: enough to bridge a wait
+/// for the worker of several milliseconds at full speed (64 MiB of 64 KiB
+/// blocks).
+pub(crate) const RESERVE: usize = 1024;
 
 /// The worker's state; it lives on the worker thread only.
 pub(crate) struct Worker {
@@ -145,6 +209,16 @@ pub(crate) struct Worker {
     ready: VecDeque<Job>,
     /// Writes held while the data device is full, since when.
     no_space: VecDeque<(Instant, Job)>,
+    /// Blocks reserved for the reactors and not yet seen in the journal:
+    /// counted in the space map between commits, not in a commit.
+    reserved: HashSet<u64>,
+    /// Channels holding reserved blocks, by id (with their key): asked to
+    /// give them back when the data device runs out.
+    grants: HashMap<u64, (u64, ReactorHandle)>,
+    /// Channels asked to give their blocks back and not answered yet.
+    reclaiming: usize,
+    /// Writes waiting for a block a reactor is provisioning.
+    prov_wait: HashMap<(u32, u64), Vec<Job>>,
     last_commit: Instant,
     /// The low water mark's event was raised (and not re-armed since).
     lwm_raised: bool,
@@ -204,6 +278,10 @@ impl Worker {
             cells: HashMap::new(),
             ready: VecDeque::new(),
             no_space: VecDeque::new(),
+            reserved: HashSet::new(),
+            grants: HashMap::new(),
+            reclaiming: 0,
+            prov_wait: HashMap::new(),
             last_commit: Instant::now(),
             lwm_raised: false,
             zeroes: AlignedBuf::default(),
@@ -220,6 +298,7 @@ impl Worker {
                     Err(()) => break,
                 },
             };
+            let _ = self.apply_journal();
             if let Some(j) = job {
                 self.run_job(j);
             }
@@ -237,7 +316,12 @@ impl Worker {
         for (_, j) in std::mem::take(&mut self.no_space) {
             self.fail(j, Status::IoErr);
         }
-        let parked: Vec<Job> = self.cells.drain().flat_map(|(_, v)| v).collect();
+        let parked: Vec<Job> = self
+            .cells
+            .drain()
+            .chain(self.prov_wait.drain())
+            .flat_map(|(_, v)| v)
+            .collect();
         for j in parked {
             self.fail(j, Status::IoErr);
         }
@@ -276,6 +360,13 @@ impl Worker {
                 r.send(Action::Complete(s));
             }
             Job::Call(f) => f(self),
+            Job::Refill(r) => self.refill(r),
+            Job::Return { blocks, reclaim } => self.returned(blocks, reclaim),
+            Job::Wake(dev, v) => {
+                if let Some(waiting) = self.prov_wait.remove(&(dev, v)) {
+                    self.ready.extend(waiting);
+                }
+            }
         }
     }
 
@@ -285,6 +376,9 @@ impl Worker {
             Job::Done(d) => d.reply.send(Action::Complete(s)),
             Job::Flush(r) => r.send(Action::Complete(s)),
             Job::Call(f) => f(self),
+            // Stopping: no more reserves.
+            Job::Refill(_) | Job::Wake(..) => {}
+            Job::Return { blocks, reclaim } => self.returned(blocks, reclaim),
         }
     }
 
@@ -323,6 +417,13 @@ impl Worker {
                 q.push(Job::Bio(b));
                 return;
             }
+            if provisioning(b.vol.get(v)) {
+                return self.wait_provisioning(b);
+            }
+            // A reactor that ended its provisioning just now journaled
+            // the mapping before the entry changed: insert it before the
+            // lookup.
+            let _ = self.apply_journal();
         }
         let found = match self.meta.lookup(dev, v) {
             Ok(f) => f,
@@ -342,7 +443,7 @@ impl Worker {
             }
             Op::Write => {
                 self.set_entry(dev, v, entry);
-                self.write(b, found)
+                self.write(b, found, entry)
             }
             Op::Discard => self.discard(b, found),
             _ => b.reply.send(Action::Complete(Status::NotSupp)),
@@ -370,7 +471,8 @@ impl Worker {
         }
     }
 
-    fn write(&mut self, b: BioJob, found: Option<Lookup>) {
+    /// A write; `entry` is what the volume's cache was just set to.
+    fn write(&mut self, b: BioJob, found: Option<Lookup>, entry: u64) {
         let bs = self.bs();
         let (v, off) = (b.sector / bs, b.sector % bs);
         if let Some(m) = found.filter(|m| !m.shared) {
@@ -385,10 +487,26 @@ impl Worker {
             let epoch = b.vol.enter();
             return b.reply.send(Action::Remap { sector, epoch });
         }
+        // The block is the worker's to provision from here: no reactor
+        // claims it, and writes to it wait in its cell. If a reactor
+        // claimed it since the lookup (and maybe mapped it already), the
+        // write runs again.
+        if !b.vol.take(v, entry) {
+            let _ = self.apply_journal();
+            self.ready.push_front(Job::Bio(b));
+            return;
+        }
+        self.maybe_enable(&b.vol);
         let block = match self.alloc() {
             Ok(Some(block)) => block,
-            Ok(None) => return self.out_of_space(Job::Bio(b)),
-            Err(s) => return b.reply.send(Action::Complete(s)),
+            Ok(None) => {
+                b.vol.store(v, UNKNOWN);
+                return self.out_of_space(Job::Bio(b));
+            }
+            Err(s) => {
+                b.vol.store(v, UNKNOWN);
+                return b.reply.send(Action::Complete(s));
+            }
         };
         let whole = off == 0 && b.sectors == bs;
         let s = if whole {
@@ -403,6 +521,7 @@ impl Worker {
             self.zero(block * bs, bs)
         };
         if !s.is_ok() {
+            b.vol.store(v, UNKNOWN);
             return b.reply.send(Action::Complete(s));
         }
         self.cells.insert((b.vol.dev, v), Vec::new());
@@ -484,9 +603,13 @@ impl Worker {
                     Ok(()) => {
                         self.set_dirty(true);
                         self.set_entry(dev, v, mapped(block, false));
+                        d.vol.store(v, mapped(block, false));
                     }
                     Err(e) => s = self.meta_failed(e),
                 }
+            } else {
+                // Asked again next time.
+                d.vol.store(v, UNKNOWN);
             }
             if let Some(waiting) = self.cells.remove(&(dev, v)) {
                 for j in waiting.into_iter().rev() {
@@ -506,12 +629,7 @@ impl Worker {
         match self.meta.alloc_data_block() {
             Ok(Some(b)) => {
                 self.set_dirty(true);
-                let (used, total) = self.meta.data_usage();
-                let lwm = self.sh.lock_cfg().low_water_blocks;
-                if total - used.min(total) <= lwm && !self.lwm_raised {
-                    self.lwm_raised = true;
-                    self.sh.events.fetch_add(1, Ordering::Relaxed);
-                }
+                self.check_low_water();
                 Ok(Some(b))
             }
             Ok(None) => Ok(None),
@@ -519,9 +637,26 @@ impl Worker {
         }
     }
 
+    /// Raises the low water mark's event when the free blocks (reserves
+    /// counted free) reach it.
+    fn check_low_water(&mut self) {
+        let (used, total) = self.data_usage();
+        let lwm = self.sh.lock_cfg().low_water_blocks;
+        if total - used.min(total) <= lwm && !self.lwm_raised {
+            self.lwm_raised = true;
+            self.sh.events.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     /// A write found no free block: fail it (`error_if_no_space`) or hold
     /// it until the data device grows or the timeout.
     fn out_of_space(&mut self, j: Job) {
+        // Blocks in the channels' reserves come back first; the write runs
+        // again once every channel answered.
+        if self.reclaiming > 0 || self.reclaim() {
+            self.no_space.push_back((Instant::now(), j));
+            return;
+        }
         {
             let mut st = self.sh.lock_stat();
             if st.mode == Mode::Write {
@@ -586,6 +721,10 @@ impl Worker {
     /// transaction is dropped) and raises an event. Returns the bio status.
     fn meta_failed(&mut self, _e: Error) -> Status {
         let _ = self.meta.abort();
+        // The reserves were of the dropped transaction (and the reactors
+        // no longer provision: read_only_caches below).
+        self.reserved.clear();
+        self.grants.clear();
         self.set_dirty(false);
         {
             let mut st = self.sh.lock_stat();
@@ -607,6 +746,10 @@ impl Worker {
     /// first, so that no committed mapping points at data that is not
     /// durable (dm does the same since 5.2).
     pub fn commit(&mut self) -> Status {
+        let s = self.apply_journal();
+        if !s.is_ok() {
+            return s;
+        }
         if !self.dirty() {
             return Status::Ok;
         }
@@ -616,12 +759,184 @@ impl Worker {
                 return s;
             }
         }
+        // Reserved blocks are free in what is committed (see the module).
+        let reserved: Vec<u64> = self.reserved.iter().copied().collect();
+        for &b in &reserved {
+            if let Err(e) = self.meta.release_data_block(b) {
+                return self.meta_failed(e);
+            }
+        }
         if let Err(e) = self.meta.commit() {
             return self.meta_failed(e);
         }
-        self.set_dirty(false);
+        for &b in &reserved {
+            if let Err(e) = self.meta.claim_data_block(b) {
+                return self.meta_failed(e);
+            }
+        }
+        self.sh.clean_unless_journaled();
         self.last_commit = Instant::now();
         Status::Ok
+    }
+
+    /// (used, total) data blocks, the reserved ones counted free.
+    fn data_usage(&self) -> (u64, u64) {
+        let (used, total) = self.meta.data_usage();
+        (used.saturating_sub(self.reserved.len() as u64), total)
+    }
+
+    /// Inserts the mappings the reactors made (see the module); IoErr if
+    /// the metadata failed (and dropped them).
+    pub fn apply_journal(&mut self) -> Status {
+        let journal = self.sh.take_journal();
+        if journal.is_empty() {
+            return Status::Ok;
+        }
+        let mut s = Status::Ok;
+        for p in journal {
+            // A block not reserved any more was of a transaction dropped
+            // since (a metadata failure): nothing to insert.
+            if !self.reserved.remove(&p.block) {
+                continue;
+            }
+            match self.meta.insert(p.vol.dev, p.vblock, p.block) {
+                Ok(()) => {
+                    self.set_dirty(true);
+                    // Another view of the device (there is none while
+                    // reactors provision; see quiesce) learns it too.
+                    self.set_entry(p.vol.dev, p.vblock, mapped(p.block, false));
+                }
+                Err(e) => s = self.meta_failed(e),
+            }
+        }
+        self.check_low_water();
+        s
+    }
+
+    /// A write to a block a reactor is provisioning waits for its end.
+    fn wait_provisioning(&mut self, b: BioJob) {
+        let (dev, v) = (b.vol.dev, b.sector / self.bs());
+        if b.vol.wait_for(v) {
+            self.prov_wait
+                .entry((dev, v))
+                .or_default()
+                .push(Job::Bio(b));
+        } else {
+            // Ended meanwhile: its mapping is in the journal.
+            let _ = self.apply_journal();
+            self.ready.push_front(Job::Bio(b));
+        }
+    }
+
+    /// Stops reactors provisioning blocks of `dev`, waits for those
+    /// provisioning now, and inserts their mappings: after it, the
+    /// metadata holds every write to `dev` completed before.
+    pub fn quiesce(&mut self, dev: u32) {
+        let vols = self.vols_of(dev);
+        for v in &vols {
+            v.provision.store(false, Ordering::SeqCst);
+        }
+        for v in &vols {
+            v.drain(DRAIN_LIMIT);
+        }
+        let _ = self.apply_journal();
+    }
+
+    /// Lets reactors provision `vol`'s blocks, if it is its device's only
+    /// view and the pool writes.
+    fn maybe_enable(&self, vol: &Arc<Vol>) {
+        if vol.provision.load(Ordering::Relaxed) {
+            return;
+        }
+        let ok = {
+            let st = self.sh.lock_stat();
+            st.mode == Mode::Write && !st.meta_failed
+        };
+        if ok && self.reclaiming == 0 && self.vols_of(vol.dev).len() == 1 {
+            vol.provision.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// Reserves blocks for a channel: up to what it wants, a quarter of
+    /// the free blocks above the low water mark at most, and no more than
+    /// keeps every reserve together under half the free blocks.
+    fn refill(&mut self, r: RefillJob) {
+        let mut g = Blocks {
+            sh: self.sh.clone(),
+            blocks: Vec::new(),
+            reclaim: false,
+        };
+        self.maybe_enable(&r.vol);
+        if r.vol.provision.load(Ordering::Relaxed) {
+            let (used, total) = self.meta.data_usage();
+            let lwm = self.sh.lock_cfg().low_water_blocks;
+            // `used` counts the reserves.
+            let free = total.saturating_sub(used);
+            let n = (free.saturating_sub(lwm) / 4)
+                .min((free / 2).saturating_sub(self.reserved.len() as u64))
+                .min(r.want as u64);
+            for _ in 0..n {
+                match self.meta.alloc_data_block() {
+                    Ok(Some(b)) => {
+                        self.reserved.insert(b);
+                        g.blocks.push(b);
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        self.meta_failed(e);
+                        g.blocks.clear();
+                        break;
+                    }
+                }
+            }
+            if !g.blocks.is_empty() {
+                self.grants.insert(r.id, (r.key, r.handle.clone()));
+            }
+        }
+        let (key, id) = (r.key, r.id);
+        r.handle
+            .send(move |reactor| super::thin::granted(reactor, key, id, g));
+    }
+
+    /// Reserved blocks came back (`reclaim`: asked for).
+    fn returned(&mut self, blocks: Vec<u64>, reclaim: bool) {
+        for b in blocks {
+            if self.reserved.remove(&b) {
+                if let Err(e) = self.meta.release_data_block(b) {
+                    self.meta_failed(e);
+                    break;
+                }
+            }
+        }
+        if reclaim {
+            self.reclaiming = self.reclaiming.saturating_sub(1);
+            if self.reclaiming == 0 {
+                for (_, j) in std::mem::take(&mut self.no_space) {
+                    self.ready.push_back(j);
+                }
+            }
+        }
+    }
+
+    /// Asks every channel holding reserved blocks to give them back, and
+    /// stops reactors provisioning; false if none holds any.
+    fn reclaim(&mut self) -> bool {
+        if self.grants.is_empty() {
+            return false;
+        }
+        for v in self.sh.vols(None) {
+            v.provision.store(false, Ordering::SeqCst);
+        }
+        for (id, (key, handle)) in std::mem::take(&mut self.grants) {
+            self.reclaiming += 1;
+            let g = Blocks {
+                sh: self.sh.clone(),
+                blocks: Vec::new(),
+                reclaim: true,
+            };
+            handle.send(move |reactor| super::thin::reclaimed(reactor, key, id, g));
+        }
+        true
     }
 
     /// Copies the status's numbers out of the metadata for readers on
@@ -629,7 +944,7 @@ impl Worker {
     pub fn refresh_stat(&mut self) {
         let mut st = self.sh.lock_stat();
         st.transaction_id = self.meta.transaction_id();
-        st.data = self.meta.data_usage();
+        st.data = self.data_usage();
         st.metadata = self.meta.metadata_usage();
         st.held_root = self.meta.held_root();
         st.needs_check = self.meta.needs_check();
