@@ -23,14 +23,9 @@ grep -q '^ublk_drv ' /proc/modules || insmod /lib/modules/ublk_drv.ko
 grep -q '^brd ' /proc/modules || insmod /lib/modules/brd.ko rd_size=204800 rd_nr=3
 [ -e /dev/ublk-control ] || mdev -s
 export UDM_CONTROL=/tmp/udm-tb.sock
-: >/tmp/udm-tb.log
 # Three volumes exported at once: 64 MiB of ublk buffers each.
-udm daemon --max-inflight 512M >/tmp/udm-tb.log 2>&1 &
-TB_PID=$!
-i=0
-until grep -q "daemon ready" /tmp/udm-tb.log; do
-    i=$((i + 1)); [ $i -lt 100 ] || { cat /tmp/udm-tb.log; break; }; sleep 0.1
-done
+start_daemon /tmp/udm-tb.log --max-inflight 512M
+TB_PID=$DAEMON_PID
 TB_POOL=409600 # the data device: 200 MiB (three 64 MiB volumes' worth and some)
 TB_VOL=131072  # each volume: 64 MiB
 TB_ROUNDS=${SCN_THIN_ROUNDS:-5}
