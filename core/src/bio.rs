@@ -574,8 +574,9 @@ impl Bio {
     }
 
     /// Copies `buf` into the bio's data from byte `offset` of the bio (a device
-    /// serving a read).
-    pub fn copy_in(&mut self, mut offset: usize, mut buf: &[u8]) {
+    /// serving a read). A shared borrow is enough: the bytes written are the
+    /// segments' (the submitter's buffers), not the bio's own fields.
+    pub fn copy_in(&self, mut offset: usize, mut buf: &[u8]) {
         debug_assert!(
             !self.flags.contains(BioFlags::LENT),
             "copy_in on a lent (read-only) segment"

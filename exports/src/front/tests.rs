@@ -121,7 +121,7 @@ impl MemChan {
     fn release(&self) -> usize {
         let bios = std::mem::take(&mut *self.held.borrow_mut());
         let n = bios.len();
-        for mut bio in bios {
+        for bio in bios {
             let off = (bio.sector << SECTOR_SHIFT) as usize;
             let len = bio.len() as usize;
             let mut data = self.dev.data.lock().unwrap();

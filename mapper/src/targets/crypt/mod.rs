@@ -332,7 +332,7 @@ impl Crypt {
                 let n = self.unit_iv(rel, off / unit);
                 self.cipher
                     .sector_to(Dir::Decrypt, n, &src[off..off + unit], t);
-                scatter(bio, off, t);
+                bio.copy_in(off, t);
                 zeroize::Zeroize::zeroize(&mut tmp);
             }
         });
@@ -390,7 +390,7 @@ impl Crypt {
                 let t = &mut tmp[..unit];
                 bio.copy_out(off, t);
                 self.cipher.decrypt(self.unit_iv(rel, off / unit), t);
-                scatter(bio, off, t);
+                bio.copy_in(off, t);
                 zeroize::Zeroize::zeroize(&mut tmp);
             }
         });
@@ -425,29 +425,6 @@ fn runs(bio: &Bio, unit: usize, mut f: impl FnMut(usize, Option<*mut u8>, usize)
             }
         }
         seg_start = seg_end;
-    }
-}
-
-/// Copies `buf` into a read `bio`'s segments from byte `off` of the bio
-/// ([`Bio::copy_in`] through a shared borrow, which [`runs`] holds).
-fn scatter(bio: &Bio, mut off: usize, mut buf: &[u8]) {
-    debug_assert!(!bio.flags.contains(BioFlags::LENT));
-    for s in bio.segs() {
-        if buf.is_empty() {
-            break;
-        }
-        if off >= s.len {
-            off -= s.len;
-            continue;
-        }
-        let take = (s.len - off).min(buf.len());
-        // SAFETY: a read's segments are the caller's buffers, writable and
-        // unaliased until the bio completes (add_seg's contract; not lent:
-        // the callers decrypt into buffers of the caller only);
-        // `off + take <= s.len`, and `buf` is the target's own copy.
-        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr(), s.base.add(off), take) };
-        buf = &buf[take..];
-        off = 0;
     }
 }
 

@@ -671,7 +671,6 @@ impl EngineChannel {
                 if inside >= bio.sectors() {
                     return o.submit(bio);
                 }
-                let mut bio = bio;
                 let at = (inside << SECTOR_SHIFT) as usize;
                 let rest = vec![0u8; bio.len() as usize - at];
                 bio.copy_in(at, &rest);
