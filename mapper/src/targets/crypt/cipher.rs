@@ -822,7 +822,12 @@ mod tests {
                 if name == "vaes" && !c.uses_vaes() {
                     continue;
                 }
-                for (unit, io) in [(512usize, 128 << 10), (4096, 128 << 10), (4096, 4096)] {
+                for (unit, io) in [
+                    (512usize, 128 << 10),
+                    (512, 4096),
+                    (4096, 128 << 10),
+                    (4096, 4096),
+                ] {
                     for (name_dir, dir) in [
                         ("units_to encrypt", Dir::Encrypt),
                         ("units decrypt", Dir::Decrypt),
