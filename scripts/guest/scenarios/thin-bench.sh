@@ -12,7 +12,11 @@
 #   break4k   the first volume snapshotted, then 4 KiB writes, one per block
 #             of it: every write breaks sharing (a copy of the 64 KiB block);
 #   lin64k    64 KiB random writes over linear (udm's over RAM, dm-linear over
-#             brd): what the export and the RAM cost without thin.
+#             brd): what the export and the RAM cost without thin;
+#   lin4k     4 KiB writes over the same linear devices, one per 64 KiB as in
+#             first4k and break4k: their floor without thin. Where udm's
+#             lin* runs below the kernel's thin job, no thin target behind
+#             ublk can reach dm-thin in this guest.
 # QD32, one job. The data devices are written over once before the first
 # round, so that no run pays first-touch page faults of the RAM under it.
 # Prints each run and the medians as RESULT lines (write IOPS) and the
@@ -53,10 +57,11 @@ fio_w() {
         --iodepth=32 --numjobs=1 --size=64M --output-format=terse --terse-version=3 \
         2>/dev/null | cut -d';' -f49
 }
-# One round on udm: prints "first64k first4k over64k break4k lin64k".
+# One round on udm: prints "first64k first4k over64k break4k lin64k lin4k".
 round_udm() {
-    local a b c o l
+    local a b c o l l4
     l=$(fio_w /dev/ublkb33 randwrite 64k)
+    l4=$(fio_w /dev/ublkb33 write:60k 4k)
     local n=0
     udm create tbmeta ram:16M >/dev/null || return 1
     # The last round's pool lets go of the data device once every reactor
@@ -78,12 +83,13 @@ round_udm() {
     udm status tbpool >&2
     udm export remove tbv0; udm export remove tbv1
     udm remove tbv0; udm remove tbv1; udm remove tbpool; udm remove tbmeta
-    echo "$a $b $o $c $l"
+    echo "$a $b $o $c $l $l4"
 }
 # The same on Linux's dm-thin: metadata on /dev/ram0, data on /dev/ram1.
 round_kernel() {
-    local a b c o l
+    local a b c o l l4
     l=$(fio_w /dev/mapper/kblin randwrite 64k)
+    l4=$(fio_w /dev/mapper/kblin write:60k 4k)
     dd if=/dev/zero of=/dev/ram0 bs=1M count=16 oflag=direct 2>/dev/null
     dmsetup create kbpool --table "0 $TB_POOL thin-pool /dev/ram0 /dev/ram1 128 0 1 skip_block_zeroing" &&
         dmsetup message kbpool 0 'create_thin 0' && dmsetup message kbpool 0 'create_thin 1' &&
@@ -96,10 +102,10 @@ round_kernel() {
     c=$(fio_w /dev/mapper/kbv0 write:60k 4k)
     dmsetup status kbpool >&2
     dmsetup remove kbv0; dmsetup remove kbv1; dmsetup remove kbpool
-    echo "$a $b $o $c $l"
+    echo "$a $b $o $c $l $l4"
 }
 median() { tr ' ' '\n' | grep . | sort -n | awk '{v[NR]=$1} END {print v[int((NR+1)/2)]}'; }
-TB_JOBS="first64k first4k over64k break4k lin64k"
+TB_JOBS="first64k first4k over64k break4k lin64k lin4k"
 for j in $TB_JOBS; do eval "U_$j= K_$j= R_$j="; done
 r=0
 while [ $r -lt "$TB_ROUNDS" ]; do
