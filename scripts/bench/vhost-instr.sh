@@ -12,7 +12,8 @@
 #
 #   scripts/bench/vhost-instr.sh [SECS=5] [QD=32] [BS=4096] [read|write]
 #
-# Env: UDM (binary; default builds target/release/udm), SERVE_ARGS (more
+# Env: UDM (binary; default builds target/release/udm), KEEP / KEEP_RAW
+# (copy the annotated profile / the thread's callgrind file there), SERVE_ARGS (more
 # `udm serve` options). Prints one line per function, "<name>
 # <instructions per I/O>", then the thread's total and the I/Os.
 set -euo pipefail
@@ -46,6 +47,7 @@ f=$(grep -l 'VQueue' "$W"/cg-* | head -1)
 [ -n "$f" ] || { echo "vhost-instr: no thread ran a queue" >&2; exit 1; }
 callgrind_annotate --inclusive=yes --threshold=100 "$f" >"$W/annot" 2>/dev/null
 [ -z "${KEEP:-}" ] || cp "$W/annot" "$KEEP"
+[ -z "${KEEP_RAW:-}" ] || cp "$f" "$KEEP_RAW"
 total=$(grep -m1 -E '^(summary|totals):' "$f" | awk '{print $2}')
 for fn in 'vhost::queue::VQueue::process' 'vhost::chain::parse' 'vhost::queue::VQueue::add_used' \
     'vhost::queue::VQueue::piece_done' 'vhost::queue::VQueue::notify' 'vhost::queue::VQueue::flush_used' \

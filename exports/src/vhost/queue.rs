@@ -4,6 +4,14 @@
 //! ring, and the driver notified through the call eventfd at the end of
 //! the turn (once for all that completed in it).
 //!
+//! The rings are read and written through the queue's own map of guest
+//! memory (a lookup among a few regions and a load or store), not
+//! virtio-queue's generic accessors: the avail index once per batch, the
+//! heads and descriptors, and each used element as its request
+//! completes; the used index is stored once per turn (store-release,
+//! after the elements), before the EVENT_IDX check of whether the driver
+//! wants a call (after a full fence, as virtio's rules want).
+//!
 //! What a request costs in system calls and notifications:
 //! - The kick is one multishot poll, armed once: a kick costs a CQE, not a
 //!   `read` of the eventfd and a new poll. Its counter is never read (a
