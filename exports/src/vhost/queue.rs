@@ -585,11 +585,11 @@ impl VQueue {
             f.putting(head);
         }
         let next = self.queue.next_used();
-        if head >= self.queue.size() {
-            // Heads are checked as they are taken: never here.
-            return self.fail_ring("a used element would name a head past the ring");
-        }
-        let Some(p) = used_elem(&self.mem, self.queue.used_ring(), self.queue.size(), next) else {
+        // Heads are checked as they are taken: never past the ring here.
+        let at = (head < self.queue.size())
+            .then(|| used_elem(&self.mem, self.queue.used_ring(), self.queue.size(), next))
+            .flatten();
+        let Some(p) = at else {
             self.fail_ring("its used ring is outside guest memory");
             self.used_added = true;
             self.dirty();
