@@ -795,6 +795,103 @@ mod hostile {
         }
     }
 
+    /// The chains of one kick come back as used elements naming each
+    /// head with its length, the used index at their end; with EVENT_IDX
+    /// the driver is called exactly when the used index passes the
+    /// used_event it wrote: not for a batch that stops short of it, once
+    /// for a batch that crosses it (whatever turns its completions take),
+    /// the indexes wrapping past 65535.
+    #[test]
+    fn a_batch_lands_whole_in_the_used_ring_and_calls_exactly_when_event_idx_says() {
+        let srv = Served::start(MemfdDev::new(SIZE), 1, false);
+        let mut g = Guest::memory();
+        g.event_idx = true;
+        let used_event_at = AVAIL + 4 + 2 * QSIZE as usize;
+        // The ring resumes two short of the indexes' wrap.
+        let base = 65534u16;
+        let at = |n: u16| base.wrapping_add(n).to_le_bytes();
+        g.write(AVAIL + 2, &at(0));
+        g.write(USED + 2, &at(0));
+        g.avail = base;
+        // Far ahead: nothing calls but the queue's start (one call).
+        g.write(used_event_at, &at(100));
+        g.attach(&srv.path, None, base);
+        let heads = [0u16, 3, 6, 9];
+        for (i, &h) in heads.iter().enumerate() {
+            let base = 0x3000 + i * 0x100;
+            g.header(base, 0, 8 * i as u64);
+            g.write(base + 0x80, &[0xff]);
+            g.desc(h, G + base as u64, 16, F_NEXT, h + 1);
+            g.desc(
+                h + 1,
+                G + 0x10000 + i as u64 * 0x1000,
+                512,
+                F_WRITE | F_NEXT,
+                h + 2,
+            );
+            g.desc(h + 2, G + base as u64 + 0x80, 1, F_WRITE, 0);
+        }
+        let batch = |g: &mut Guest| {
+            for &h in &heads {
+                let slot = AVAIL + 4 + (g.avail % QSIZE) as usize * 2;
+                g.write(slot, &h.to_le_bytes());
+                g.avail = g.avail.wrapping_add(1);
+            }
+            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+            g.write(AVAIL + 2, &g.avail.to_le_bytes());
+            g.kick.write(1).unwrap();
+            let t0 = Instant::now();
+            while g.used_idx() != g.avail {
+                assert!(t0.elapsed() < Duration::from_secs(10), "batch never used");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let mut got: Vec<(u32, u32)> = (1..=4u16)
+                .map(|k| {
+                    let i = g.avail.wrapping_sub(k);
+                    let e = g.read(USED + 4 + (i % QSIZE) as usize * 8, 8);
+                    (
+                        u32::from_le_bytes(e[0..4].try_into().unwrap()),
+                        u32::from_le_bytes(e[4..8].try_into().unwrap()),
+                    )
+                })
+                .collect();
+            got.sort_unstable();
+            let want: Vec<(u32, u32)> = heads.iter().map(|&h| (h as u32, 513)).collect();
+            assert_eq!(got, want, "used elements after index {}", g.avail);
+            for i in 0..4 {
+                assert_eq!(g.read(0x3000 + i * 0x100 + 0x80, 1)[0], 0, "status {i}");
+            }
+        };
+        let calls = |g: &Guest, want: u64| {
+            let mut n = 0;
+            let t0 = Instant::now();
+            while n < want {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(10),
+                    "{n} calls of {want}"
+                );
+                n += g.call.read().unwrap_or(0);
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            // Nothing more comes (a call made late would show here).
+            std::thread::sleep(Duration::from_millis(100));
+            n + g.call.read().unwrap_or(0)
+        };
+        // Used index +0 -> +4, used_event +100: only the start's call.
+        batch(&mut g);
+        // +4 -> +8 passes used_event +5: one call.
+        g.write(used_event_at, &at(5));
+        batch(&mut g);
+        assert_eq!(calls(&g, 2), 2, "the start's call and the crossing's");
+        // +8 -> +12, used_event +5 behind: none; +12 -> +16 passes +15
+        // at its last element: one.
+        batch(&mut g);
+        g.write(used_event_at, &at(15));
+        batch(&mut g);
+        assert_eq!(calls(&g, 1), 1, "the second crossing's call");
+        assert_eq!(g.used_idx(), base.wrapping_add(16));
+    }
+
     #[test]
     fn malformed_chains_are_answered_with_errors_and_the_queue_goes_on() {
         let srv = Served::start(MemfdDev::new(SIZE), 1, false);

@@ -338,6 +338,20 @@ mod tests {
             (1, 3, true, 512)
         );
         assert_eq!(segs[0].ptr, g.0.as_ptr().wrapping_add(16).cast_mut());
+        // The header split over two descriptors, the second going on
+        // with the data.
+        let descs = [
+            (0x1000, 8, false),
+            (0x1008, 8 + 512, false),
+            (0x1800, 1, true),
+        ];
+        let p = parse(descs.into_iter(), g.map(), &mut segs).unwrap();
+        assert_eq!(
+            (p.kind, p.sector, p.layout_ok, p.data_len),
+            (1, 3, true, 512)
+        );
+        assert_eq!(segs.len(), 1);
+        assert_eq!(segs[0].ptr, g.0.as_ptr().wrapping_add(16).cast_mut());
         // A read whose status ends its data descriptor.
         g.header(0x100, VIRTIO_BLK_T_IN, 0);
         let descs = [(0x1100, 16, false), (0x1200, 513, true)];

@@ -108,3 +108,39 @@ impl Memory {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn region(gpa: u64, len: u64) -> Region {
+        let f = tempfile_of(len);
+        Region::map(f, 0, gpa, len, 0x7000_0000 + gpa).unwrap()
+    }
+
+    fn tempfile_of(len: u64) -> File {
+        // SAFETY: plain syscall with a NUL-terminated name; checked below.
+        let fd = unsafe { libc::memfd_create(c"udm-memory-test".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: a fresh descriptor owned by nothing else.
+        let f = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        f.set_len(len).unwrap();
+        f
+    }
+
+    /// A lookup finds the one region that holds the range whole; a range
+    /// across two regions, or outside all, is refused.
+    #[test]
+    fn a_range_maps_in_the_region_that_holds_it_whole() {
+        let (a, b) = (region(0x1000, 0x2000), region(0x3000, 0x1000));
+        let (ha, hb) = (a.host_range().0, b.host_range().0);
+        let m = Memory::new(vec![a, b]).unwrap();
+        assert_eq!(m.map(0x1010, 16), Some(ha.wrapping_add(0x10)));
+        assert_eq!(m.map(0x3ff0, 16), Some(hb.wrapping_add(0xff0)));
+        assert_eq!(m.map(0x2ff8, 16), None, "across the two");
+        assert_eq!(m.map(0x3ff8, 16), None, "past the end");
+        assert_eq!(m.map(0xff8, 16), None, "before the start");
+        assert_eq!(m.map(u64::MAX - 4, 16), None, "wrapping");
+        assert_eq!(m.map(0x2ff0, 16), Some(ha.wrapping_add(0x1ff0)));
+    }
+}

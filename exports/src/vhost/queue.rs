@@ -4,6 +4,14 @@
 //! ring, and the driver notified through the call eventfd at the end of
 //! the turn (once for all that completed in it).
 //!
+//! The rings are read and written through the queue's own map of guest
+//! memory (a lookup among a few regions and a load or store), not
+//! virtio-queue's generic accessors: the avail index once per batch, the
+//! heads and descriptors, and each used element as its request
+//! completes; the used index is stored once per turn (store-release,
+//! after the elements), before the EVENT_IDX check of whether the driver
+//! wants a call (after a full fence, as virtio's rules want).
+//!
 //! What a request costs in system calls and notifications:
 //! - The kick is one multishot poll, armed once: a kick costs a CQE, not a
 //!   `read` of the eventfd and a new poll. Its counter is never read (a
@@ -26,7 +34,7 @@ use std::cell::RefCell;
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::rc::Rc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{fence, AtomicU16, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::Arc;
 
@@ -105,6 +113,11 @@ pub struct VQueue {
     /// Completed requests were added to the used ring since the last
     /// notification check.
     used_added: bool,
+    /// Used elements added since the last notification check (EVENT_IDX
+    /// calls when the used index crossed `used_event` among them).
+    num_added: u16,
+    /// Used elements were written and the used index not yet stored.
+    used_unpublished: bool,
     /// The next notification check calls the driver whatever its
     /// used_event says (see [`Worker::start`]).
     call_anyway: bool,
@@ -218,9 +231,10 @@ impl VQueue {
         let ring = self.queue.avail_ring();
         let mut next = self.queue.next_avail();
         let avail = if self.queue.ready() && ring != 0 {
-            match self.queue.avail_idx(&mem.guest, Ordering::Acquire) {
-                Ok(i) => i.0,
-                Err(_) => {
+            match mem.map(ring.wrapping_add(2), 2) {
+                // Acquire: the heads and descriptors it covers are seen.
+                Some(p) => load_acquire_u16(p),
+                None => {
                     self.fail_ring("its avail ring is outside guest memory");
                     return n;
                 }
@@ -560,18 +574,82 @@ impl VQueue {
         self.add_used(r.head, written);
     }
 
+    /// Puts `head` on the used ring with `len` bytes written: the element
+    /// is written at once, through the queue's own map of guest memory;
+    /// the used index is published once per batch ([`VQueue::publish_used`],
+    /// at the end of the turn), except with inflight tracking, whose
+    /// recovery needs each element's index stored before its mark is
+    /// cleared.
     fn add_used(&mut self, head: u16, len: u32) {
         if let Some(f) = &self.inflight {
             f.putting(head);
         }
-        if self.queue.add_used(&self.mem.guest, head, len).is_err() {
+        let next = self.queue.next_used();
+        // Heads are checked as they are taken: never past the ring here.
+        let at = (head < self.queue.size())
+            .then(|| used_elem(&self.mem, self.queue.used_ring(), self.queue.size(), next))
+            .flatten();
+        let Some(p) = at else {
             self.fail_ring("its used ring is outside guest memory");
-        }
-        if let Some(f) = &self.inflight {
-            f.put(head, self.queue.next_used());
+            self.used_added = true;
+            self.dirty();
+            return;
+        };
+        let mut e = [0u8; 8];
+        e[..4].copy_from_slice(&u32::from(head).to_le_bytes());
+        e[4..].copy_from_slice(&len.to_le_bytes());
+        // SAFETY: `used_elem` vouched for 8 bytes at p, in guest memory the
+        // queue's Rc<Guest> keeps mapped; a byte array needs no alignment.
+        // Volatile: the driver reads it, after the index's store-release.
+        unsafe { std::ptr::write_volatile(p.cast::<[u8; 8]>(), e) };
+        let next = next.wrapping_add(1);
+        self.queue.set_next_used(next);
+        self.num_added = self.num_added.wrapping_add(1);
+        self.used_unpublished = true;
+        if self.inflight.is_some() {
+            self.publish_used();
+            if let Some(f) = &self.inflight {
+                f.put(head, next);
+            }
         }
         self.used_added = true;
         self.dirty();
+    }
+
+    /// Stores the used index (store-release: after the elements it
+    /// covers), if elements were added since it was last stored.
+    fn publish_used(&mut self) {
+        if !self.used_unpublished {
+            return;
+        }
+        self.used_unpublished = false;
+        let Some(p) = self.mem.map(self.queue.used_ring().wrapping_add(2), 2) else {
+            return self.fail_ring("its used ring is outside guest memory");
+        };
+        store_release_u16(p, self.queue.next_used());
+    }
+
+    /// Whether the driver wants to be called for the elements added since
+    /// the last check (which this one ends). With EVENT_IDX, when the used
+    /// index went past its `used_event` since then (the check the Linux
+    /// driver's `virtqueue_kick_prepare` makes, wrapping); without, always.
+    /// The used index must be published.
+    fn needs_call(&mut self) -> bool {
+        let new = self.queue.next_used();
+        let old = new.wrapping_sub(self.num_added);
+        self.num_added = 0;
+        if !self.queue.event_idx_enabled() {
+            return true;
+        }
+        // The used index's store before the read of used_event: else the
+        // driver may set used_event after our read, see the old index, and
+        // sleep uncalled.
+        fence(Ordering::SeqCst);
+        let Some(used_event) = used_event(&self.mem, self.queue.avail_ring(), self.queue.size())
+        else {
+            return true;
+        };
+        new.wrapping_sub(used_event).wrapping_sub(1) < new.wrapping_sub(old)
     }
 
     fn dirty(&mut self) {
@@ -585,17 +663,14 @@ impl VQueue {
     /// Tells the driver about what was added to the used ring, if it
     /// wants to know.
     fn notify(&mut self) {
+        self.publish_used();
         if !self.used_added {
             return;
         }
         self.used_added = false;
         // Asked even when calling anyway: it restarts the count of
         // elements added since the last check.
-        let wants = self
-            .queue
-            .needs_notification(&self.mem.guest)
-            .unwrap_or(true)
-            || self.call_anyway;
+        let wants = self.needs_call() || self.call_anyway;
         if let (true, Some(call)) = (wants, &self.call) {
             self.call_anyway = false;
             let one: u64 = 1;
@@ -620,6 +695,56 @@ fn avail_head(mem: &Guest, ring: u64, size: u16, idx: u16) -> Option<u16> {
     // was read with Acquire before, so the entries it covers are seen.
     let b = unsafe { std::ptr::read_volatile(p.cast::<[u8; 2]>()) };
     Some(u16::from_le_bytes(b))
+}
+
+/// Where used element number `next` (wrapping) of the used ring at guest
+/// address `ring` (of `size` entries) is mapped: None if outside guest
+/// memory.
+#[inline]
+fn used_elem(mem: &Guest, ring: u64, size: u16, next: u16) -> Option<*mut u8> {
+    let slot = u64::from(next.checked_rem(size)?);
+    mem.map(ring.checked_add(4 + 8 * slot)?, 8)
+}
+
+/// The driver's `used_event` (EVENT_IDX), after the avail ring at guest
+/// address `ring` of `size` entries: None if outside guest memory.
+fn used_event(mem: &Guest, ring: u64, size: u16) -> Option<u16> {
+    let p = mem.map(ring.checked_add(4 + 2 * u64::from(size))?, 2)?;
+    // SAFETY: `map` vouched for 2 bytes at p; a byte array needs no
+    // alignment. Volatile: the driver writes it at any time.
+    let b = unsafe { std::ptr::read_volatile(p.cast::<[u8; 2]>()) };
+    Some(u16::from_le_bytes(b))
+}
+
+/// Stores `v` little-endian at `p` (2 bytes of guest memory) with release
+/// ordering: what was written before is seen by a reader that sees `v`.
+fn store_release_u16(p: *mut u8, v: u16) {
+    if p.align_offset(2) == 0 {
+        // SAFETY: p is 2 mapped bytes (the caller's), 2-aligned; only
+        // atomic or volatile accesses are made to guest memory here.
+        unsafe { AtomicU16::from_ptr(p.cast()) }.store(v.to_le(), Ordering::Release);
+    } else {
+        // A used ring the driver misaligned (the spec wants 4): the
+        // fence orders the elements' stores before this one.
+        fence(Ordering::Release);
+        // SAFETY: p is 2 mapped bytes; a byte array needs no alignment.
+        unsafe { std::ptr::write_volatile(p.cast::<[u8; 2]>(), v.to_le_bytes()) };
+    }
+}
+
+/// Loads the little-endian u16 at `p` (2 bytes of guest memory) with
+/// acquire ordering: what the writer stored before it is seen after.
+fn load_acquire_u16(p: *mut u8) -> u16 {
+    if p.align_offset(2) == 0 {
+        // SAFETY: p is 2 mapped bytes (the caller's), 2-aligned; only
+        // atomic or volatile accesses are made to guest memory here.
+        u16::from_le(unsafe { AtomicU16::from_ptr(p.cast()) }.load(Ordering::Acquire))
+    } else {
+        // SAFETY: p is 2 mapped bytes; a byte array needs no alignment.
+        let b = unsafe { std::ptr::read_volatile(p.cast::<[u8; 2]>()) };
+        fence(Ordering::Acquire);
+        u16::from_le_bytes(b)
+    }
 }
 
 /// The [`crate::front::DoneFn`] of every front request of a queue.
@@ -752,6 +877,8 @@ impl Worker {
             // used_event, and that crossing may be among them: without a
             // call now it would never be called again on this ring.
             used_added: true,
+            num_added: 0,
+            used_unpublished: false,
             call_anyway: true,
             throttled: false,
             stop: None,
