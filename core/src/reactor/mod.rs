@@ -91,7 +91,7 @@ pub struct ReactorConfig {
     /// Adaptive mode: weigh the spin against sleeping at once. The reactor
     /// runs in epochs of a few milliseconds, most waiting the way that
     /// served more bios per CPU second without losing throughput, every
-    /// few trying the other way; sleeping wins only where it keeps 90% of
+    /// few trying the other way; sleeping wins only where it keeps 85% of
     /// the throughput at 90% or less of the CPU per bio (see docs/polling.md).
     pub weigh_spin: bool,
 }
