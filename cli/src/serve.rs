@@ -675,9 +675,11 @@ pub(crate) fn signal_pipe() -> Result<(UnixStream, UnixStream), Error> {
 /// How idle reactors wait: `udm serve`'s and `udm daemon`'s flags.
 #[derive(clap::Args, Debug)]
 pub struct CompletionArgs {
-    /// (The default, USEC 100.) An idle reactor spins only while the gaps
-    /// between its bursts of work have lately been short (haltpoll's rule,
-    /// at most USEC microseconds per gap), else it sleeps in io_uring_enter.
+    /// An idle reactor spins only while the gaps between its bursts of work
+    /// have lately been short (haltpoll's rule, at most USEC microseconds
+    /// per gap), else it sleeps in io_uring_enter. Without any of these
+    /// flags: the same with USEC 100, the spin also weighed against
+    /// sleeping at once by trial (kept only where it pays in throughput).
     #[arg(long, value_name = "USEC")]
     adaptive: Option<String>,
     /// Reactors always sleep in io_uring_enter when idle.
@@ -710,7 +712,8 @@ impl CompletionArgs {
 const ADAPTIVE_DEFAULT_US: u64 = 100;
 
 /// The reactors' completion mode from `--poll`, `--interrupt`,
-/// `--hybrid USEC` and `--adaptive USEC` (the default).
+/// `--hybrid USEC` and `--adaptive USEC`; without any, adaptive with its
+/// spin weighed against sleeping ([`ReactorConfig::weigh_spin`]).
 fn completion_mode(
     poll: bool,
     interrupt: bool,
@@ -746,7 +749,10 @@ fn completion_mode(
         cfg.mode = CompletionMode::Adaptive;
         cfg.hybrid_spin = match adaptive {
             Some(us) => usec("--adaptive", us)?,
-            None => std::time::Duration::from_micros(ADAPTIVE_DEFAULT_US),
+            None => {
+                cfg.weigh_spin = true;
+                std::time::Duration::from_micros(ADAPTIVE_DEFAULT_US)
+            }
         };
     }
     Ok(cfg)
@@ -823,9 +829,12 @@ mod tests {
         let d = super::completion_mode(false, false, None, None).unwrap();
         assert_eq!(d.mode, CompletionMode::Adaptive);
         assert_eq!(d.hybrid_spin, Duration::from_micros(100));
+        assert!(d.weigh_spin);
+        // --adaptive USEC is the haltpoll window alone.
         let a = super::completion_mode(false, false, None, Some("200")).unwrap();
         assert_eq!(a.mode, CompletionMode::Adaptive);
         assert_eq!(a.hybrid_spin, Duration::from_micros(200));
+        assert!(!a.weigh_spin);
         assert_eq!(
             super::completion_mode(false, true, None, None)
                 .unwrap()

@@ -1002,12 +1002,16 @@ fn timer_round(r: &Reactor, dog: &Watchdog, delay: Duration, n: usize) -> usize 
 }
 
 fn all_of_a_mode(mode: CompletionMode) {
-    let r = Reactor::new(ReactorConfig {
+    all_of_a_config(ReactorConfig {
         mode,
         hybrid_spin: Duration::from_millis(1),
         ..ReactorConfig::default()
-    })
-    .unwrap();
+    });
+}
+
+fn all_of_a_config(config: ReactorConfig) {
+    let mode = config.mode;
+    let r = Reactor::new(config).unwrap();
     assert_eq!(r.config().mode, mode);
     let dog = watchdog(&r);
     let dev = MemfdDev::new(8 << 20);
@@ -1082,6 +1086,42 @@ fn hybrid_mode_completes_io() {
 #[test]
 fn adaptive_mode_completes_io() {
     all_of_a_mode(CompletionMode::Adaptive);
+}
+
+/// Weighed (`udm serve`'s default), adaptive mode completes the same I/O,
+/// timers, messages and drains, with its epochs switching between
+/// spinning and sleeping at once while the rounds run; and an idle
+/// reactor still sleeps.
+#[test]
+fn weighed_adaptive_mode_completes_io_and_sleeps_when_idle() {
+    let config = ReactorConfig {
+        mode: CompletionMode::Adaptive,
+        hybrid_spin: Duration::from_millis(1),
+        weigh_spin: true,
+        ..ReactorConfig::default()
+    };
+    all_of_a_config(config);
+    let r = Reactor::new(config).unwrap();
+    let dog = watchdog(&r);
+    let dev = MemfdDev::new(4 << 20);
+    let ch = dev.clone().open(&r).unwrap();
+    // Enough rounds of I/O to run several epochs.
+    let t = Instant::now();
+    let mut round = 0u8;
+    while t.elapsed() < Duration::from_millis(100) {
+        ring_io_round(&r, &dog, &ch, &dev, 64, round);
+        round = round.wrapping_add(1);
+    }
+    // A reactor spinning in its window takes a turn every few
+    // microseconds: idle, it sleeps at once or after its 1 ms window.
+    for _ in 0..3 {
+        turns_until_message(&r, &dog, Duration::from_millis(60), "a message");
+    }
+    let turns = turns_until_message(&r, &dog, Duration::from_millis(200), "a message");
+    assert!(
+        turns < 1000,
+        "{turns} turns in 200 ms idle: the weighed reactor kept spinning"
+    );
 }
 
 /// Adaptive mode spins across gaps shorter than its cap (a request-reply

@@ -11,7 +11,11 @@
 //! a while after the last completion, then sleeps;
 //! [`CompletionMode::Adaptive`] spins only as long as recent idle gaps say
 //! work is about to arrive (cpuidle-haltpoll's governor), so an idle reactor
-//! costs nothing and a request-reply loop skips the sleep and the wakeup.
+//! costs nothing and a request-reply loop skips the sleep and the wakeup;
+//! weighed ([`ReactorConfig::weigh_spin`], `udm serve`'s default), it also
+//! tries sleeping at once now and then, and keeps doing so where that
+//! costs less CPU per bio at the same throughput (a deep queue whose
+//! client keeps sending: see [`spin`]).
 //!
 //! Polled I/O (rings with [`RingKind::iopoll`], which complete nothing
 //! unless polled) is polled precisely: a turn enters only the rings that
@@ -38,6 +42,7 @@ use crate::bio::{Bio, BioFlags, BioPtr, Home, Status};
 use crate::ring::{Ring, RingKind, MAX_REGISTERED_BUFFER};
 
 mod handle;
+mod spin;
 mod work;
 
 pub use handle::ReactorHandle;
@@ -83,6 +88,12 @@ pub struct ReactorConfig {
     /// The reactor's ring has 128-byte SQEs ([`RingKind::sqe128`]), for
     /// exports whose commands are URING_CMDs (ublk).
     pub sqe128: bool,
+    /// Adaptive mode: weigh the spin against sleeping at once. The reactor
+    /// runs in epochs of a few milliseconds, most waiting the way that
+    /// served more bios per CPU second without losing throughput, every
+    /// few trying the other way; sleeping wins only where it keeps 85% of
+    /// the throughput at 90% or less of the CPU per bio (see docs/polling.md).
+    pub weigh_spin: bool,
 }
 
 impl Default for ReactorConfig {
@@ -93,6 +104,7 @@ impl Default for ReactorConfig {
             ring_entries: 1024,
             hybrid_spin: Duration::from_micros(50),
             sqe128: false,
+            weigh_spin: false,
         }
     }
 }
@@ -229,6 +241,9 @@ pub(crate) struct ReactorCore {
     idle_since: Cell<Option<Instant>>,
     /// Adaptive mode: how long it spins once idle before it sleeps.
     spin_window: Cell<Duration>,
+    /// Adaptive mode with [`ReactorConfig::weigh_spin`]: the trial of
+    /// spinning against sleeping at once.
+    weigh: Option<spin::Weigh>,
 }
 
 impl ReactorCore {
@@ -240,29 +255,52 @@ impl ReactorCore {
     /// on the next turn, a wait. The idle gap then starts now; if the
     /// reactor cannot sleep after all, [`ReactorCore::adaptive_busy`]
     /// takes that back.
+    ///
+    /// Weighed, an epoch that sleeps at once closes the window for its
+    /// length and leaves it as it was: its gaps hold a wakeup each, and say
+    /// nothing of the gaps a spin sees.
     fn adaptive_sleep(&self, work: bool) -> bool {
+        let at_once = self.weigh.as_ref().is_some_and(|w| w.sleeps_at_once());
         if work {
             if let Some(t0) = self.idle_since.take() {
-                self.spin_window.set(next_window(
-                    self.spin_window.get(),
-                    t0.elapsed(),
-                    self.config.hybrid_spin,
-                ));
+                if !at_once {
+                    self.spin_window.set(next_window(
+                        self.spin_window.get(),
+                        t0.elapsed(),
+                        self.config.hybrid_spin,
+                    ));
+                }
             }
-            if self.spin_window.get().is_zero() {
-                self.idle_since.set(Some(Instant::now()));
+            if at_once || self.spin_window.get().is_zero() {
+                self.go_idle();
                 return true;
             }
             return false;
         }
-        let w = self.spin_window.get();
         match self.idle_since.get() {
             None => {
-                self.idle_since.set(Some(Instant::now()));
-                w.is_zero()
+                self.go_idle();
+                self.weigh.as_ref().is_some_and(|w| w.sleeps_at_once())
+                    || self.spin_window.get().is_zero()
             }
-            Some(t0) => t0.elapsed() >= w,
+            Some(t0) => at_once || t0.elapsed() >= self.spin_window.get(),
         }
+    }
+
+    /// Adaptive mode: an idle gap starts (and, weighed, an epoch may end).
+    #[inline]
+    fn go_idle(&self) {
+        let now = Instant::now();
+        self.idle_since.set(Some(now));
+        if let Some(w) = &self.weigh {
+            w.at_idle(now, || self.bios_allocated());
+        }
+    }
+
+    /// Descriptors allocated since the reactor started.
+    fn bios_allocated(&self) -> u64 {
+        let s = self.stats.get();
+        s.hits + s.misses
     }
 
     /// Adaptive mode: a turn with work meant to sleep but could not (work
@@ -417,6 +455,8 @@ impl Reactor {
             last_work: Cell::new(Instant::now()),
             idle_since: Cell::new(None),
             spin_window: Cell::new(Duration::ZERO),
+            weigh: (config.mode == CompletionMode::Adaptive && config.weigh_spin)
+                .then(|| spin::Weigh::new(0)),
         });
         Ok(Reactor { core: Some(core) })
     }
