@@ -25,7 +25,9 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use udm_core::{Bio, BioPtr, BlockDevice, Caps, Channel, Error, Limits, Op, Reactor, Status};
+use udm_core::{
+    check_bio, Bio, BioPtr, BlockDevice, Caps, Channel, Error, Limits, Op, Reactor, Status,
+};
 
 use super::state::{test, Counts, Shared};
 
@@ -104,11 +106,25 @@ impl BlockDevice for RaidDev {
             legs.push(l.data.clone().open(reactor)?);
         }
         let n = legs.len();
+        let (limits, caps) = (self.limits(), self.caps());
+        // A bio that passes the mirror's check passes every leg's (see
+        // `RaidChannel::nocheck`): the mirror's limits stack the legs',
+        // its capabilities are those every leg has, and it is read-only
+        // if any leg is. Its block size is the largest of the legs', so
+        // it is a multiple of each where each is a power of two.
+        let nocheck = self.shared.cfg.legs.iter().all(|l| {
+            let lbs = l.data.limits().logical_block_size;
+            lbs != 0 && limits.logical_block_size.is_multiple_of(lbs)
+        });
         let ch = Rc::new(RaidChannel {
             sh: self.shared.clone(),
             legs,
+            limits,
+            caps,
+            nocheck,
             outstanding: (0..n).map(|_| Cell::new(0)).collect(),
             rr: Cell::new(0),
+            flip: Cell::new(false),
             writers: self.shared.new_counts(),
             parked: RefCell::new(Vec::new()),
             sb_wait: RefCell::new(Vec::new()),
@@ -133,10 +149,20 @@ impl BlockDevice for RaidDev {
 pub(crate) struct RaidChannel {
     sh: Arc<Shared>,
     legs: Vec<Rc<dyn Channel>>,
+    /// The mirror's limits and capabilities, which `submit` checks a bio
+    /// against.
+    limits: Limits,
+    caps: Caps,
+    /// Whether a bio that passes the mirror's check goes to the legs
+    /// without theirs ([`Channel::submit_nocheck`]): the mirror keeps a
+    /// bio's sectors, and every leg is at least as long as the mirror.
+    nocheck: bool,
     /// Reads outstanding per leg on this reactor.
     outstanding: Vec<Cell<u32>>,
     /// Where the next read's search for the least busy leg starts.
     rr: Cell<usize>,
+    /// The same when two legs may serve (which of the two next).
+    flip: Cell<bool>,
     /// This reactor's writes in flight per region.
     writers: Counts,
     /// Writes waiting for a region's mark or the resync barrier.
@@ -151,7 +177,19 @@ pub(crate) struct RaidChannel {
 const SOME_OK: u64 = 1 << 63;
 
 impl Channel for RaidChannel {
+    /// Checks `bio` against the mirror, so that a bio no leg would take
+    /// fails here, without failing a leg.
     fn submit(&self, bio: BioPtr) {
+        if let Some(bio) = check_bio(bio, &self.limits, self.caps) {
+            // SAFETY: just checked.
+            unsafe { self.submit_nocheck(bio) }
+        }
+    }
+
+    /// The mapper's fast path checked `bio` against the table, whose
+    /// limits stack the mirror's.
+    #[inline]
+    unsafe fn submit_nocheck(&self, bio: BioPtr) {
         match bio.op {
             Op::Read => self.read(bio),
             Op::Write | Op::Discard | Op::WriteZeroes => self.write(bio),
@@ -187,6 +225,19 @@ impl RaidChannel {
         }
     }
 
+    /// Sends `bio`, which passed the mirror's check, to leg `i`.
+    #[inline(always)]
+    fn to_leg(&self, i: usize, bio: BioPtr) {
+        if self.nocheck {
+            // SAFETY: the bio passed the mirror's check, which implies
+            // the leg's (see `nocheck`); the mirror does not move it
+            // (a clone has its parent's sector and segments).
+            unsafe { self.legs[i].submit_nocheck(bio) }
+        } else {
+            self.legs[i].submit(bio)
+        }
+    }
+
     fn pick(&self, tried: u64, source_only: bool) -> Option<usize> {
         let r = self.sh.readable() & !tried;
         if r == 0 {
@@ -201,6 +252,22 @@ impl RaidChannel {
         }
         let normal = r & !self.sh.cfg.write_mostly;
         let m = if normal != 0 { normal } else { r };
+        let a = m.trailing_zeros() as usize;
+        let rest = m & (m - 1);
+        if rest == 0 {
+            return Some(a);
+        }
+        if rest & (rest - 1) == 0 {
+            // Two legs to choose from (the common case), without the loop.
+            let b = rest.trailing_zeros() as usize;
+            let (oa, ob) = (self.outstanding[a].get(), self.outstanding[b].get());
+            if oa != ob {
+                return Some(if oa < ob { a } else { b });
+            }
+            let t = self.flip.get();
+            self.flip.set(!t);
+            return Some(if t { b } else { a });
+        }
         // Least outstanding; ties go round-robin, so that a queue depth of
         // one still reads every leg.
         let n = self.legs.len();
@@ -237,12 +304,12 @@ impl RaidChannel {
             return bio.complete(Status::IoErr);
         };
         let me = self as *const RaidChannel as *mut ();
-        let mut bio = bio.make_room();
+        let mut bio = if bio.can_push() { bio } else { bio.make_room() };
         if !bio.push_end_io_ctx(read_done, me, leg as u64) {
             return bio.complete(Status::NoMem);
         }
         self.outstanding[leg].set(self.outstanding[leg].get() + 1);
-        self.legs[leg].submit(bio);
+        self.to_leg(leg, bio);
     }
 
     fn write(&self, bio: BioPtr) {
@@ -276,7 +343,7 @@ impl RaidChannel {
         if others == 0 {
             // make_room left a free frame.
             let _ = bio.push_end_io_ctx(first_done, me, SOLO | first as u64);
-            return self.legs[first].submit(bio);
+            return self.to_leg(first, bio);
         }
         // Two legs (one clone) without a popcount.
         let n = if others & (others - 1) == 0 {
@@ -312,11 +379,11 @@ impl RaidChannel {
                 c.set_end_io(clone_done, leader.cast());
             }
             c.set_ctx(i as u64);
-            self.legs[i].submit(c);
+            self.to_leg(i, c);
         }
         // make_room left a free frame.
         let _ = bio.push_end_io_ctx(first_done, me, leader as u64);
-        self.legs[first].submit(bio);
+        self.to_leg(first, bio);
     }
 
     /// Counts `bio`'s regions out of this reactor's writers (a flush has
@@ -479,7 +546,7 @@ fn read_done(mut bio: BioPtr) {
             bio.set_status(Status::Ok);
             bio.set_ctx((tried << 8) | next as u64);
             ch.outstanding[next].set(ch.outstanding[next].get() + 1);
-            ch.legs[next].submit(bio);
+            ch.to_leg(next, bio);
         }
         None => {
             bio.pop_end_io();
