@@ -382,8 +382,10 @@ impl Job {
         // Held I/Os count as in flight: with none, nothing is held and
         // this one could merge with nothing. Where the last ended is
         // tested first: a scattered I/O then pays no load of the count.
-        let last = self.next_block.replace(block + 1);
+        // A stream held stores nothing here: the run's end is the plug's.
+        let last = self.next_block.get();
         if (last != block && last != STREAMING) || self.inflight.get() == 0 {
+            self.next_block.set(block + 1);
             return false;
         }
         self.hold_auto_run(slot, op, block);
@@ -401,10 +403,11 @@ impl Job {
     #[inline(never)]
     fn hold_auto_run(&self, slot: *mut Slot, op: Op, block: u64) {
         let sector = self.cfg.region_start + block * self.bs_sectors;
-        if self.continues_plug(op, sector) {
-            self.next_block.set(STREAMING);
-        } else {
+        if !self.continues_plug(op, sector) {
             self.unplug();
+            self.next_block.set(block + 1);
+        } else if self.next_block.get() != STREAMING {
+            self.next_block.set(STREAMING);
         }
         self.hold_slot(slot, op, sector);
     }
