@@ -416,6 +416,61 @@ fn bench_dispatch_auto_follows_the_device_and_queued_and_stream_allocate_nothing
     assert!(err.contains("'sorted'"), "{err}");
 }
 
+/// Auto dispatch on devices that merging does not help (RAM, an O_DIRECT
+/// file on tmpfs) sends a sequential job's batches as queued does, one bio
+/// for the 32 I/Os of each, also across the wraps from the region's end to
+/// its start (a 1 MiB region wraps every 256 I/Os): the jump's first I/O is
+/// held with the run that follows it, not sent alone (which on the file
+/// split every later batch in two for good). Random I/O goes direct, one
+/// bio per I/O.
+#[test]
+fn auto_merges_a_sequential_job_across_its_wraps_as_queued_does_and_sends_random_io_direct() {
+    let file = TempFile::new("auto-wrap");
+    let file_dev = format!("d=file:{},size=1M", file.path);
+    // I/Os per bio: the bench takes a fresh bio for each one it sends.
+    let per_bio = |dev: &str, rw: &str, mode: &str| -> f64 {
+        let (code, out, err) = udm(&[
+            "bench",
+            "--dev",
+            dev,
+            "--target",
+            "d",
+            "--rw",
+            rw,
+            "--bs",
+            "4k",
+            "--iodepth",
+            "32",
+            "--runtime",
+            "0.3",
+            "--dispatch",
+            mode,
+            "--json",
+        ]);
+        assert_eq!(code, 0, "{out} {err}");
+        assert_eq!(json_field(&out, "errors"), "0", "{out}");
+        let num = |k: &str| json_field(&out, k).parse::<f64>().unwrap();
+        let ios = num("ios");
+        assert!(
+            ios > 1024.0,
+            "{dev} {rw} {mode}: too few I/Os to wrap: {out}"
+        );
+        ios / (num("cache_hits") + num("cache_misses"))
+    };
+    for dev in ["d=ram:1M", file_dev.as_str()] {
+        for rw in ["read", "write"] {
+            let queued = per_bio(dev, rw, "queued");
+            let auto = per_bio(dev, rw, "auto");
+            assert!(
+                queued > 31.0 && auto > 31.0,
+                "{dev} {rw}: I/Os per bio: auto {auto:.2}, queued {queued:.2}"
+            );
+        }
+    }
+    let random = per_bio("d=ram:64M", "randread", "auto");
+    assert!(random < 1.01, "random reads: {random:.3} I/Os per bio");
+}
+
 /// `--message` builds a thin pool and volumes between `--dev`s, in order:
 /// a volume, a snapshot of it, and the snapshot verified.
 #[test]

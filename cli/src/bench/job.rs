@@ -13,7 +13,10 @@
 //! export front's queued dispatch does). Stream dispatch holds an I/O only
 //! while the next one issued continues it, and sorts nothing; auto (where
 //! merging does not help the device) holds as stream does only while other
-//! I/Os are in flight, and sends a lone or scattered I/O direct.
+//! I/Os are in flight, and sends a lone or scattered I/O direct, except
+//! that a sequential run held goes on across a jump (the I/O after a held
+//! run is held wherever it starts: [`STREAMING`]); at iodepth 1 it is
+//! direct.
 
 use std::cell::{Cell, UnsafeCell};
 use std::rc::Rc;
@@ -157,6 +160,16 @@ const M_AUTO: u8 = 1;
 /// queued or stream.
 const M_HOLD: u8 = 2;
 
+/// Auto dispatch's [`Job::next_block`] once an I/O that continued the one
+/// before was held: the next I/O is held too, wherever it starts. A
+/// sequential stream that jumps (a job wrapping to the region's start, a
+/// client seeking) goes on from where it lands; sent direct, the jump's
+/// first I/O would go alone, and on a device whose completions come back
+/// in the groups they went down in (an O_DIRECT file on tmpfs) it stays
+/// alone for ever: every later batch goes as 1 + 31 bios at QD32, where
+/// queued dispatch sends one. A block number no device reaches.
+const STREAMING: u64 = u64::MAX;
+
 struct Slot {
     job: *const Job,
     buf: *mut u8,
@@ -191,7 +204,8 @@ struct Job {
     /// Queued dispatch: the slots whose I/O is held until [`Job::unplug`]
     /// (capacity iodepth, so it never grows).
     plug: UnsafeCell<Vec<*mut Slot>>,
-    /// Stream and auto dispatch: the block after the I/O issued last.
+    /// Stream and auto dispatch: the block after the I/O issued last; in
+    /// auto dispatch [`STREAMING`] while a sequential run is held.
     next_block: Cell<u64>,
     /// The largest merged bio: the device's limits.
     max_bytes: u32,
@@ -358,15 +372,20 @@ impl Job {
 
     /// Auto dispatch: holds the I/O as stream does ([`Job::hold`]) only
     /// while other I/Os are in flight and it continues the one issued
-    /// before it; false: it goes direct. Inline, so that what goes direct
-    /// pays only the test: a lone I/O (nothing in flight, so nothing held)
-    /// is not even recorded, and a scattered one records where it ends but
-    /// leaves a run held meanwhile to the batch's end.
+    /// before it, or follows a held run ([`STREAMING`]); false: it goes
+    /// direct. Inline, so that what goes direct pays only the test: a lone
+    /// I/O (nothing in flight, so nothing held) is not even recorded, and a
+    /// scattered one records where it ends but leaves a run held meanwhile
+    /// to the batch's end.
     #[inline]
     fn hold_auto(&self, slot: *mut Slot, op: Op, block: u64) -> bool {
         // Held I/Os count as in flight: with none, nothing is held and
-        // this one could merge with nothing.
-        if self.next_block.replace(block + 1) != block || self.inflight.get() == 0 {
+        // this one could merge with nothing. Where the last ended is
+        // tested first: a scattered I/O then pays no load of the count.
+        // A stream held stores nothing here: the run's end is the plug's.
+        let last = self.next_block.get();
+        if (last != block && last != STREAMING) || self.inflight.get() == 0 {
+            self.next_block.set(block + 1);
             return false;
         }
         self.hold_auto_run(slot, op, block);
@@ -375,12 +394,20 @@ impl Job {
 
     /// [`Job::hold_auto`]'s holding, out of line: kept out of `issue`, it
     /// leaves direct's path there the registers it has in direct's copy.
-    /// It finds the sector itself: passing it cost `issue` a spill.
+    /// It finds the sector itself: passing it cost `issue` a spill. An I/O
+    /// that extends the run held (or starts one: nothing held) keeps the
+    /// stream's mark, so the next is held whatever it starts at; one that
+    /// does not is a jump: the run goes, this one starts the next, and the
+    /// I/O after it is held only if it continues it (scattered I/O drops
+    /// back to direct's path after one held I/O).
     #[inline(never)]
     fn hold_auto_run(&self, slot: *mut Slot, op: Op, block: u64) {
         let sector = self.cfg.region_start + block * self.bs_sectors;
         if !self.continues_plug(op, sector) {
             self.unplug();
+            self.next_block.set(block + 1);
+        } else if self.next_block.get() != STREAMING {
+            self.next_block.set(STREAMING);
         }
         self.hold_slot(slot, op, sector);
     }
@@ -425,8 +452,12 @@ impl Job {
         for i in 0..n {
             // SAFETY: as above; `i` is in bounds.
             let slot = unsafe { (*self.slots.get()).as_mut_ptr().add(i) };
+            // At iodepth 1 auto is direct: each I/O is alone in flight, so
+            // its test could only ever say "send it" (and costs 8-11
+            // instructions per I/O to say so).
             let more = match self.cfg.dispatch {
                 Dispatch::Direct => self.issue::<M_DIRECT>(slot),
+                Dispatch::Auto if self.cfg.iodepth == 1 => self.issue::<M_DIRECT>(slot),
                 Dispatch::Auto => self.issue::<M_AUTO>(slot),
                 _ => self.issue::<M_HOLD>(slot),
             };
