@@ -108,13 +108,45 @@ impl XtsVaes {
         dst: &mut [u8],
     ) {
         assert_eq!(src.len(), dst.len());
-        self.run_units(dir, unit, iv, src.as_ptr(), dst.as_mut_ptr(), dst.len());
+        self.run_units(
+            dir,
+            unit,
+            iv,
+            src.as_ptr(),
+            dst.as_mut_ptr(),
+            dst.len(),
+            false,
+        );
+    }
+
+    /// [`XtsVaes::units_to`], encrypting with streaming stores past the
+    /// caches where `dst` is 64-byte aligned and `unit` a multiple of 64:
+    /// for output nobody reads soon (a page of a RAM disk far larger than
+    /// the caches), which a cached store would first read in from memory.
+    pub fn units_to_streamed(
+        &self,
+        dir: Dir,
+        unit: usize,
+        iv: impl FnMut(usize) -> [u8; 16],
+        src: &[u8],
+        dst: &mut [u8],
+    ) {
+        assert_eq!(src.len(), dst.len());
+        self.run_units(
+            dir,
+            unit,
+            iv,
+            src.as_ptr(),
+            dst.as_mut_ptr(),
+            dst.len(),
+            true,
+        );
     }
 
     /// [`XtsVaes::units_to`] in place.
     pub fn units(&self, dir: Dir, unit: usize, iv: impl FnMut(usize) -> [u8; 16], data: &mut [u8]) {
         let p = data.as_mut_ptr();
-        self.run_units(dir, unit, iv, p, p, data.len());
+        self.run_units(dir, unit, iv, p, p, data.len(), false);
     }
 
     /// XTS over `len / unit` units from `src` to `dst`, their tweaks 4 at
@@ -122,6 +154,8 @@ impl XtsVaes {
     /// that do not overlap, each valid for `len` bytes (the callers above
     /// take them from one `&mut [u8]`, or from a `&[u8]` and a `&mut [u8]`
     /// of that length, which cannot overlap); `unit` is a multiple of 16.
+    /// `stream`: encrypt with streaming stores where they can be used.
+    #[allow(clippy::too_many_arguments)]
     fn run_units(
         &self,
         dir: Dir,
@@ -130,12 +164,20 @@ impl XtsVaes {
         src: *const u8,
         dst: *mut u8,
         len: usize,
+        stream: bool,
     ) {
         // Whole units only, as `chunks_exact` on the portable path: a
         // remainder shorter than a unit is left as it is.
         assert!(unit > 0 && unit.is_multiple_of(16));
         debug_assert!(len.is_multiple_of(unit));
         let units = len / unit;
+        // Whole 64-byte lines only: a streaming store needs its line
+        // aligned, and a unit's full-register stores are then aligned too.
+        let nt = stream
+            && matches!(dir, Dir::Encrypt)
+            && src != dst.cast_const()
+            && (dst as usize).is_multiple_of(64)
+            && unit.is_multiple_of(64);
         let (tk, tnr) = (&self.tweak, self.tweak_rounds);
         // The direction and the rounds pick a loop compiled for them: one
         // branch a call, none in the loop.
@@ -148,9 +190,9 @@ impl XtsVaes {
                 // and `units * unit <= len`.
                 unsafe {
                     match self.rounds {
-                        10 => xts_units::<$enc, 10>($keys, tk, tnr, iv, src, dst, unit, units),
-                        12 => xts_units::<$enc, 12>($keys, tk, tnr, iv, src, dst, unit, units),
-                        _ => xts_units::<$enc, 14>($keys, tk, tnr, iv, src, dst, unit, units),
+                        10 => xts_units::<$enc, 10>(nt, $keys, tk, tnr, iv, src, dst, unit, units),
+                        12 => xts_units::<$enc, 12>(nt, $keys, tk, tnr, iv, src, dst, unit, units),
+                        _ => xts_units::<$enc, 14>(nt, $keys, tk, tnr, iv, src, dst, unit, units),
                     }
                 }
             };
@@ -158,6 +200,12 @@ impl XtsVaes {
         match dir {
             Dir::Encrypt => go!(true, &self.enc),
             Dir::Decrypt => go!(false, &self.dec),
+        }
+        if nt {
+            // SAFETY: no operands. Streaming stores are weakly ordered:
+            // the fence makes them visible before the caller's next store
+            // (the bio's completion), as ordinary stores would be.
+            unsafe { _mm_sfence() };
         }
     }
 }
@@ -288,6 +336,24 @@ fn mul_xk(t: __m512i, k: __m512i, poly: __m512i) -> __m512i {
     _mm512_ternarylogic_epi64::<0x96>(shifted, carry, red)
 }
 
+/// Stores a register of output: streamed past the caches (`nt`) or
+/// through them.
+///
+/// # Safety
+/// `d` is valid for a 64-byte write, and 64-byte aligned when `nt`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn put(nt: bool, d: *mut __m512i, x: __m512i) {
+    // SAFETY: per this function's contract.
+    unsafe {
+        if nt {
+            _mm512_stream_si512(d.cast(), x)
+        } else {
+            _mm512_storeu_si512(d, x)
+        }
+    }
+}
+
 /// One register of 4 blocks through the cipher, with its 4 tweaks: `first`
 /// is round key 0, `last` the last round key XOR the tweaks.
 #[inline]
@@ -318,10 +384,12 @@ fn one<const ENC: bool, const NR: usize>(x: __m512i, tw: __m512i, rk: &[__m512i;
 /// # Safety
 /// The CPU has AVX-512F, AVX-512BW, VAES and VPCLMULQDQ; `unit` is a
 /// multiple of 16; `src` is valid for reads and `dst` for writes of `units
-/// * unit` bytes, and they are the same pointer or do not overlap.
+/// * unit` bytes, and they are the same pointer or do not overlap; with
+/// `nt`, `dst` is 64-byte aligned and `unit` a multiple of 64.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bw,vaes,vpclmulqdq")]
 unsafe fn xts_units<const ENC: bool, const NR: usize>(
+    nt: bool,
     ks: &Schedule,
     tk: &Schedule,
     tnr: usize,
@@ -359,7 +427,8 @@ unsafe fn xts_units<const ENC: bool, const NR: usize>(
             // SAFETY: the features are this function's; unit u + j is
             // bytes off..off + unit, inside the `units * unit` bytes `src`
             // and `dst` are valid for, and the two are equal or disjoint.
-            unsafe { xts::<ENC, NR>(&rk, t, src.add(off), dst.add(off), unit / 16) };
+            unsafe { xts::<ENC, NR>(nt, &rk, t, src.add(off), dst.add(off), unit / 16) };
+            // (With `nt`, `off` is a multiple of `unit`, itself of 64.)
         }
         u += n;
     }
@@ -371,10 +440,12 @@ unsafe fn xts_units<const ENC: bool, const NR: usize>(
 /// # Safety
 /// The CPU has AVX-512F, AVX-512BW, VAES and VPCLMULQDQ; `src` is valid
 /// for reads and `dst` for writes of `blocks * 16` bytes, and they are the
-/// same pointer or do not overlap.
+/// same pointer or do not overlap; with `nt`, `dst` is 64-byte aligned and
+/// `blocks` a multiple of 4 (whole 64-byte lines).
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,vaes,vpclmulqdq")]
 unsafe fn xts<const ENC: bool, const NR: usize>(
+    nt: bool,
     rk: &[__m512i; 15],
     t: u128,
     src: *const u8,
@@ -402,7 +473,8 @@ unsafe fn xts<const ENC: bool, const NR: usize>(
         ];
         // SAFETY: blocks i..i+32 are inside the `blocks * 16` bytes `src`
         // and `dst` are valid for (loop condition); each is read before the
-        // same bytes are written, so `src == dst` works in place.
+        // same bytes are written, so `src == dst` works in place; with
+        // `nt` each register's 64 bytes are a line of the aligned `dst`.
         unsafe {
             let s = src.add(i * 16).cast::<__m512i>();
             let d = dst.add(i * 16).cast::<__m512i>();
@@ -414,14 +486,14 @@ unsafe fn xts<const ENC: bool, const NR: usize>(
             let x5 = one::<ENC, NR>(_mm512_loadu_si512(s.add(5)), hi[1], rk);
             let x6 = one::<ENC, NR>(_mm512_loadu_si512(s.add(6)), hi[2], rk);
             let x7 = one::<ENC, NR>(_mm512_loadu_si512(s.add(7)), hi[3], rk);
-            _mm512_storeu_si512(d, x0);
-            _mm512_storeu_si512(d.add(1), x1);
-            _mm512_storeu_si512(d.add(2), x2);
-            _mm512_storeu_si512(d.add(3), x3);
-            _mm512_storeu_si512(d.add(4), x4);
-            _mm512_storeu_si512(d.add(5), x5);
-            _mm512_storeu_si512(d.add(6), x6);
-            _mm512_storeu_si512(d.add(7), x7);
+            put(nt, d, x0);
+            put(nt, d.add(1), x1);
+            put(nt, d.add(2), x2);
+            put(nt, d.add(3), x3);
+            put(nt, d.add(4), x4);
+            put(nt, d.add(5), x5);
+            put(nt, d.add(6), x6);
+            put(nt, d.add(7), x7);
         }
         for (t, h) in tws.iter_mut().zip(hi) {
             *t = mul_x16(h, poly);
@@ -431,7 +503,8 @@ unsafe fn xts<const ENC: bool, const NR: usize>(
     while i + 16 <= blocks {
         // SAFETY: blocks i..i+16 are inside the `blocks * 16` bytes `src`
         // and `dst` are valid for (loop condition); each is read before the
-        // same bytes are written, so `src == dst` works in place.
+        // same bytes are written, so `src == dst` works in place; with
+        // `nt` each register's 64 bytes are a line of the aligned `dst`.
         unsafe {
             let s = src.add(i * 16).cast::<__m512i>();
             let d = dst.add(i * 16).cast::<__m512i>();
@@ -439,10 +512,10 @@ unsafe fn xts<const ENC: bool, const NR: usize>(
             let x1 = one::<ENC, NR>(_mm512_loadu_si512(s.add(1)), tws[1], rk);
             let x2 = one::<ENC, NR>(_mm512_loadu_si512(s.add(2)), tws[2], rk);
             let x3 = one::<ENC, NR>(_mm512_loadu_si512(s.add(3)), tws[3], rk);
-            _mm512_storeu_si512(d, x0);
-            _mm512_storeu_si512(d.add(1), x1);
-            _mm512_storeu_si512(d.add(2), x2);
-            _mm512_storeu_si512(d.add(3), x3);
+            put(nt, d, x0);
+            put(nt, d.add(1), x1);
+            put(nt, d.add(2), x2);
+            put(nt, d.add(3), x3);
         }
         for t in tws.iter_mut() {
             *t = mul_x16(*t, poly);
