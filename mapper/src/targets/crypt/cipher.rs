@@ -40,6 +40,17 @@ pub enum Dir {
     Decrypt,
 }
 
+/// How output goes to memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stores {
+    /// Through the caches, as ordinary stores do.
+    Cached,
+    /// Streamed past the caches where the code can (the VAES path, a
+    /// 64-byte aligned output of whole lines): for output nobody reads
+    /// soon, whose lines a cached store would first read in from memory.
+    Streamed,
+}
+
 /// The chaining mode.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Chain {
@@ -330,7 +341,14 @@ impl Cipher {
         if let Some(v) = &self.vaes {
             let len = dst.len() / 16 * 16;
             if len > 0 {
-                v.units_to(dir, len, |_| iv.into(), &src[..len], &mut dst[..len]);
+                v.units_to(
+                    dir,
+                    len,
+                    |_| iv.into(),
+                    &src[..len],
+                    &mut dst[..len],
+                    Stores::Cached,
+                );
             }
             return;
         }
@@ -351,7 +369,8 @@ impl Cipher {
     /// Encrypts or decrypts consecutive units of `unit` bytes from `src`
     /// into `dst` (of the same length, a multiple of `unit`): unit i is
     /// sector number `n(i)`. The VAES code encrypts 4 units' tweaks at
-    /// once.
+    /// once, and with [`Stores::Streamed`] writes `dst` past the caches
+    /// where it can ([`XtsVaes::units_to`]); the bytes are the same.
     pub fn units_to(
         &self,
         dir: Dir,
@@ -359,9 +378,10 @@ impl Cipher {
         n: impl Fn(usize) -> u64,
         src: &[u8],
         dst: &mut [u8],
+        stores: Stores,
     ) {
         if let Some(v) = &self.vaes {
-            return v.units_to(dir, unit, |i| self.iv(n(i)).into(), src, dst);
+            return v.units_to(dir, unit, |i| self.iv(n(i)).into(), src, dst, stores);
         }
         for (i, (s, d)) in src
             .chunks_exact(unit)
@@ -369,24 +389,6 @@ impl Cipher {
             .enumerate()
         {
             self.sector_to(dir, n(i), s, d);
-        }
-    }
-
-    /// [`Cipher::units_to`], encrypting into `dst` with streaming stores
-    /// past the caches where the VAES code runs and `dst` is 64-byte
-    /// aligned (see [`XtsVaes::units_to_streamed`]): for output that is not
-    /// read soon. The same bytes as `units_to`.
-    pub fn units_to_streamed(
-        &self,
-        dir: Dir,
-        unit: usize,
-        n: impl Fn(usize) -> u64,
-        src: &[u8],
-        dst: &mut [u8],
-    ) {
-        match &self.vaes {
-            Some(v) => v.units_to_streamed(dir, unit, |i| self.iv(n(i)).into(), src, dst),
-            None => self.units_to(dir, unit, n, src, dst),
         }
     }
 
@@ -783,7 +785,8 @@ mod tests {
             let fast = Cipher::new(&spec, &key).unwrap();
             let slow = Cipher::new(&spec, &key).unwrap().without_vaes();
             for c in [&fast, &slow] {
-                for unit in [16, 512, 4096] {
+                // 320 and 1040 bytes: tails of 20 blocks and of 1 after 64.
+                for unit in [16, 320, 512, 1040, 4096] {
                     for units in 1..=9 {
                         let base = rng.next() >> 8;
                         let n = |i: usize| base + 8 * i as u64;
@@ -794,7 +797,7 @@ mod tests {
                             slow.encrypt(n(i), d);
                         }
                         let mut got = vec![0u8; plain.len()];
-                        c.units_to(Dir::Encrypt, unit, n, &plain, &mut got);
+                        c.units_to(Dir::Encrypt, unit, n, &plain, &mut got, Stores::Cached);
                         assert_eq!(got, want, "encrypt, key {klen}, {units} x {unit}");
                         // Streamed, into a 64-byte aligned buffer (streaming
                         // stores where the unit is whole lines) and into one
@@ -803,7 +806,7 @@ mod tests {
                         let a = wide.as_ptr().align_offset(64);
                         for at in [a, a + 16] {
                             let d = &mut wide[at..at + plain.len()];
-                            c.units_to_streamed(Dir::Encrypt, unit, n, &plain, d);
+                            c.units_to(Dir::Encrypt, unit, n, &plain, d, Stores::Streamed);
                             assert_eq!(
                                 d,
                                 &want[..],
@@ -812,7 +815,7 @@ mod tests {
                             );
                         }
                         let mut back = vec![0u8; plain.len()];
-                        c.units_to(Dir::Decrypt, unit, n, &got, &mut back);
+                        c.units_to(Dir::Decrypt, unit, n, &got, &mut back, Stores::Cached);
                         assert_eq!(
                             back, plain,
                             "units_to decrypt, key {klen}, {units} x {unit}"
@@ -879,7 +882,9 @@ mod tests {
                                     let first = (k * io / unit) as u64;
                                     let n = |i: usize| first + i as u64;
                                     match dir {
-                                        Dir::Encrypt => c.units_to(dir, unit, n, s, d),
+                                        Dir::Encrypt => {
+                                            c.units_to(dir, unit, n, s, d, Stores::Cached)
+                                        }
                                         Dir::Decrypt => c.units(dir, unit, n, s),
                                     }
                                 }

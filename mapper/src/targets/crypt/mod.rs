@@ -78,6 +78,7 @@ mod xts_vaes {
             _: impl FnMut(usize) -> [u8; 16],
             _: &[u8],
             _: &mut [u8],
+            _: super::cipher::Stores,
         ) {
             match *self {}
         }
@@ -86,16 +87,6 @@ mod xts_vaes {
             _: super::cipher::Dir,
             _: usize,
             _: impl FnMut(usize) -> [u8; 16],
-            _: &mut [u8],
-        ) {
-            match *self {}
-        }
-        pub fn units_to_streamed(
-            &self,
-            _: super::cipher::Dir,
-            _: usize,
-            _: impl FnMut(usize) -> [u8; 16],
-            _: &[u8],
             _: &mut [u8],
         ) {
             match *self {}
@@ -110,7 +101,7 @@ use udm_core::{Bio, BioPtr, Caps, Error, Limits, Op, Status, SECTOR_SHIFT};
 
 use crate::target::{parse_sector, CtrCtx, DevArea, Map, MapCtx, StatusType, Target, TargetType};
 use bounce::Bounce;
-use cipher::{Cipher, CipherSpec, Dir};
+use cipher::{Cipher, CipherSpec, Dir, Stores};
 use key::{Key, Secret};
 
 /// The `crypt` target type.
@@ -151,13 +142,13 @@ struct Crypt {
     opts: Opts,
     /// log2 of sector_size / 512.
     shift: u32,
-    /// Encrypt writes into the device's memory with streaming stores: the
-    /// target is at least twice the last-level cache, so a random write's
+    /// How writes are encrypted into the device's memory: streamed when
+    /// the target is at least twice the last-level cache, so a random write's
     /// page is rarely in the caches and rarely read back from them, and a
     /// cached store would first read its line in from memory (4 KiB random
     /// writes over 64 MiB-1 GiB: 1.1-1.35x; a device that fits in the
     /// cache keeps its pages there: 0.65-0.75x streamed at 8 MiB).
-    stream_writes: bool,
+    write_stores: Stores,
 }
 
 /// The last-level cache's size in bytes (sysfs; 32 MiB if it says
@@ -224,7 +215,11 @@ fn crypt_ctr(ctx: &CtrCtx<'_>, argv: &[&str]) -> Result<Box<dyn Target>, Error> 
         iv_offset,
         opts,
         shift,
-        stream_writes: ctx.len << SECTOR_SHIFT >= 2 * llc_bytes(),
+        write_stores: if ctx.len << SECTOR_SHIFT >= 2 * llc_bytes() {
+            Stores::Streamed
+        } else {
+            Stores::Cached
+        },
     }))
 }
 
@@ -306,7 +301,7 @@ impl Crypt {
             // this write touches it meanwhile (direct_access's contract),
             // and it is not the caller's buffer.
             let dst = unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), len) };
-            self.encrypt_into(&bio, dst, self.stream_writes);
+            self.encrypt_into(&bio, dst, self.write_stores);
             bio.complete(Status::Ok);
             return Map::Submitted;
         }
@@ -315,7 +310,7 @@ impl Crypt {
         // ours until given back in `write_done`.
         let dst = unsafe { std::slice::from_raw_parts_mut(b.ptr.as_ptr(), len) };
         // The bounce buffers are few and reused: they stay cached.
-        self.encrypt_into(&bio, dst, false);
+        self.encrypt_into(&bio, dst, Stores::Cached);
         self.submit_write(bio, b, len, ctx)
     }
 
@@ -327,9 +322,8 @@ impl Crypt {
 
     /// Encrypts the write `bio`'s data into `dst` (its length): the units
     /// inside each segment in one call, from there, a unit that straddles
-    /// segments from a copy in `dst`. `stream`: with streaming stores
-    /// ([`Crypt::stream_writes`]).
-    fn encrypt_into(&self, bio: &Bio, dst: &mut [u8], stream: bool) {
+    /// segments from a copy in `dst`, with `stores`.
+    fn encrypt_into(&self, bio: &Bio, dst: &mut [u8], stores: Stores) {
         let unit = self.opts.sector_size as usize;
         let rel = bio.sector;
         runs(bio, unit, |off, p, len| match p {
@@ -341,11 +335,7 @@ impl Crypt {
                 let first = off / unit;
                 let n = |i| self.unit_iv(rel, first + i);
                 let d = &mut dst[off..off + len];
-                if stream {
-                    self.cipher.units_to_streamed(Dir::Encrypt, unit, n, src, d);
-                } else {
-                    self.cipher.units_to(Dir::Encrypt, unit, n, src, d);
-                }
+                self.cipher.units_to(Dir::Encrypt, unit, n, src, d, stores);
             }
             None => {
                 let d = &mut dst[off..off + unit];
@@ -368,8 +358,14 @@ impl Crypt {
                 let dst = unsafe { std::slice::from_raw_parts_mut(p, len) };
                 let first = off / unit;
                 let n = |i| self.unit_iv(rel, first + i);
-                self.cipher
-                    .units_to(Dir::Decrypt, unit, n, &src[off..off + len], dst);
+                self.cipher.units_to(
+                    Dir::Decrypt,
+                    unit,
+                    n,
+                    &src[off..off + len],
+                    dst,
+                    Stores::Cached,
+                );
             }
             None => {
                 // Here only, not per call: zeroing it costs a pass.

@@ -1,5 +1,6 @@
 //! AES-XTS on VAES and AVX-512: data units of whole blocks, 4 blocks per
-//! 512-bit register and 4 registers in flight (16 blocks an iteration).
+//! 512-bit register and 8 registers in flight (32 blocks an iteration, a
+//! 512-byte unit).
 //!
 //! The same function as `cipher.rs`'s portable XTS (IEEE 1619, tweak
 //! T_j = E_k2(IV) * alpha^j, no ciphertext stealing: units are whole
@@ -13,15 +14,18 @@
 //!   and the first tweaks E_k2(IV) of 4 units are encrypted in one register;
 //! - a unit's first 16 tweaks are T * x^0..3 in one register (per-lane
 //!   shifts, the bits shifted out reduced with one carry-less multiply by
-//!   0x87, VPCLMULQDQ), then that times x^4, x^8 and x^12; each register
-//!   of 4 is then multiplied by x^16 per iteration: a shift of each
-//!   128-bit lane by two bytes, the two bytes shifted out times 0x87;
+//!   0x87, VPCLMULQDQ), then that times x^4, and those two times x^8 (a
+//!   byte shift); the next 16 are those times x^16 (a shift of each
+//!   128-bit lane by two bytes, the two bytes shifted out times 0x87), and
+//!   so on, each iteration;
 //! - round key 0 and the tweak are XORed in one three-way XOR, and the last
 //!   round's key is XORed with the tweak first, so that `aesenclast` (or
 //!   `aesdeclast`) applies the output tweak too;
-//! - a tail of fewer than 16 blocks goes 4 blocks a register, the last one
+//! - a tail of fewer than 32 blocks goes 4 blocks a register, the last one
 //!   through masked loads and stores (a unit may be any multiple of 16
-//!   bytes).
+//!   bytes);
+//! - with [`Stores::Streamed`], output of whole aligned lines goes past the
+//!   caches (`vmovntdq`), fenced once a call.
 //!
 //! It is chosen at run time: [`XtsVaes::new`] gives `None` unless the CPU
 //! has VAES, VPCLMULQDQ, AVX-512F and AVX-512BW (and AES-NI, for the key
@@ -31,7 +35,7 @@ use core::arch::x86_64::*;
 
 use zeroize::Zeroize;
 
-use super::cipher::Dir;
+use super::cipher::{Dir, Stores};
 
 /// Round keys of the largest AES (AES-256: 14 rounds, 15 keys).
 type Schedule = [[u8; 16]; 15];
@@ -98,7 +102,9 @@ impl XtsVaes {
     /// of 16) from `src` into `dst` (of the same length, a multiple of
     /// `unit`); unit i's IV is `iv(i)`. The tweaks of 4 units are
     /// encrypted at once, in one register. One data unit is `unit ==
-    /// src.len()`.
+    /// src.len()`. [`Stores::Streamed`] encrypts with streaming stores past
+    /// the caches where `dst` is 64-byte aligned and `unit` a multiple of
+    /// 64.
     pub fn units_to(
         &self,
         dir: Dir,
@@ -106,41 +112,11 @@ impl XtsVaes {
         iv: impl FnMut(usize) -> [u8; 16],
         src: &[u8],
         dst: &mut [u8],
+        stores: Stores,
     ) {
         assert_eq!(src.len(), dst.len());
-        self.run_units(
-            dir,
-            unit,
-            iv,
-            src.as_ptr(),
-            dst.as_mut_ptr(),
-            dst.len(),
-            false,
-        );
-    }
-
-    /// [`XtsVaes::units_to`], encrypting with streaming stores past the
-    /// caches where `dst` is 64-byte aligned and `unit` a multiple of 64:
-    /// for output nobody reads soon (a page of a RAM disk far larger than
-    /// the caches), which a cached store would first read in from memory.
-    pub fn units_to_streamed(
-        &self,
-        dir: Dir,
-        unit: usize,
-        iv: impl FnMut(usize) -> [u8; 16],
-        src: &[u8],
-        dst: &mut [u8],
-    ) {
-        assert_eq!(src.len(), dst.len());
-        self.run_units(
-            dir,
-            unit,
-            iv,
-            src.as_ptr(),
-            dst.as_mut_ptr(),
-            dst.len(),
-            true,
-        );
+        let (s, d, len) = (src.as_ptr(), dst.as_mut_ptr(), dst.len());
+        self.run_units(dir, unit, iv, s, d, len, stores == Stores::Streamed);
     }
 
     /// [`XtsVaes::units_to`] in place.
@@ -500,31 +476,11 @@ unsafe fn xts<const ENC: bool, const NR: usize>(
         }
         i += 32;
     }
-    while i + 16 <= blocks {
-        // SAFETY: blocks i..i+16 are inside the `blocks * 16` bytes `src`
-        // and `dst` are valid for (loop condition); each is read before the
-        // same bytes are written, so `src == dst` works in place; with
-        // `nt` each register's 64 bytes are a line of the aligned `dst`.
-        unsafe {
-            let s = src.add(i * 16).cast::<__m512i>();
-            let d = dst.add(i * 16).cast::<__m512i>();
-            let x0 = one::<ENC, NR>(_mm512_loadu_si512(s), tws[0], rk);
-            let x1 = one::<ENC, NR>(_mm512_loadu_si512(s.add(1)), tws[1], rk);
-            let x2 = one::<ENC, NR>(_mm512_loadu_si512(s.add(2)), tws[2], rk);
-            let x3 = one::<ENC, NR>(_mm512_loadu_si512(s.add(3)), tws[3], rk);
-            put(nt, d, x0);
-            put(nt, d.add(1), x1);
-            put(nt, d.add(2), x2);
-            put(nt, d.add(3), x3);
-        }
-        for t in tws.iter_mut() {
-            *t = mul_x16(*t, poly);
-        }
-        i += 16;
-    }
-    // Fewer than 16 blocks left: the tweak registers hold theirs in order,
-    // 4 a register.
-    for tw in tws {
+    // Fewer than 32 blocks left (none for units of 512 bytes to 4 KiB):
+    // the tweak registers and those times x^16 hold theirs in order, 4 a
+    // register, one register at a time.
+    let hi = tws.map(|t| mul_x16(t, poly));
+    for tw in tws.into_iter().chain(hi) {
         if i >= blocks {
             break;
         }
