@@ -729,10 +729,21 @@ impl BioPtr {
     /// with the stand-in's status. For layers that push a frame: a stack
     /// deeper than [`MAX_STACK`] then costs one descriptor per extra layer
     /// instead of failing (dm's clone fallback).
+    ///
+    /// The test is inline and the stand-in out of line, so that callers
+    /// on a hot path pay only the test.
+    #[inline]
     pub fn make_room(self) -> BioPtr {
         if self.can_push() {
             return self;
         }
+        self.stand_in()
+    }
+
+    /// [`BioPtr::make_room`]'s stand-in for a bio whose stack is full.
+    #[cold]
+    #[inline(never)]
+    fn stand_in(self) -> BioPtr {
         // alloc_clone removes MAY_LEND: memory lent to the stand-in would
         // not reach this bio's buffer.
         let mut s = self.alloc_clone();

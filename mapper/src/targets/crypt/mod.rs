@@ -502,7 +502,7 @@ impl Target for Crypt {
                     return Map::Submitted;
                 }
                 let rel = bio.sector;
-                let mut bio = if bio.can_push() { bio } else { bio.make_room() };
+                let mut bio = bio.make_room();
                 // The frame's private is this target, which the table keeps
                 // alive while its I/O is in flight. make_room left a free
                 // frame, so the push cannot fail.

@@ -304,7 +304,7 @@ impl RaidChannel {
             return bio.complete(Status::IoErr);
         };
         let me = self as *const RaidChannel as *mut ();
-        let mut bio = if bio.can_push() { bio } else { bio.make_room() };
+        let mut bio = bio.make_room();
         if !bio.push_end_io_ctx(read_done, me, leg as u64) {
             return bio.complete(Status::NoMem);
         }
@@ -333,7 +333,7 @@ impl RaidChannel {
     fn fan_out(&self, bio: BioPtr) {
         let live = self.sh.live();
         let me = self as *const RaidChannel as *mut ();
-        let mut bio = if bio.can_push() { bio } else { bio.make_room() };
+        let mut bio = bio.make_room();
         if live == 0 {
             self.exit(&bio);
             return bio.complete(Status::IoErr);
