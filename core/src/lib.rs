@@ -26,6 +26,7 @@ pub mod access;
 pub mod affinity;
 pub mod bio;
 pub mod buf;
+pub mod cputime;
 pub mod device;
 pub mod dispatch;
 pub mod error;

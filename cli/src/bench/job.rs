@@ -26,6 +26,7 @@ use std::time::Duration;
 
 use hdrhistogram::Histogram;
 use udm_backends::AlignedBuf;
+use udm_core::cputime::thread_cpu;
 use udm_core::{
     Bio, BioPtr, BlockDevice, CacheStats, Channel, Dispatch, Error, Op, Reactor, Status,
     SECTOR_SHIFT,
@@ -941,18 +942,6 @@ impl RandomMap {
         }
         x
     }
-}
-
-/// This thread's CPU time (user, system).
-fn thread_cpu() -> (Duration, Duration) {
-    // SAFETY: getrusage fills the zeroed struct we pass; no other effects.
-    let ru = unsafe {
-        let mut ru: libc::rusage = std::mem::zeroed();
-        libc::getrusage(libc::RUSAGE_THREAD, &mut ru);
-        ru
-    };
-    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
-    (tv(ru.ru_utime), tv(ru.ru_stime))
 }
 
 #[cfg(test)]

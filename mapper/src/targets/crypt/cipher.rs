@@ -831,13 +831,8 @@ mod tests {
     /// This thread's CPU time in seconds: rates per CPU-second hold on a
     /// loaded host, where wall-clock ones move with the other load.
     fn cpu_now() -> f64 {
-        let mut ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: `ts` is a valid timespec to write; the clock id is valid.
-        unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-        ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+        let (user, system) = udm_core::cputime::thread_cpu();
+        (user + system).as_secs_f64()
     }
 
     /// GB/s of XTS per CPU-second of one thread, both paths, 512 B and 4 KiB units, 1 MiB
