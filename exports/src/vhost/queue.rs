@@ -233,7 +233,9 @@ impl VQueue {
         let avail = if self.queue.ready() && ring != 0 {
             match mem.map(ring.wrapping_add(2), 2) {
                 // Acquire: the heads and descriptors it covers are seen.
-                Some(p) => load_acquire_u16(p),
+                // SAFETY: `map` vouched for 2 bytes at p, in guest memory
+                // the queue's Rc<Guest> keeps mapped.
+                Some(p) => unsafe { load_acquire_u16(p) },
                 None => {
                     self.fail_ring("its avail ring is outside guest memory");
                     return n;
@@ -626,7 +628,9 @@ impl VQueue {
         let Some(p) = self.mem.map(self.queue.used_ring().wrapping_add(2), 2) else {
             return self.fail_ring("its used ring is outside guest memory");
         };
-        store_release_u16(p, self.queue.next_used());
+        // SAFETY: `map` vouched for 2 bytes at p, in guest memory the
+        // queue's Rc<Guest> keeps mapped.
+        unsafe { store_release_u16(p, self.queue.next_used()) };
     }
 
     /// Whether the driver wants to be called for the elements added since
@@ -718,7 +722,11 @@ fn used_event(mem: &Guest, ring: u64, size: u16) -> Option<u16> {
 
 /// Stores `v` little-endian at `p` (2 bytes of guest memory) with release
 /// ordering: what was written before is seen by a reader that sees `v`.
-fn store_release_u16(p: *mut u8, v: u16) {
+///
+/// # Safety
+/// `p` is valid for a 2-byte write for the call, and the memory there is
+/// accessed only atomically or volatilely (guest memory).
+unsafe fn store_release_u16(p: *mut u8, v: u16) {
     if p.align_offset(2) == 0 {
         // SAFETY: p is 2 mapped bytes (the caller's), 2-aligned; only
         // atomic or volatile accesses are made to guest memory here.
@@ -734,7 +742,11 @@ fn store_release_u16(p: *mut u8, v: u16) {
 
 /// Loads the little-endian u16 at `p` (2 bytes of guest memory) with
 /// acquire ordering: what the writer stored before it is seen after.
-fn load_acquire_u16(p: *mut u8) -> u16 {
+///
+/// # Safety
+/// `p` is valid for a 2-byte read for the call, and the memory there is
+/// accessed only atomically or volatilely (guest memory).
+unsafe fn load_acquire_u16(p: *mut u8) -> u16 {
     if p.align_offset(2) == 0 {
         // SAFETY: p is 2 mapped bytes (the caller's), 2-aligned; only
         // atomic or volatile accesses are made to guest memory here.
