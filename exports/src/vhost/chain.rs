@@ -68,7 +68,7 @@ impl std::fmt::Display for BadChain {
 }
 
 /// A request's header and where its status goes; its data segments are
-/// left in the caller's vector.
+/// `segs[first..]` of the caller's vector ([`Parsed::data`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Parsed {
     /// VIRTIO_BLK_T_*.
@@ -82,14 +82,32 @@ pub struct Parsed {
     pub layout_ok: bool,
     /// Bytes of data.
     pub data_len: u64,
+    /// The first data segment in the caller's vector (those before it
+    /// held the header alone).
+    pub first: usize,
+}
+
+impl Parsed {
+    /// The request's data segments, out of the vector [`parse`] filled.
+    #[inline]
+    pub fn data<'a>(&self, segs: &'a [Seg]) -> &'a [Seg] {
+        segs.get(self.first..).unwrap_or_default()
+    }
 }
 
 /// Descriptors one request may have: SEG_MAX data segments, the header
 /// and the status, with room for split headers.
 pub const MAX_DESCS: usize = 1024;
 
-/// Walks `descs`, mapping each with `map(addr, len)`, into `segs` (the
-/// request's data, cleared first) and the [`Parsed`] header.
+/// Walks `descs`, mapping each with `map(addr, len)`, into `segs` (cleared
+/// first: the header's segments, then the data's, [`Parsed::data`]) and
+/// the [`Parsed`] header.
+///
+/// One pass: the readable and writable bytes are counted as the
+/// descriptors come (readable ones first), which is all the header, the
+/// status and the layout need; the header is copied out of the first
+/// segments after.
+#[inline]
 pub fn parse(
     descs: impl Iterator<Item = Desc>,
     map: impl Fn(u64, u32) -> Option<*mut u8>,
@@ -97,6 +115,9 @@ pub fn parse(
 ) -> Result<Parsed, BadChain> {
     segs.clear();
     let mut seen_write = false;
+    // Readable and writable bytes of the chain (u64: at most MAX_DESCS
+    // lengths of u32 each).
+    let (mut rd, mut wr) = (0u64, 0u64);
     for (n, (addr, len, writable)) in descs.enumerate() {
         if n >= MAX_DESCS {
             return Err(BadChain::TooLong);
@@ -111,18 +132,28 @@ pub fn parse(
         }
         let ptr = map(addr, len).ok_or(BadChain::Unmapped { addr, len })?;
         segs.push(Seg { ptr, len, writable });
+        if writable {
+            wr += len as u64;
+        } else {
+            rd += len as u64;
+        }
     }
-    // The header: the first 16 readable bytes.
+    // The header: the first 16 readable bytes (readable segments come
+    // first, so there are enough iff rd >= 16).
+    if rd < HEADER_LEN as u64 {
+        return Err(BadChain::ShortHeader);
+    }
+    // The status: the last writable byte, in the last segment (writable
+    // ones come last, and none is empty).
+    if wr == 0 {
+        return Err(BadChain::NoStatus);
+    }
     let mut hdr = [0u8; HEADER_LEN];
     let mut got = 0;
     let mut first = 0;
     while got < HEADER_LEN {
-        let Some(s) = segs.get_mut(first) else {
-            return Err(BadChain::ShortHeader);
-        };
-        if s.writable {
-            return Err(BadChain::ShortHeader);
-        }
+        // rd >= 16 readable bytes lie in the segments from the first on.
+        let s = &mut segs[first];
         let n = (HEADER_LEN - got).min(s.len as usize);
         // SAFETY: `map` vouched for s.len bytes at s.ptr, n <= s.len; the
         // guest may change them meanwhile, which only changes the values
@@ -137,39 +168,34 @@ pub fn parse(
             s.len -= n as u32;
         }
     }
-    // The status: the last writable byte.
-    let n = segs.len();
-    let status = match segs.last_mut() {
-        Some(s) if s.writable && n > first => {
-            s.len -= 1;
-            // SAFETY: the segment had len >= 1 bytes (empty ones were
-            // skipped); this is its last.
-            let p = unsafe { s.ptr.add(s.len as usize) };
-            if s.len == 0 {
-                segs.pop();
-            }
-            p
-        }
-        _ => return Err(BadChain::NoStatus),
-    };
-    segs.drain(..first);
+    let last = segs.len() - 1;
+    let s = &mut segs[last];
+    s.len -= 1;
+    // SAFETY: the segment had len >= 1 bytes (empty ones were skipped);
+    // this is its last.
+    let status = unsafe { s.ptr.add(s.len as usize) };
+    if s.len == 0 {
+        segs.pop();
+    }
     let kind = u32::from_le_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]);
     let sector = u64::from_le_bytes([
         hdr[8], hdr[9], hdr[10], hdr[11], hdr[12], hdr[13], hdr[14], hdr[15],
     ]);
-    let want_write = kind == VIRTIO_BLK_T_IN || kind == VIRTIO_BLK_T_GET_ID;
-    let layout_ok = if kind == VIRTIO_BLK_T_FLUSH {
-        segs.is_empty()
-    } else {
-        segs.iter().all(|s| s.writable == want_write)
+    // Data segments of one direction only: no readable byte past the
+    // header, or no writable byte before the status.
+    let (no_out, no_in) = (rd == HEADER_LEN as u64, wr == 1);
+    let layout_ok = match kind {
+        VIRTIO_BLK_T_FLUSH => no_out && no_in,
+        VIRTIO_BLK_T_IN | VIRTIO_BLK_T_GET_ID => no_out,
+        _ => no_in,
     };
-    let data_len = segs.iter().map(|s| s.len as u64).sum();
     Ok(Parsed {
         kind,
         sector,
         status,
         layout_ok,
-        data_len,
+        data_len: rd + wr - HEADER_LEN as u64 - 1,
+        first,
     })
 }
 
@@ -185,52 +211,86 @@ pub fn walk<M: GuestMemory>(
     table: u64,
     size: u16,
     head: u16,
-) -> Walk<impl Fn(u64) -> Option<Descriptor> + '_> {
+) -> Walk<impl Fn(u64) -> Option<u128> + '_, impl Fn(u64, u32) -> Option<*mut u8>> {
     Walk::new(
-        move |at| mem.read_obj(GuestAddress(at)).ok(),
+        move |at| {
+            mem.read_obj::<Descriptor>(GuestAddress(at)).ok().map(|d| {
+                u128::from(d.addr().0)
+                    | u128::from(d.len()) << 64
+                    | u128::from(d.flags()) << 96
+                    | u128::from(d.next()) << 112
+            })
+        },
+        |_, _| None,
         table,
+        std::ptr::null(),
         size,
         head,
     )
 }
 
 /// The same walk, each descriptor read where `map(addr, 16)` says it is
-/// mapped here: a lookup in the few regions and one 16-byte load, where
-/// virtio-queue's reads go through its generic guest-memory accessors
-/// (two thirds of the instructions of taking a request).
-pub fn walk_mapped(
-    map: impl Fn(u64, u32) -> Option<*mut u8>,
+/// mapped here (a lookup in the few regions and one 16-byte load), or,
+/// when the table lies whole in one region, at `host` (the direct table,
+/// mapped by the caller: null if not) or where `map` put the indirect
+/// table: one load per descriptor. virtio-queue's reads go through its
+/// generic guest-memory accessors (two thirds of the instructions of
+/// taking a request).
+pub fn walk_mapped<M: Fn(u64, u32) -> Option<*mut u8> + Copy>(
+    map: M,
     table: u64,
+    host: *const u8,
     size: u16,
     head: u16,
-) -> Walk<impl Fn(u64) -> Option<Descriptor>> {
+) -> Walk<impl Fn(u64) -> Option<u128>, M> {
     Walk::new(
         move |at| {
             let p = map(at, 16)?;
-            // SAFETY: `map` vouched for 16 bytes at p; a byte array needs
-            // no alignment. Volatile: the guest may write the descriptor
-            // meanwhile, which only changes the values read (validated as
-            // values by the walk and by parse).
-            let b = unsafe { std::ptr::read_volatile(p.cast::<[u8; 16]>()) };
-            let [a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, f0, f1, n0, n1] = b;
-            Some(Descriptor::new(
-                u64::from_le_bytes([a0, a1, a2, a3, a4, a5, a6, a7]),
-                u32::from_le_bytes([l0, l1, l2, l3]),
-                u16::from_le_bytes([f0, f1]),
-                u16::from_le_bytes([n0, n1]),
-            ))
+            // SAFETY: `map` vouched for 16 bytes at p.
+            Some(unsafe { load_desc(p) })
         },
+        map,
         table,
+        host,
         size,
         head,
     )
 }
 
+/// The 16 bytes of a descriptor at `p`, as one little-endian u128.
+///
+/// # Safety
+/// `p` is valid for a 16-byte read (guest memory, mapped).
+#[inline]
+unsafe fn load_desc(p: *const u8) -> u128 {
+    // Volatile: the guest may write the descriptor meanwhile, which only
+    // changes the values read (validated as values by the walk and by
+    // parse).
+    if p.align_offset(8) == 0 {
+        // SAFETY: the caller's; 8-aligned (the table's 16-byte alignment,
+        // which virtio-queue checks for the direct table): two words.
+        let [lo, hi] = unsafe { std::ptr::read_volatile(p.cast::<[u64; 2]>()) };
+        u128::from(u64::from_le(lo)) | u128::from(u64::from_le(hi)) << 64
+    } else {
+        // SAFETY: the caller's; a byte array needs no alignment.
+        u128::from_le_bytes(unsafe { std::ptr::read_volatile(p.cast::<[u8; 16]>()) })
+    }
+}
+
+const F_NEXT: u16 = 1;
+const F_WRITE: u16 = 2;
+const F_INDIRECT: u16 = 4;
+
 /// The iterator of [`walk`] and [`walk_mapped`]; `read` reads the
-/// descriptor at a guest address (None: outside the guest's memory).
-pub struct Walk<R> {
+/// descriptor at a guest address (None: outside the guest's memory),
+/// `map_table` maps a whole indirect table (None: read each descriptor).
+pub struct Walk<R, T> {
     read: R,
+    map_table: T,
     table: u64,
+    /// The table being walked, mapped here whole (null: each descriptor
+    /// is read with `read`).
+    host: *const u8,
     size: u16,
     next: u16,
     ttl: u16,
@@ -239,11 +299,13 @@ pub struct Walk<R> {
     bytes: u32,
 }
 
-impl<R> Walk<R> {
-    fn new(read: R, table: u64, size: u16, head: u16) -> Walk<R> {
+impl<R, T> Walk<R, T> {
+    fn new(read: R, map_table: T, table: u64, host: *const u8, size: u16, head: u16) -> Walk<R, T> {
         Walk {
             read,
+            map_table,
             table,
+            host,
             size,
             next: head,
             ttl: size,
@@ -253,36 +315,49 @@ impl<R> Walk<R> {
     }
 }
 
-impl<R: Fn(u64) -> Option<Descriptor>> Iterator for Walk<R> {
+impl<R: Fn(u64) -> Option<u128>, T: Fn(u64, u32) -> Option<*mut u8>> Iterator for Walk<R, T> {
     type Item = Desc;
 
+    #[inline]
     fn next(&mut self) -> Option<Desc> {
         loop {
             if self.ttl == 0 || self.next >= self.size {
                 return None;
             }
-            let at = self.table.checked_add(self.next as u64 * 16)?;
-            let d = (self.read)(at)?;
-            if d.refers_to_indirect_table() {
-                let n = d.len() / 16;
-                if self.indirect || !d.len().is_multiple_of(16) || n > u16::MAX as u32 {
+            let raw = if self.host.is_null() {
+                let at = self.table.checked_add(self.next as u64 * 16)?;
+                (self.read)(at)?
+            } else {
+                // SAFETY: host maps the table's `size` descriptors whole
+                // (the caller's, or map_table's below), next < size.
+                unsafe { load_desc(self.host.add(self.next as usize * 16)) }
+            };
+            let (addr, len) = (raw as u64, (raw >> 64) as u32);
+            let (flags, next) = ((raw >> 96) as u16, (raw >> 112) as u16);
+            if flags & F_INDIRECT != 0 {
+                let n = len / 16;
+                if self.indirect || !len.is_multiple_of(16) || n > u16::MAX as u32 {
                     return None;
                 }
                 self.indirect = true;
-                self.table = d.addr().0;
+                self.table = addr;
                 self.size = n as u16;
                 self.ttl = self.size;
                 self.next = 0;
+                self.host = match (self.map_table)(addr, len) {
+                    Some(p) => p,
+                    None => std::ptr::null(),
+                };
                 continue;
             }
-            self.bytes = self.bytes.checked_add(d.len())?;
-            if d.has_next() {
-                self.next = d.next();
+            self.bytes = self.bytes.checked_add(len)?;
+            if flags & F_NEXT != 0 {
+                self.next = next;
                 self.ttl -= 1;
             } else {
                 self.ttl = 0;
             }
-            return Some((d.addr().0, d.len(), d.is_write_only()));
+            return Some((addr, len, flags & F_WRITE != 0));
         }
     }
 }
@@ -320,8 +395,9 @@ mod tests {
             (p.kind, p.sector, p.layout_ok, p.data_len),
             (0, 7, true, 512)
         );
-        assert_eq!(segs.len(), 1);
-        assert_eq!(segs[0].ptr, g.0.as_ptr().wrapping_add(0x200).cast_mut());
+        let data = p.data(&segs);
+        assert_eq!(data.len(), 1);
+        assert_eq!(data[0].ptr, g.0.as_ptr().wrapping_add(0x200).cast_mut());
         assert_eq!(p.status, g.0.as_ptr().wrapping_add(0x400).cast_mut());
     }
 
@@ -337,7 +413,10 @@ mod tests {
             (p.kind, p.sector, p.layout_ok, p.data_len),
             (1, 3, true, 512)
         );
-        assert_eq!(segs[0].ptr, g.0.as_ptr().wrapping_add(16).cast_mut());
+        assert_eq!(
+            p.data(&segs)[0].ptr,
+            g.0.as_ptr().wrapping_add(16).cast_mut()
+        );
         // The header split over two descriptors, the second going on
         // with the data.
         let descs = [
@@ -350,8 +429,11 @@ mod tests {
             (p.kind, p.sector, p.layout_ok, p.data_len),
             (1, 3, true, 512)
         );
-        assert_eq!(segs.len(), 1);
-        assert_eq!(segs[0].ptr, g.0.as_ptr().wrapping_add(16).cast_mut());
+        assert_eq!(p.data(&segs).len(), 1);
+        assert_eq!(
+            p.data(&segs)[0].ptr,
+            g.0.as_ptr().wrapping_add(16).cast_mut()
+        );
         // A read whose status ends its data descriptor.
         g.header(0x100, VIRTIO_BLK_T_IN, 0);
         let descs = [(0x1100, 16, false), (0x1200, 513, true)];

@@ -5,10 +5,12 @@
 //! the turn (once for all that completed in it).
 //!
 //! The rings are read and written through the queue's own map of guest
-//! memory (a lookup among a few regions and a load or store), not
-//! virtio-queue's generic accessors: the avail index once per batch, the
-//! heads and descriptors, and each used element as its request
-//! completes; the used index is stored once per turn (store-release,
+//! memory, not virtio-queue's generic accessors: each ring is looked up
+//! once, as the queue starts and when the memory changes, and where it
+//! lies whole in one region its entries are a load or store at an offset
+//! (else each access looks its address up among the regions): the avail
+//! index once per batch, the heads and descriptors, and each used element
+//! as its request completes; the used index is stored once per turn (store-release,
 //! after the elements), before the EVENT_IDX check of whether the driver
 //! wants a call (after a full fence, as virtio's rules want).
 //!
@@ -131,6 +133,40 @@ pub struct VQueue {
     broken: bool,
     /// Heads taken and not answered, in the frontend's shared file.
     inflight: Option<QueueInflight>,
+    /// The rings, where they lie whole in one region of `mem`.
+    rings: Rings,
+}
+
+/// Where a queue's rings are mapped here, each when it lies whole in one
+/// region of the guest's memory (null: each access looks its address up,
+/// and refuses what is outside). Mapped again with the memory
+/// ([`Worker::set_mem`]): valid as long as the queue's `mem`.
+#[derive(Clone, Copy)]
+struct Rings {
+    /// The descriptor table (size × 16 bytes).
+    desc: *const u8,
+    /// The avail ring: flags, index, the heads, used_event.
+    avail: *mut u8,
+    /// The used ring: flags, index, the elements, avail_event.
+    used: *mut u8,
+}
+
+impl Rings {
+    fn map(q: &Queue, mem: &Memory) -> Rings {
+        let size = u32::from(q.size());
+        // A ring's slot is its index masked with size - 1 (virtio-queue
+        // takes sizes that are powers of 2 only; any other is looked up).
+        let ok = q.ready() && size.is_power_of_two();
+        let at = |addr: u64, len: u32| match mem.map(addr, len) {
+            Some(p) if ok && addr != 0 => p,
+            _ => std::ptr::null_mut(),
+        };
+        Rings {
+            desc: at(q.desc_table(), 16 * size),
+            avail: at(q.avail_ring(), 6 + 2 * size),
+            used: at(q.used_ring(), 6 + 8 * size),
+        }
+    }
 }
 
 fn status_of(e: FrontError) -> u8 {
@@ -229,8 +265,14 @@ impl VQueue {
         // next turn's), the heads read through the queue's own map.
         let size = self.queue.size();
         let ring = self.queue.avail_ring();
+        let rings = self.rings;
         let mut next = self.queue.next_avail();
-        let avail = if self.queue.ready() && ring != 0 {
+        let avail = if !rings.avail.is_null() {
+            // Acquire: the heads and descriptors it covers are seen.
+            // SAFETY: the ring is mapped whole at rings.avail (Rings::map),
+            // in guest memory the queue's Rc<Guest> keeps mapped.
+            unsafe { load_acquire_u16(rings.avail.add(2)) }
+        } else if self.queue.ready() && ring != 0 {
             match mem.map(ring.wrapping_add(2), 2) {
                 // Acquire: the heads and descriptors it covers are seen.
                 // SAFETY: `map` vouched for 2 bytes at p, in guest memory
@@ -250,8 +292,9 @@ impl VQueue {
             self.fail_ring("its avail index is further ahead than the ring holds");
             return n;
         }
+        let table = self.queue.desc_table();
         while next != avail && self.reqs.len() < size as usize {
-            let Some(head) = avail_head(&mem, ring, size, next) else {
+            let Some(head) = avail_head(&mem, rings.avail, ring, size, next) else {
                 self.fail_ring("its avail ring is outside guest memory");
                 break;
             };
@@ -270,8 +313,7 @@ impl VQueue {
                 );
                 continue;
             }
-            let table = self.queue.desc_table();
-            let descs = chain::walk_mapped(|a, l| mem.map(a, l), table, size, head);
+            let descs = chain::walk_mapped(|a, l| mem.map(a, l), table, rings.desc, size, head);
             self.take(head, descs, &mem);
         }
         if self.reqs.len() >= self.queue.size() as usize {
@@ -317,7 +359,7 @@ impl VQueue {
     fn take(&mut self, head: u16, descs: impl Iterator<Item = chain::Desc>, mem: &Rc<Guest>) {
         let mut segs = std::mem::take(&mut self.segs);
         match chain::parse(descs, |a, l| mem.map(a, l), &mut segs) {
-            Ok(p) => self.start_request(head, p, &segs, mem),
+            Ok(p) => self.start_request(head, p, p.data(&segs), mem),
             Err(e) => {
                 tracing::warn!(
                     "vhost: queue {}: chain {head}: {e}; returned unanswered",
@@ -354,8 +396,9 @@ impl VQueue {
                 heads.len()
             );
         }
+        let desc = self.rings.desc;
         for head in heads {
-            let descs = chain::walk_mapped(|a, l| mem.map(a, l), table, size, head);
+            let descs = chain::walk_mapped(|a, l| mem.map(a, l), table, desc, size, head);
             self.take(head, descs, &mem);
         }
         self.front.unplug();
@@ -589,7 +632,10 @@ impl VQueue {
         let next = self.queue.next_used();
         // Heads are checked as they are taken: never past the ring here.
         let at = (head < self.queue.size())
-            .then(|| used_elem(&self.mem, self.queue.used_ring(), self.queue.size(), next))
+            .then(|| {
+                let (ring, size) = (self.queue.used_ring(), self.queue.size());
+                used_elem(&self.mem, self.rings.used, ring, size, next)
+            })
             .flatten();
         let Some(p) = at else {
             self.fail_ring("its used ring is outside guest memory");
@@ -625,7 +671,12 @@ impl VQueue {
             return;
         }
         self.used_unpublished = false;
-        let Some(p) = self.mem.map(self.queue.used_ring().wrapping_add(2), 2) else {
+        let p = if !self.rings.used.is_null() {
+            // SAFETY: the ring is mapped whole at rings.used (Rings::map).
+            unsafe { self.rings.used.add(2) }
+        } else if let Some(p) = self.mem.map(self.queue.used_ring().wrapping_add(2), 2) {
+            p
+        } else {
             return self.fail_ring("its used ring is outside guest memory");
         };
         // SAFETY: `map` vouched for 2 bytes at p, in guest memory the
@@ -649,8 +700,8 @@ impl VQueue {
         // driver may set used_event after our read, see the old index, and
         // sleep uncalled.
         fence(Ordering::SeqCst);
-        let Some(used_event) = used_event(&self.mem, self.queue.avail_ring(), self.queue.size())
-        else {
+        let (ring, size) = (self.queue.avail_ring(), self.queue.size());
+        let Some(used_event) = used_event(&self.mem, self.rings.avail, ring, size) else {
             return true;
         };
         new.wrapping_sub(used_event).wrapping_sub(1) < new.wrapping_sub(old)
@@ -689,11 +740,19 @@ impl VQueue {
     }
 }
 
-/// The head the avail ring at guest address `ring` (of `size` entries)
-/// holds at index `idx`: None if that entry is outside guest memory.
-fn avail_head(mem: &Guest, ring: u64, size: u16, idx: u16) -> Option<u16> {
-    let slot = u64::from(idx.checked_rem(size)?);
-    let p = mem.map(ring.checked_add(4 + 2 * slot)?, 2)?;
+/// The head the avail ring at guest address `ring` (of `size` entries, a
+/// power of 2; mapped whole at `host` unless null) holds at index `idx`:
+/// None if that entry is outside guest memory.
+#[inline]
+fn avail_head(mem: &Guest, host: *mut u8, ring: u64, size: u16, idx: u16) -> Option<u16> {
+    let p = if !host.is_null() {
+        // SAFETY: size is a power of 2 (Rings::map), so slot < size:
+        // inside the ring mapped whole at host.
+        unsafe { host.add(4 + 2 * usize::from(idx & (size - 1))) }
+    } else {
+        let slot = u64::from(idx.checked_rem(size)?);
+        mem.map(ring.checked_add(4 + 2 * slot)?, 2)?
+    };
     // SAFETY: `map` vouched for 2 bytes at p; a byte array needs no
     // alignment. Volatile: the driver writes the ring; the avail index
     // was read with Acquire before, so the entries it covers are seen.
@@ -702,18 +761,29 @@ fn avail_head(mem: &Guest, ring: u64, size: u16, idx: u16) -> Option<u16> {
 }
 
 /// Where used element number `next` (wrapping) of the used ring at guest
-/// address `ring` (of `size` entries) is mapped: None if outside guest
-/// memory.
+/// address `ring` (of `size` entries, a power of 2; mapped whole at `host`
+/// unless null) is mapped: None if outside guest memory.
 #[inline]
-fn used_elem(mem: &Guest, ring: u64, size: u16, next: u16) -> Option<*mut u8> {
+fn used_elem(mem: &Guest, host: *mut u8, ring: u64, size: u16, next: u16) -> Option<*mut u8> {
+    if !host.is_null() {
+        // SAFETY: size is a power of 2 (Rings::map), so slot < size:
+        // inside the ring mapped whole at host.
+        return Some(unsafe { host.add(4 + 8 * usize::from(next & (size - 1))) });
+    }
     let slot = u64::from(next.checked_rem(size)?);
     mem.map(ring.checked_add(4 + 8 * slot)?, 8)
 }
 
 /// The driver's `used_event` (EVENT_IDX), after the avail ring at guest
-/// address `ring` of `size` entries: None if outside guest memory.
-fn used_event(mem: &Guest, ring: u64, size: u16) -> Option<u16> {
-    let p = mem.map(ring.checked_add(4 + 2 * u64::from(size))?, 2)?;
+/// address `ring` of `size` entries (mapped whole at `host` unless null):
+/// None if outside guest memory.
+fn used_event(mem: &Guest, host: *mut u8, ring: u64, size: u16) -> Option<u16> {
+    let p = if !host.is_null() {
+        // SAFETY: the ring, used_event included, is mapped whole at host.
+        unsafe { host.add(4 + 2 * usize::from(size)) }
+    } else {
+        mem.map(ring.checked_add(4 + 2 * u64::from(size))?, 2)?
+    };
     // SAFETY: `map` vouched for 2 bytes at p; a byte array needs no
     // alignment. Volatile: the driver writes it at any time.
     let b = unsafe { std::ptr::read_volatile(p.cast::<[u8; 2]>()) };
@@ -896,12 +966,18 @@ impl Worker {
             stop: None,
             broken: false,
             inflight: s.inflight,
+            rings: Rings {
+                desc: std::ptr::null(),
+                avail: std::ptr::null_mut(),
+                used: std::ptr::null_mut(),
+            },
         });
         let p = Box::into_raw(q);
         self.queues.borrow_mut().push(p);
         let _ = done.send(Ok(()));
         // SAFETY: just made; freed only by retire().
         let q = unsafe { &mut *p };
+        q.rings = Rings::map(&q.queue, &q.mem);
         // What a previous udm left in flight first, then requests the
         // driver queued before the ring started (or while the frontend
         // was away).
@@ -954,7 +1030,9 @@ impl Worker {
         let g = self.fixed.guest(mem);
         for &p in self.queues.borrow().iter() {
             // SAFETY: as in find().
-            unsafe { (*p).mem = g.clone() };
+            let q = unsafe { &mut *p };
+            q.mem = g.clone();
+            q.rings = Rings::map(&q.queue, &q.mem);
         }
     }
 
