@@ -402,11 +402,38 @@ impl Front {
         let aligned = req.offset.is_multiple_of(b) && end.is_multiple_of(b);
         let writer = req.op != FrontOp::Read;
         if aligned {
-            let idx = self.insert(req, req.offset, end, writer, false);
-            if writer && self.rmws.get() > 0 && self.must_wait(idx) {
-                self.wait(idx);
-            } else if self.mode.get() == Dispatch::Direct || !self.hold(idx, req) {
-                self.start(idx);
+            if writer && self.rmws.get() > 0 {
+                let idx = self.insert(req, req.offset, end, writer, false);
+                if self.must_wait(idx) {
+                    self.wait(idx);
+                } else if self.mode.get() == Dispatch::Direct || !self.hold(idx, req) {
+                    self.start(idx);
+                }
+                return Submitted::Later;
+            }
+            let op = match req.op {
+                FrontOp::Read => Op::Read,
+                FrontOp::Write => Op::Write,
+                _ => {
+                    let idx = self.insert(req, req.offset, end, writer, false);
+                    if self.mode.get() == Dispatch::Direct || !self.hold(idx, req) {
+                        self.start(idx);
+                    }
+                    return Submitted::Later;
+                }
+            };
+            // An aligned read or write with nothing to be ordered against:
+            // its slot made active, its bios counted, at once (what
+            // `start` and `split` would read back from it). A request
+            // `hold` keeps sets its own count.
+            let n = req.len.div_ceil(self.max_bio);
+            let idx = self.insert_active(req, end, writer, n);
+            if self.mode.get() == Dispatch::Direct || !self.hold(idx, req) {
+                let mut flags = self.write_flags(req);
+                if req.flags.may_lend && op == Op::Read && req.len <= self.max_bio {
+                    flags.insert(BioFlags::MAY_LEND);
+                }
+                self.send_bios(idx, op, req.offset, req.len, req.buf, flags, req.buf_index);
             }
             return Submitted::Later;
         }
@@ -483,6 +510,27 @@ impl Front {
             rmw,
             active: false,
             pending: 0,
+            status: Status::Ok,
+            bounce: AlignedBuf::default(),
+            needs_bounce: false,
+            next: NO_SLOT,
+        })
+    }
+
+    /// [`Front::insert`] for an aligned request that starts now: active,
+    /// with `pending` bios.
+    #[inline]
+    fn insert_active(self: &Rc<Self>, req: Request, hi: u64, writer: bool, pending: u32) -> usize {
+        std::mem::forget(self.clone());
+        self.slots.borrow_mut().insert(Slot {
+            req,
+            phase: Phase::Direct,
+            lo: req.offset,
+            hi,
+            writer,
+            rmw: false,
+            active: true,
+            pending,
             status: Status::Ok,
             bounce: AlignedBuf::default(),
             needs_bounce: false,
@@ -584,7 +632,6 @@ impl Front {
 
     /// Submits the bios of one range (pending already counts them).
     fn submit_bios(&self, idx: usize, op: Op, off: u64, len: u32, buf: *mut u8, flags: BioFlags) {
-        let step = self.max_bio;
         let buf_index = self.with_slot(idx, |s| {
             if buf == s.req.buf {
                 s.req.buf_index
@@ -592,6 +639,24 @@ impl Front {
                 udm_core::Bio::NO_BUF
             }
         });
+        self.send_bios(idx, op, off, len, buf, flags, buf_index);
+    }
+
+    /// [`Front::submit_bios`] with the registered buffer `buf` lies in
+    /// (or [`udm_core::Bio::NO_BUF`]) known.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    fn send_bios(
+        &self,
+        idx: usize,
+        op: Op,
+        off: u64,
+        len: u32,
+        buf: *mut u8,
+        flags: BioFlags,
+        buf_index: u16,
+    ) {
+        let step = self.max_bio;
         let mut done = 0;
         while done < len {
             let n = step.min(len - done);
@@ -623,7 +688,7 @@ impl Front {
 
     /// A bio of slot `idx` ended with `st`; `lent` is the data it lent.
     fn bio_done(&self, idx: usize, st: Status, lent: Option<&[u8]>) {
-        let (phase, status, req) = {
+        let (phase, status, fua_write) = {
             let mut slots = self.slots.borrow_mut();
             let s = &mut slots[idx];
             if !st.is_ok() && s.status.is_ok() {
@@ -633,17 +698,15 @@ impl Front {
             if s.pending > 0 {
                 return;
             }
-            (s.phase, s.status, s.req)
+            let fua_write = s.req.flags.fua && s.req.op != FrontOp::Read;
+            (s.phase, s.status, fua_write)
         };
         let ok = status.is_ok();
-        let post_flush = ok
-            && req.flags.fua
-            && !self.fua_native
-            && self.flush_after_fua
-            && req.op != FrontOp::Read;
+        let post_flush = ok && fua_write && !self.fua_native && self.flush_after_fua;
         match phase {
             Phase::RmwRead if ok => return self.rmw_write(idx),
             Phase::BounceRead if ok => self.with_slot(idx, |s| {
+                let req = s.req;
                 let at = (req.offset - s.lo) as usize;
                 // SAFETY: the bounce holds [lo, hi) ⊇ the request's range,
                 // whose buffer holds len bytes (submit's contract); the two
