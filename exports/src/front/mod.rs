@@ -248,6 +248,8 @@ pub struct Front {
     reactor: *const Reactor,
     chan: Rc<dyn Channel>,
     lbs: u32,
+    /// lbs - 1 when lbs is a power of 2 (alignment by a mask), else 0.
+    lbs_mask: u64,
     max_bio: u32,
     /// The device's size in bytes (grows: [`Front::grow`]).
     size: Cell<u64>,
@@ -293,6 +295,11 @@ impl Front {
             reactor,
             chan,
             lbs,
+            lbs_mask: if lbs.is_power_of_two() {
+                u64::from(lbs) - 1
+            } else {
+                0
+            },
             max_bio: (l.max_io_bytes.min(1 << 30) / lbs * lbs).max(lbs),
             size: Cell::new(l.bytes()),
             fua_native: caps.contains(Caps::FUA),
@@ -399,7 +406,11 @@ impl Front {
         }
         let end = req.offset + req.len as u64;
         let b = self.lbs as u64;
-        let aligned = req.offset.is_multiple_of(b) && end.is_multiple_of(b);
+        let aligned = if self.lbs_mask != 0 {
+            (req.offset | end) & self.lbs_mask == 0
+        } else {
+            req.offset.is_multiple_of(b) && end.is_multiple_of(b)
+        };
         let writer = req.op != FrontOp::Read;
         if aligned {
             if writer && self.rmws.get() > 0 {
@@ -426,7 +437,11 @@ impl Front {
             // its slot made active, its bios counted, at once (what
             // `start` and `split` would read back from it). A request
             // `hold` keeps sets its own count.
-            let n = req.len.div_ceil(self.max_bio);
+            let n = if req.len <= self.max_bio {
+                1
+            } else {
+                req.len.div_ceil(self.max_bio)
+            };
             let idx = self.insert_active(req, end, writer, n);
             if self.mode.get() == Dispatch::Direct || !self.hold(idx, req) {
                 let mut flags = self.write_flags(req);
@@ -699,6 +714,20 @@ impl Front {
                 return;
             }
             let fua_write = s.req.flags.fua && s.req.op != FrontOp::Read;
+            // The common end, at once: bios straight from the request's
+            // buffer, no flush to follow, nothing that waiting requests
+            // wait for (a write-like one lets them go: `finish`).
+            if s.phase == Phase::Direct
+                && !(fua_write && !self.fua_native && self.flush_after_fua && s.status.is_ok())
+                && !s.rmw
+                && s.bounce.is_empty()
+                && (!s.writer || self.waiting.borrow().is_empty())
+            {
+                let (req, status) = (s.req, s.status);
+                slots.remove(idx);
+                drop(slots);
+                return self.finish_plain(req, status, lent);
+            }
             (s.phase, s.status, fua_write)
         };
         let ok = status.is_ok();
@@ -747,6 +776,31 @@ impl Front {
         let mut flags = self.write_flags(req);
         flags.remove(BioFlags::NOUNMAP_FAST);
         self.split(idx, Op::Write, lo, (hi - lo) as u32, base, flags);
+    }
+
+    /// Hands the result of `req`, whose slot is freed already, to the
+    /// export ([`Front::finish`] for a request that held no bounce buffer
+    /// and no waiting request back).
+    #[inline]
+    fn finish_plain(&self, req: Request, status: Status, lent: Option<&[u8]>) {
+        let result = if status.is_ok() {
+            Ok(())
+        } else {
+            Err(FrontError::from_status(status, req.flags))
+        };
+        let lent = lent.filter(|l| l.as_ptr() != req.buf.cast_const());
+        (req.done)(
+            req.ctx,
+            Done {
+                token: req.token,
+                result,
+                lent,
+            },
+        );
+        // SAFETY: the reference `insert` took for this request; the caller's
+        // own (`front_end_io` holds none) keeps the front alive if others
+        // remain, and nothing touches `self` after this.
+        unsafe { Rc::decrement_strong_count(self as *const Front) };
     }
 
     /// Frees the slot, hands the result to the export, and lets waiting

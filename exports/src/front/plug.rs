@@ -43,7 +43,7 @@ impl Front {
     ///
     /// Auto's test is inline, so that the requests it sends on direct's
     /// path pay only it (a comparison, a store and a count) and not the call.
-    #[inline]
+    #[inline(always)]
     pub(super) fn hold(&self, idx: usize, req: Request) -> bool {
         let mode = self.mode.get();
         if mode == Dispatch::Queued {

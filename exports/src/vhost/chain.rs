@@ -85,13 +85,16 @@ pub struct Parsed {
     /// The first data segment in the caller's vector (those before it
     /// held the header alone).
     pub first: usize,
+    /// Past the last data segment (the one after it, if any, held the
+    /// status alone).
+    pub end: usize,
 }
 
 impl Parsed {
     /// The request's data segments, out of the vector [`parse`] filled.
     #[inline]
     pub fn data<'a>(&self, segs: &'a [Seg]) -> &'a [Seg] {
-        segs.get(self.first..).unwrap_or_default()
+        segs.get(self.first..self.end).unwrap_or_default()
     }
 }
 
@@ -138,6 +141,98 @@ pub fn parse(
             rd += len as u64;
         }
     }
+    finish(segs, rd, wr)
+}
+
+/// The walk of the chain whose head is descriptor `head` of the table at
+/// guest address `table` (`size` entries; mapped whole here at `host`,
+/// or null) and its parse, in one loop: what [`parse`] gives for the
+/// descriptors [`walk_mapped`] yields (the fuzz target checks it), with
+/// the walk's state and the parse's in locals rather than an iterator's
+/// fields, and the walk's byte count the parse's.
+#[inline]
+pub fn parse_chain(
+    map: impl Fn(u64, u32) -> Option<*mut u8>,
+    table: u64,
+    host: *const u8,
+    size: u16,
+    head: u16,
+    segs: &mut Vec<Seg>,
+) -> Result<Parsed, BadChain> {
+    segs.clear();
+    let (mut table, mut host, mut size) = (table, host, size);
+    let (mut next, mut ttl, mut indirect) = (head, size, false);
+    let mut n = 0;
+    let mut seen_write = false;
+    // Readable bytes, and all bytes (the walk ends a chain whose total
+    // would pass u32).
+    let (mut rd, mut total) = (0u64, 0u64);
+    while ttl != 0 && next < size {
+        let raw = if !host.is_null() {
+            // SAFETY: host maps the table's `size` descriptors whole (the
+            // caller's, or `map`'s below), next < size.
+            unsafe { load_desc(host.add(next as usize * 16)) }
+        } else {
+            let Some(p) = table
+                .checked_add(next as u64 * 16)
+                .and_then(|at| map(at, 16))
+            else {
+                break;
+            };
+            // SAFETY: `map` vouched for 16 bytes at p.
+            unsafe { load_desc(p) }
+        };
+        let (addr, len) = (raw as u64, (raw >> 64) as u32);
+        let (flags, link) = ((raw >> 96) as u16, (raw >> 112) as u16);
+        if flags & F_INDIRECT != 0 {
+            let k = len / 16;
+            if indirect || !len.is_multiple_of(16) || k > u16::MAX as u32 {
+                break;
+            }
+            indirect = true;
+            table = addr;
+            size = k as u16;
+            ttl = size;
+            next = 0;
+            host = map(addr, len).map_or(std::ptr::null(), |p| p.cast_const());
+            continue;
+        }
+        total += len as u64;
+        if total > u32::MAX as u64 {
+            break;
+        }
+        if flags & F_NEXT != 0 {
+            next = link;
+            ttl -= 1;
+        } else {
+            ttl = 0;
+        }
+        if n >= MAX_DESCS {
+            return Err(BadChain::TooLong);
+        }
+        n += 1;
+        let writable = flags & F_WRITE != 0;
+        if writable {
+            seen_write = true;
+        } else if seen_write {
+            return Err(BadChain::ReadAfterWrite);
+        }
+        if len == 0 {
+            continue;
+        }
+        let ptr = map(addr, len).ok_or(BadChain::Unmapped { addr, len })?;
+        segs.push(Seg { ptr, len, writable });
+        if !writable {
+            rd += len as u64;
+        }
+    }
+    finish(segs, rd, total - rd)
+}
+
+/// The header, the status and the layout of a chain whose segments are
+/// in `segs`, `rd` bytes readable and `wr` writable.
+#[inline]
+fn finish(segs: &mut [Seg], rd: u64, wr: u64) -> Result<Parsed, BadChain> {
     // The header: the first 16 readable bytes (readable segments come
     // first, so there are enough iff rd >= 16).
     if rd < HEADER_LEN as u64 {
@@ -151,6 +246,23 @@ pub fn parse(
     let mut hdr = [0u8; HEADER_LEN];
     let mut got = 0;
     let mut first = 0;
+    // The first segment is readable (rd > 0 and readable ones come
+    // first); it holds the whole header in the drivers seen (Linux, QEMU,
+    // libblkio: a descriptor of its own).
+    let s = &mut segs[0];
+    if s.len as usize >= HEADER_LEN {
+        // SAFETY: `map` vouched for s.len >= 16 bytes at s.ptr; a byte
+        // array needs no alignment (values only, validated from here on).
+        hdr = unsafe { std::ptr::read_unaligned(s.ptr.cast::<[u8; HEADER_LEN]>()) };
+        got = HEADER_LEN;
+        if s.len as usize == HEADER_LEN {
+            first = 1;
+        } else {
+            // SAFETY: 16 < s.len: still inside the segment.
+            s.ptr = unsafe { s.ptr.add(HEADER_LEN) };
+            s.len -= HEADER_LEN as u32;
+        }
+    }
     while got < HEADER_LEN {
         // rd >= 16 readable bytes lie in the segments from the first on.
         let s = &mut segs[first];
@@ -174,9 +286,8 @@ pub fn parse(
     // SAFETY: the segment had len >= 1 bytes (empty ones were skipped);
     // this is its last.
     let status = unsafe { s.ptr.add(s.len as usize) };
-    if s.len == 0 {
-        segs.pop();
-    }
+    // An emptied status segment stays out of the data.
+    let end = if s.len == 0 { last } else { last + 1 };
     let kind = u32::from_le_bytes([hdr[0], hdr[1], hdr[2], hdr[3]]);
     let sector = u64::from_le_bytes([
         hdr[8], hdr[9], hdr[10], hdr[11], hdr[12], hdr[13], hdr[14], hdr[15],
@@ -196,6 +307,7 @@ pub fn parse(
         layout_ok,
         data_len: rd + wr - HEADER_LEN as u64 - 1,
         first,
+        end,
     })
 }
 

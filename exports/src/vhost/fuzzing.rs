@@ -82,6 +82,17 @@ pub fn chains(data: &[u8]) {
             want,
             "the one-pass parse differs from the reference"
         );
+        // The walk and parse in one loop (the queue's), with and without
+        // the table mapped whole.
+        for host in [none, table] {
+            let mut s2 = Vec::new();
+            let fused = chain::parse_chain(map, DESC, host, QSIZE, head, &mut s2);
+            assert_eq!(
+                fused.map(|p| (p, p.data(&s2).to_vec())),
+                want,
+                "the fused walk and parse differs from the reference"
+            );
+        }
         if let Ok(p) = got {
             parsed += 1;
             let inside = |ptr: *mut u8, len: usize| {
@@ -181,6 +192,7 @@ pub fn reference_parse(
         layout_ok,
         data_len,
         first,
+        end: first + data.len(),
     };
     Ok((parsed, data))
 }

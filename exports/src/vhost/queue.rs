@@ -84,7 +84,7 @@ struct VReq {
     /// Bytes written into the chain (the used element's length).
     written: u32,
     /// Keeps the memory its pointers are in mapped, and registered.
-    mem: Rc<Guest>,
+    _mem: Rc<Guest>,
 }
 
 /// One queue on its reactor. Boxed (its kick op's address is handed to
@@ -293,6 +293,8 @@ impl VQueue {
             return n;
         }
         let table = self.queue.desc_table();
+        // Out of the queue for the batch (the requests borrow it mutably).
+        let mut segs = std::mem::take(&mut self.segs);
         while next != avail && self.reqs.len() < size as usize {
             let Some(head) = avail_head(&mem, rings.avail, ring, size, next) else {
                 self.fail_ring("its avail ring is outside guest memory");
@@ -313,9 +315,9 @@ impl VQueue {
                 );
                 continue;
             }
-            let descs = chain::walk_mapped(|a, l| mem.map(a, l), table, rings.desc, size, head);
-            self.take(head, descs, &mem);
+            self.take(head, (table, rings.desc, size), &mem, &mut segs);
         }
+        self.segs = segs;
         if self.reqs.len() >= self.queue.size() as usize {
             // Resumed when a request completes.
             self.throttled = true;
@@ -355,11 +357,18 @@ impl VQueue {
         false
     }
 
-    /// Starts the request of the chain at `head`, made of `descs`.
-    fn take(&mut self, head: u16, descs: impl Iterator<Item = chain::Desc>, mem: &Rc<Guest>) {
-        let mut segs = std::mem::take(&mut self.segs);
-        match chain::parse(descs, |a, l| mem.map(a, l), &mut segs) {
-            Ok(p) => self.start_request(head, p, p.data(&segs), mem),
+    /// Starts the request of the chain at `head` of the descriptor table
+    /// `(guest address, where it is mapped whole or null, size)`. `segs`:
+    /// the queue's vector, out of it meanwhile.
+    fn take(
+        &mut self,
+        head: u16,
+        (table, host, size): (u64, *const u8, u16),
+        mem: &Rc<Guest>,
+        segs: &mut Vec<Seg>,
+    ) {
+        match chain::parse_chain(|a, l| mem.map(a, l), table, host, size, head, segs) {
+            Ok(p) => self.start_request(head, p, p.data(segs), mem),
             Err(e) => {
                 tracing::warn!(
                     "vhost: queue {}: chain {head}: {e}; returned unanswered",
@@ -368,7 +377,6 @@ impl VQueue {
                 self.add_used(head, 0);
             }
         }
-        self.segs = segs;
     }
 
     /// With inflight tracking, as the queue starts: resubmits the requests
@@ -397,10 +405,11 @@ impl VQueue {
             );
         }
         let desc = self.rings.desc;
+        let mut segs = std::mem::take(&mut self.segs);
         for head in heads {
-            let descs = chain::walk_mapped(|a, l| mem.map(a, l), table, desc, size, head);
-            self.take(head, descs, &mem);
+            self.take(head, (table, desc, size), &mem, &mut segs);
         }
+        self.segs = segs;
         self.front.unplug();
     }
 
@@ -418,15 +427,22 @@ impl VQueue {
             status: S_OK,
             status_ptr: p.status,
             written: 1,
-            mem: mem.clone(),
+            _mem: mem.clone(),
         });
-        let st = self.submit_request(idx, p, segs);
+        let st = self.submit_request(idx, p, segs, mem);
+        // The submission's own count: in flight still, in the common case.
+        let r = &mut self.reqs[idx];
+        if st == S_OK && r.pending > 1 {
+            r.pending -= 1;
+            return;
+        }
         self.piece_done(idx, st);
     }
 
     /// Submits the front requests of request `idx`; returns the status of
     /// what failed at once.
-    fn submit_request(&mut self, idx: usize, p: chain::Parsed, segs: &[Seg]) -> u8 {
+    /// `mem`: the memory the request's buffers are in (its VReq holds it).
+    fn submit_request(&mut self, idx: usize, p: chain::Parsed, segs: &[Seg], mem: &Guest) -> u8 {
         let cfg = &self.shared.cfg;
         if !p.layout_ok {
             return S_IOERR;
@@ -458,7 +474,7 @@ impl VQueue {
                     ..ReqFlags::default()
                 };
                 for s in segs {
-                    let bi = self.reqs[idx].mem.buf_index(s.ptr, s.len);
+                    let bi = mem.buf_index(s.ptr, s.len);
                     let st = self.submit(idx, op, off, s.len, flags, s.ptr, bi);
                     if st != S_OK {
                         return st;
