@@ -32,6 +32,13 @@
 //! (zeroed pages stay data). It reads the bitmap only, so the write path
 //! pays nothing for it.
 //!
+//! A read submitted while other bios' completions wait for the reactor's
+//! next turn (a turn's end_ios issuing the next I/Os) is left to that turn
+//! too, and copied there before its end_io, with the others left so: one
+//! copy after another, as a queued batch would run them, which is faster
+//! out of the caches ([`copy_read`]). A lone read finds nothing waiting
+//! and is copied at once.
+//!
 //! `prealloc` backs every page at creation, as a brd disk that has been
 //! written over once: benchmarks then measure the data path, not
 //! first-touch page faults.
@@ -357,6 +364,28 @@ impl BlockDevice for RamDevice {
     }
 }
 
+/// The end_io of a read [`RamChannel::submit_nocheck`] left to the
+/// reactor's next turn: copies it there and completes it to its submitter
+/// in the turn after. The reads left so in one turn are then copied one
+/// after another, with no end_io between them: out of the caches (a disk
+/// larger than them, read at random), a copy's misses overlap the next
+/// copy's in the CPU's out-of-order window, where an end_io's work between
+/// two copies keeps them apart (4 KiB random reads of a 256 MiB disk at
+/// QD32: 1.2x the I/Os per CPU-second; docs/benchmarks.md, "The RAM disk's
+/// reads, copied back to back"). Writes stay synchronous: a copy into the
+/// disk's lines gains nothing from this.
+fn copy_read(mut bio: BioPtr) {
+    // SAFETY: private is the device the channel submitted through
+    // (Arc::as_ptr); the channel, which holds an Arc to it, outlives its
+    // bios, as every channel does.
+    let dev = unsafe { &*(bio.private() as *const RamDevice) };
+    bio.pop_end_io();
+    let s = dev.rw(&mut bio);
+    // Not endio(): the submitter's end_io would run between this copy and
+    // the next one.
+    bio.complete(s);
+}
+
 impl Channel for RamChannel {
     #[inline]
     fn submit(&self, bio: BioPtr) {
@@ -367,10 +396,20 @@ impl Channel for RamChannel {
         }
     }
 
+    /// A read submitted while other completions wait for the reactor's
+    /// next turn is copied in that turn, before its end_io: see
+    /// [`copy_read`]. Anything else is served now.
     #[inline]
     unsafe fn submit_nocheck(&self, mut bio: BioPtr) {
         // Per the caller, the bio lies inside the device, which is what
-        // `rw` needs of it.
+        // `rw` needs of it (now or in copy_read: it does not change).
+        // A lone read finds nothing waiting and pays only these tests.
+        if bio.op == Op::Read && bio.completions_waiting() && !bio.may_lend() {
+            let dev = Arc::as_ptr(&self.dev).cast_mut().cast();
+            if bio.push_end_io(copy_read, dev) {
+                return bio.complete(Status::Ok);
+            }
+        }
         let s = self.dev.rw(&mut bio);
         bio.complete(s);
     }
