@@ -32,12 +32,12 @@
 //! (zeroed pages stay data). It reads the bitmap only, so the write path
 //! pays nothing for it.
 //!
-//! A read submitted while other bios' completions wait for the reactor's
-//! next turn (a turn's end_ios issuing the next I/Os) is left to that turn
-//! too, and copied there before its end_io, with the others left so: one
-//! copy after another, as a queued batch would run them, which is faster
-//! out of the caches ([`copy_read`]). A lone read finds nothing waiting
-//! and is copied at once.
+//! A read submitted while other completions wait on the reactor (a turn's
+//! end_ios issuing the next I/Os) is staged ([`udm_core::BioPtr::stage`]):
+//! the reads staged in a turn are copied one after another at the start
+//! of the next pass over completions, before its end_ios, as a queued
+//! batch's would be, which is faster out of the caches ([`copy_read`]). A
+//! lone read finds nothing waiting and is copied at once.
 //!
 //! `prealloc` backs every page at creation, as a brd disk that has been
 //! written over once: benchmarks then measure the data path, not
@@ -364,16 +364,15 @@ impl BlockDevice for RamDevice {
     }
 }
 
-/// The end_io of a read [`RamChannel::submit_nocheck`] left to the
-/// reactor's next turn: copies it there and completes it to its submitter
-/// in the turn after. The reads left so in one turn are then copied one
-/// after another, with no end_io between them: out of the caches (a disk
-/// larger than them, read at random), a copy's misses overlap the next
-/// copy's in the CPU's out-of-order window, where an end_io's work between
-/// two copies keeps them apart (4 KiB random reads of a 256 MiB disk at
-/// QD32: 1.2x the I/Os per CPU-second; docs/benchmarks.md, "The RAM disk's
-/// reads, copied back to back"). Writes stay synchronous: a copy into the
-/// disk's lines gains nothing from this.
+/// The end_io of a read [`RamChannel::submit_nocheck`] staged: copies it
+/// and completes it to its submitter, whose end_io runs later in the same
+/// pass. The reads staged in one turn are so copied one after another,
+/// with no end_io between them: out of the caches (a disk larger than
+/// them, read at random), a copy's misses overlap the next copy's in the
+/// CPU's out-of-order window, where the end_io's work between two copies
+/// keeps them apart (docs/benchmarks.md, "The RAM disk's reads, copied
+/// back to back"). Writes are not staged: copies into the disk gained
+/// nothing from it.
 fn copy_read(mut bio: BioPtr) {
     // SAFETY: private is the device the channel submitted through
     // (Arc::as_ptr); the channel, which holds an Arc to it, outlives its
@@ -382,7 +381,7 @@ fn copy_read(mut bio: BioPtr) {
     bio.pop_end_io();
     let s = dev.rw(&mut bio);
     // Not endio(): the submitter's end_io would run between this copy and
-    // the next one.
+    // the next staged one.
     bio.complete(s);
 }
 
@@ -396,9 +395,9 @@ impl Channel for RamChannel {
         }
     }
 
-    /// A read submitted while other completions wait for the reactor's
-    /// next turn is copied in that turn, before its end_io: see
-    /// [`copy_read`]. Anything else is served now.
+    /// A read submitted while other completions wait on the reactor is
+    /// staged, to be copied with the others staged: see [`copy_read`].
+    /// Anything else is served now.
     #[inline]
     unsafe fn submit_nocheck(&self, mut bio: BioPtr) {
         // Per the caller, the bio lies inside the device, which is what
@@ -407,7 +406,7 @@ impl Channel for RamChannel {
         if bio.op == Op::Read && bio.completions_waiting() && !bio.may_lend() {
             let dev = Arc::as_ptr(&self.dev).cast_mut().cast();
             if bio.push_end_io(copy_read, dev) {
-                return bio.complete(Status::Ok);
+                return bio.stage();
             }
         }
         let s = self.dev.rw(&mut bio);
@@ -433,5 +432,82 @@ impl Channel for RamChannel {
         }
         // SAFETY: `pos + len` lies inside the device, so inside the mapping.
         NonNull::new(unsafe { dev.mem.as_ptr().add(pos) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::RefCell;
+    use udm_core::{CompletionMode, ReactorConfig};
+
+    /// The reads' end_ios: which ran, and whether every read left to the
+    /// next turn had been copied when each did.
+    struct Seen {
+        bufs: Vec<Vec<u8>>,
+        ended: RefCell<Vec<(u64, bool)>>,
+    }
+
+    impl Seen {
+        fn copied(&self, i: usize) -> bool {
+            self.bufs[i].iter().all(|&b| b == i as u8 + 1)
+        }
+    }
+
+    fn ended(bio: BioPtr) {
+        // SAFETY: private is the test's `Seen`, alive until every read ended.
+        let seen = unsafe { &*(bio.private() as *const Seen) };
+        assert_eq!(bio.status(), Status::Ok);
+        let all = (1..seen.bufs.len()).all(|i| seen.copied(i));
+        seen.ended.borrow_mut().push((bio.ctx(), all));
+    }
+
+    /// A read with nothing else waiting on the reactor is copied at once;
+    /// reads submitted while completions wait are staged, and copied in
+    /// the next turn, all of them before any end_io of that turn runs.
+    #[test]
+    fn reads_submitted_while_completions_wait_are_copied_together_before_any_end_io() {
+        let dev = Arc::new(RamDevice::new("r", 1 << 20).unwrap());
+        for i in 0..4u8 {
+            let p = RamChannel { dev: dev.clone() }
+                .direct_access(u64::from(i) * 8, PAGE, true)
+                .unwrap();
+            // SAFETY: a page of the disk, stored to by nothing else.
+            unsafe { std::ptr::write_bytes(p.as_ptr(), i + 1, PAGE) };
+        }
+        let reactor = Reactor::new(ReactorConfig {
+            mode: CompletionMode::Poll,
+            ..ReactorConfig::default()
+        })
+        .unwrap();
+        let chan = dev.clone().open(&reactor).unwrap();
+        let mut seen = Box::new(Seen {
+            bufs: vec![vec![0u8; PAGE]; 4],
+            ended: RefCell::new(Vec::new()),
+        });
+        let bases: Vec<*mut u8> = seen.bufs.iter_mut().map(|b| b.as_mut_ptr()).collect();
+        let private = (&*seen as *const Seen).cast_mut().cast();
+        for (i, &base) in bases.iter().enumerate() {
+            let mut bio = reactor.alloc_bio();
+            bio.op = Op::Read;
+            bio.sector = i as u64 * 8;
+            // SAFETY: the buffer is PAGE bytes, kept (and not touched but by
+            // reads) until every read ended.
+            unsafe { bio.add_seg(base, PAGE) };
+            bio.set_ctx(i as u64);
+            bio.set_end_io(ended, private);
+            chan.submit(bio);
+            // Read through the raw pointers the bios were given: `seen` is
+            // only read while no bio runs.
+            assert_eq!(seen.copied(i), i == 0, "read {i} copied at submission");
+        }
+        reactor.poll_once();
+        assert_eq!(
+            *seen.ended.borrow(),
+            [(0, true), (1, true), (2, true), (3, true)],
+            "every end_io in one turn, after every copy"
+        );
+        seen.ended.borrow_mut().clear();
+        drop(chan);
     }
 }
