@@ -28,6 +28,9 @@
 //!   with nothing held. A fast device then pays direct's cost for what
 //!   stream could not merge anyway (a lone sequential request held and
 //!   sent alone at the batch's end costs ~13% more instructions on RAM).
+//!   The request after a held run is held wherever it starts, so a
+//!   stream that jumps (wraps, seeks) goes on merging where it lands; the
+//!   request after the jump is held only if it continues it.
 
 use std::fmt;
 use std::str::FromStr;

@@ -191,6 +191,17 @@ impl Bio {
         c.flags.remove(BioFlags::LENT);
         c
     }
+
+    /// Whether other completions wait on this bio's reactor: queued for
+    /// its next pass ([`BioPtr::complete`], [`BioPtr::stage`]), or still
+    /// to run in the pass running now. A device that serves a bio
+    /// synchronously may then stage its work ([`BioPtr::stage`]), at no
+    /// cost to a lone I/O, which finds nothing waiting.
+    #[inline]
+    pub fn completions_waiting(&self) -> bool {
+        let home = home_of(self);
+        home.more.get() || !home.done_tail.get().is_null() || !home.staged_tail.get().is_null()
+    }
 }
 
 impl BioPtr {
@@ -203,6 +214,23 @@ impl BioPtr {
         // SAFETY: `home` outlives the bio (see home_of); `defer` takes the
         // bio, which must not be borrowed meanwhile, hence the raw pointer.
         unsafe { (*home).defer(self) };
+    }
+
+    /// Queues the bio for its current end_io at the start of its reactor's
+    /// next pass over completions, before the completions queued for it:
+    /// the bios staged run one after another, then every end_io of the
+    /// pass. For a device that serves bios synchronously and gains from
+    /// doing several together (the RAM disk: copies from memory outside
+    /// the caches run faster back to back than with end_ios between them):
+    /// it pushes an end_io ([`BioPtr::push_end_io`]) that does the work,
+    /// pops its frame and ends in [`BioPtr::complete`], and stages the bio
+    /// instead of serving it; the submitter's end_io then runs in the same
+    /// pass, as it would have after `complete`.
+    #[inline]
+    pub fn stage(self) {
+        let home: *const ReactorCore = home_of(&self);
+        // SAFETY: as in `complete`.
+        unsafe { (*home).stage(self) };
     }
 }
 
@@ -223,6 +251,12 @@ pub(crate) struct ReactorCore {
     outstanding: Cell<usize>,
     done_head: Cell<*mut Bio>,
     done_tail: Cell<*mut Bio>,
+    /// Bios whose end_io runs before the next pass's completions
+    /// ([`BioPtr::stage`]).
+    staged_head: Cell<*mut Bio>,
+    staged_tail: Cell<*mut Bio>,
+    /// While a pass runs an end_io: whether others follow it in the pass.
+    more: Cell<bool>,
     ring: Rc<Ring>,
     extra_rings: RefCell<Vec<Rc<Ring>>>,
     pollers: RefCell<Vec<Rc<dyn Poller>>>,
@@ -374,36 +408,74 @@ impl ReactorCore {
     /// Queues `bio` for its end_io at the reactor's next turn.
     #[inline]
     pub(crate) fn defer(&self, bio: BioPtr) {
+        Self::append(&self.done_head, &self.done_tail, bio);
+    }
+
+    /// Queues `bio` for its end_io before the next turn's completions
+    /// ([`BioPtr::stage`]).
+    #[inline]
+    fn stage(&self, bio: BioPtr) {
+        Self::append(&self.staged_head, &self.staged_tail, bio);
+    }
+
+    /// Appends `bio` to the list from `head` to `tail`.
+    #[inline]
+    fn append(head: &Cell<*mut Bio>, tail: &Cell<*mut Bio>, bio: BioPtr) {
         let p = bio.into_raw();
         // SAFETY: `p` is a live descriptor we now own through the list.
         unsafe { (*p).next = std::ptr::null_mut() };
-        let tail = self.done_tail.get();
-        if tail.is_null() {
-            self.done_head.set(p);
+        let t = tail.get();
+        if t.is_null() {
+            head.set(p);
         } else {
             // SAFETY: the tail is a live descriptor owned by the list.
-            unsafe { (*tail).next = p };
+            unsafe { (*t).next = p };
         }
-        self.done_tail.set(p);
+        tail.set(p);
     }
 
-    /// Runs the end_io of every bio queued so far (not of those queued while
-    /// this runs: they wait for the next turn, so a submit/complete cycle
-    /// cannot starve the loop).
+    /// Runs the end_io of every bio staged, then of every bio queued so far
+    /// (the staged ones' among them: they end in `complete`), but not of
+    /// those queued while this runs: they wait for the next turn, so a
+    /// submit/complete cycle cannot starve the loop.
     fn run_deferred(&self) -> usize {
+        if !self.staged_head.get().is_null() {
+            self.run_staged();
+        }
         let mut p = self.done_head.replace(std::ptr::null_mut());
         self.done_tail.set(std::ptr::null_mut());
         let mut n = 0;
         while !p.is_null() {
             // SAFETY: list members are live descriptors made by into_raw in
-            // `defer`; each is taken off exactly once.
+            // `append`; each is taken off exactly once.
             let next = unsafe { (*p).next };
+            self.more.set(!next.is_null());
             // SAFETY: as above.
             unsafe { BioPtr::from_raw(p) }.endio();
             p = next;
             n += 1;
         }
         n
+    }
+
+    /// The staged bios' end_ios, one after another (those staged while
+    /// this runs too).
+    #[inline(never)]
+    fn run_staged(&self) {
+        loop {
+            let mut p = self.staged_head.replace(std::ptr::null_mut());
+            self.staged_tail.set(std::ptr::null_mut());
+            if p.is_null() {
+                return;
+            }
+            while !p.is_null() {
+                // SAFETY: as in run_deferred.
+                let next = unsafe { (*p).next };
+                // SAFETY: as in run_deferred.
+                unsafe { BioPtr::from_raw(p) }.endio();
+                p = next;
+            }
+        }
     }
 }
 
@@ -437,6 +509,9 @@ impl Reactor {
             outstanding: Cell::new(0),
             done_head: Cell::new(std::ptr::null_mut()),
             done_tail: Cell::new(std::ptr::null_mut()),
+            staged_head: Cell::new(std::ptr::null_mut()),
+            staged_tail: Cell::new(std::ptr::null_mut()),
+            more: Cell::new(false),
             ring: Rc::new(ring),
             extra_rings: RefCell::new(Vec::new()),
             pollers: RefCell::new(Vec::new()),
@@ -836,7 +911,10 @@ impl Reactor {
     /// done nothing, when something is runnable or must be spun on.
     fn sleep(&self) -> bool {
         let core = self.core();
-        if !core.done_head.get().is_null() || core.mailbox.pending.load(Ordering::Acquire) {
+        if !core.done_head.get().is_null()
+            || !core.staged_head.get().is_null()
+            || core.mailbox.pending.load(Ordering::Acquire)
+        {
             return false;
         }
         let mut deadline: Option<Instant> = None;
@@ -947,6 +1025,7 @@ impl Reactor {
     pub fn busy(&self) -> bool {
         let core = self.core();
         !core.done_head.get().is_null()
+            || !core.staged_head.get().is_null()
             || core.ring.inflight() > 0
             || core.extra_rings.borrow().iter().any(|r| r.inflight() > 0)
             || core

@@ -269,7 +269,8 @@ pub struct Front {
     /// Direct, queued or stream: in the last two, aligned reads and writes
     /// are held in `plug` until [`Front::unplug`].
     mode: Cell<Dispatch>,
-    /// Stream and auto dispatch: where the last aligned request ended.
+    /// Stream and auto dispatch: where the last aligned request ended; in
+    /// auto dispatch [`plug::STREAMING`] while a sequential run is held.
     next_off: Cell<u64>,
     /// The device reports that merging helps it ([`Caps::MERGE`]).
     merge_helps: bool,

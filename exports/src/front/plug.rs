@@ -2,11 +2,17 @@
 //! export's [`Front::unplug`], then sorted and merged into multi-segment
 //! bios (the kernel's plug list, `blk_finish_plug`); in stream mode, held
 //! only while each continues the one before (the kernel's plug merge); in
-//! auto mode, only while it does and other requests are in flight.
+//! auto mode, only while it does and other requests are in flight, and
+//! across a stream's jump (the request after a held run).
 
 use udm_core::{BioFlags, BioPtr, Dispatch, Op, SECTOR_SHIFT};
 
 use super::{Front, FrontOp, Request, NO_SLOT};
+
+/// Auto dispatch's `next_off` once a request that continued the one before
+/// was held: the next request is held too, wherever it starts
+/// ([`Front::hold_auto`]). An offset no request ends at.
+pub(super) const STREAMING: u64 = u64::MAX;
 
 /// A request held for queued dispatch: one bio's worth, aligned.
 #[derive(Clone, Copy)]
@@ -38,8 +44,10 @@ impl Front {
     /// a request that starts where the one before it ended is held (what is
     /// held goes first when it cannot take this one); any other sends what
     /// is held and goes now. Auto holds as stream does, but only while
-    /// other requests are in flight: a lone request could merge with
-    /// nothing, and holding it would only cost.
+    /// other requests are in flight (a lone request could merge with
+    /// nothing, and holding it would only cost), and goes on across a
+    /// stream's jump: the request after a held run is held wherever it
+    /// starts ([`STREAMING`]).
     ///
     /// Auto's test is inline, so that the requests it sends on direct's
     /// path pay only it (a comparison, a store and a count) and not the call.
@@ -49,12 +57,29 @@ impl Front {
         if mode == Dispatch::Queued {
             return self.hold_run(idx, req, true);
         }
-        let follows = self.next_off.replace(req.offset + req.len as u64) == req.offset;
-        if mode == Dispatch::Auto && !(follows && self.slots.borrow().len() > 1) {
-            self.unplug();
-            return false;
+        let last = self.next_off.get();
+        if mode == Dispatch::Auto {
+            if (last != req.offset && last != STREAMING) || self.slots.borrow().len() <= 1 {
+                self.next_off.set(req.offset + req.len as u64);
+                self.unplug();
+                return false;
+            }
+            return self.hold_auto(idx, req);
         }
-        self.hold_run(idx, req, follows)
+        self.next_off.set(req.offset + req.len as u64);
+        self.hold_run(idx, req, last == req.offset)
+    }
+
+    /// Whether stream and auto dispatch may hold `req`: a read or a write
+    /// of at most one bio, and not a read the device may lend its memory
+    /// to (a merged bio cannot be lent, and on the memory-like devices
+    /// that lend, where auto streams, the copy saved is worth more than the
+    /// bios merged).
+    #[inline]
+    fn streamable(&self, req: &Request) -> bool {
+        matches!(req.op, FrontOp::Read | FrontOp::Write)
+            && req.len <= self.max_bio
+            && !req.flags.may_lend
     }
 
     /// [`Front::hold`]'s work, out of line; `follows`: the request starts
@@ -63,21 +88,55 @@ impl Front {
     #[inline(never)]
     fn hold_run(&self, idx: usize, req: Request, follows: bool) -> bool {
         let stream = self.mode.get() != Dispatch::Queued;
-        // Stream mode sends a read the device may lend its memory to alone:
-        // a merged bio cannot be lent, and on the memory-like devices that
-        // lend (where auto streams) the copy saved is worth more than the
-        // bios merged.
-        let holdable = matches!(req.op, FrontOp::Read | FrontOp::Write)
-            && req.len <= self.max_bio
-            && !(stream && req.flags.may_lend);
         if stream {
-            if !(holdable && follows) {
+            if !(follows && self.streamable(&req)) {
                 self.unplug();
                 return false;
             }
-        } else if !holdable {
+        } else if !(matches!(req.op, FrontOp::Read | FrontOp::Write) && req.len <= self.max_bio) {
             return false;
         }
+        let p = self.plugged(idx, req);
+        if stream && !self.continues_plug(&p) {
+            self.unplug();
+        }
+        self.plug.borrow_mut().push(p);
+        true
+    }
+
+    /// Auto dispatch's holding, out of line, for a request that continues
+    /// the one before it or follows a held run, with others in flight. One
+    /// that extends the run held (or starts one: nothing held) keeps the
+    /// stream's mark, so the next is held whatever it starts at; one that
+    /// does not is a jump: the run goes, this one starts the next, and the
+    /// request after it is held only if it continues it (scattered
+    /// requests drop back to direct's path after one held request). As
+    /// `udm bench` does: sent direct, a stream's jump (a client wrapping
+    /// to the device's start, or seeking) would go alone, and on a device
+    /// whose completions come back in the groups they went down in (an
+    /// O_DIRECT file on tmpfs) stay alone, splitting every later batch.
+    #[inline(never)]
+    fn hold_auto(&self, idx: usize, req: Request) -> bool {
+        let end = req.offset + req.len as u64;
+        if !self.streamable(&req) {
+            self.next_off.set(end);
+            self.unplug();
+            return false;
+        }
+        let p = self.plugged(idx, req);
+        if self.continues_plug(&p) {
+            self.next_off.set(STREAMING);
+        } else {
+            self.unplug();
+            self.next_off.set(end);
+        }
+        self.plug.borrow_mut().push(p);
+        true
+    }
+
+    /// The slot's request as held: its slot marked active, one bio pending.
+    #[inline]
+    fn plugged(&self, idx: usize, req: Request) -> Plugged {
         let op = if req.op == FrontOp::Read {
             Op::Read
         } else {
@@ -91,31 +150,27 @@ impl Front {
             s.active = true;
             s.pending = 1;
         });
-        let p = Plugged {
+        Plugged {
             idx,
             op,
             flags,
             off: req.offset,
             len: req.len,
             buf: req.buf,
-        };
-        if stream && !self.continues_plug(&p) {
-            self.unplug();
         }
-        self.plug.borrow_mut().push(p);
-        true
     }
 
-    /// Stream and auto dispatch: whether `p`, which starts where the last request
-    /// ended (`next_off`), can join the run held (or nothing is held)
-    /// within the device's limits.
+    /// Stream and auto dispatch: whether `p` can join the run held (or
+    /// nothing is held): it starts where the run's last request ended, is
+    /// of its class, and fits the device's limits. In auto dispatch it may
+    /// not (a stream's jump).
     fn continues_plug(&self, p: &Plugged) -> bool {
         let plug = self.plug.borrow();
         let (Some(first), Some(last)) = (plug.first(), plug.last()) else {
             return true;
         };
-        debug_assert_eq!(last.off + last.len as u64, p.off);
-        last.class() == p.class()
+        last.off + last.len as u64 == p.off
+            && last.class() == p.class()
             && plug.len() < self.max_segs
             && p.off + p.len as u64 - first.off <= self.max_bio as u64
     }

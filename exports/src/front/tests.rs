@@ -772,29 +772,81 @@ fn auto_holds_a_request_only_while_it_continues_the_one_before_and_others_are_in
     assert_eq!(shapes(&rig.dev).len(), 2, "2 and 3 held as one run");
     rig.front().unplug();
     assert_eq!(shapes(&rig.dev)[2], (Op::Write, 2 * b, MAX_IO, 2));
-    // 4 continues 3 and is held; 7 does not continue it: 4 goes first,
-    // then 7 at once, though others are in flight.
+    // 4 continues 3 and is held; 7 does not continue it but follows a
+    // held run: a stream's jump, held where it lands (4 goes first).
     rig.submit(4, FrontOp::Write, 4 * b, next(), none);
     assert_eq!(shapes(&rig.dev).len(), 3, "4 held");
     rig.submit(5, FrontOp::Write, 7 * b, next(), none);
+    assert_eq!(shapes(&rig.dev)[3..], [(Op::Write, 4 * b, BS, 1)], "7 held");
+    // 5 continues neither 7 nor a run: it goes at once, though others
+    // are in flight, sending 7 first.
+    rig.submit(6, FrontOp::Write, 5 * b, next(), none);
     assert_eq!(
-        shapes(&rig.dev)[3..],
-        [(Op::Write, 4 * b, BS, 1), (Op::Write, 7 * b, BS, 1)]
+        shapes(&rig.dev)[4..],
+        [(Op::Write, 7 * b, BS, 1), (Op::Write, 5 * b, BS, 1)]
     );
     rig.front().unplug();
-    assert_eq!(shapes(&rig.dev).len(), 5, "nothing was left held");
+    assert_eq!(shapes(&rig.dev).len(), 6, "nothing was left held");
     rig.run();
     let mut got = rig.results();
     got.sort_by_key(|d| d.0);
-    assert_eq!(got, (0..6).map(|k| (k, Ok(()))).collect::<Vec<_>>());
+    assert_eq!(got, (0..7).map(|k| (k, Ok(()))).collect::<Vec<_>>());
     let data = rig.dev.data.lock().unwrap();
-    for (k, blk) in [0u64, 1, 2, 3, 4, 7].into_iter().enumerate() {
+    for (k, blk) in [0u64, 1, 2, 3, 4, 7, 5].into_iter().enumerate() {
         let o = (blk * b) as usize;
         assert_eq!(
             data[o..o + BS as usize],
             pattern(k as u8, BS as usize)[..],
             "block {blk}"
         );
+    }
+}
+
+#[test]
+fn auto_merges_a_sequential_stream_across_its_jump_and_scattered_requests_go_direct_after_one() {
+    let rig = Rig::new(MemDev::new());
+    rig.front().set_dispatch(Dispatch::Auto);
+    let none = ReqFlags::default();
+    let b = BS as u64;
+    let mut w: Vec<Vec<u8>> = (0..7).map(|i| pattern(i, BS as usize)).collect();
+    let blocks = [20u64, 21, 0, 1, 40, 9, 30];
+    let mut sent = vec![];
+    for (k, buf) in w.iter_mut().enumerate() {
+        rig.submit(k as u64, FrontOp::Write, blocks[k] * b, buf, none);
+        sent.push(shapes(&rig.dev));
+        if k == 3 {
+            // The batch's end.
+            rig.front().unplug();
+            sent.push(shapes(&rig.dev));
+        }
+    }
+    let w1 = |blk: u64| (Op::Write, blk * b, BS, 1);
+    // 20 is alone in flight: it goes. 21 continues it: held. 0 is the
+    // stream wrapping to the device's start: held where it lands (21 goes),
+    // and 1 joins it, so the batch's end sends 0 and 1 as one bio, as
+    // queued dispatch would (sent direct, 0 would go alone and 1 after it).
+    assert_eq!(sent[0], [w1(20)]);
+    assert_eq!(sent[1], [w1(20)], "21 held");
+    assert_eq!(sent[2], [w1(20), w1(21)], "the jump to 0 held, 21 sent");
+    assert_eq!(sent[3], [w1(20), w1(21)], "1 joins 0");
+    assert_eq!(sent[4], [w1(20), w1(21), (Op::Write, 0, MAX_IO, 2)]);
+    // The run went on to the batch's end: 40, the next batch's first, is
+    // held wherever it starts; 9 does not continue it (40 goes, 9 is held:
+    // it may start a run); 30 continues nothing held: scattered requests are
+    // back on direct's path (9 goes first, then 30).
+    assert_eq!(sent[5].len(), 3, "40 held");
+    assert_eq!(sent[6][3..], [w1(40)], "9 held, 40 sent");
+    assert_eq!(sent[7][3..], [w1(40), w1(9), w1(30)], "30 direct");
+    rig.front().unplug();
+    assert_eq!(shapes(&rig.dev).len(), 6, "nothing was left held");
+    rig.run();
+    let mut got = rig.results();
+    got.sort_by_key(|d| d.0);
+    assert_eq!(got, (0..7).map(|k| (k, Ok(()))).collect::<Vec<_>>());
+    let data = rig.dev.data.lock().unwrap();
+    for (k, &blk) in blocks.iter().enumerate() {
+        let o = (blk * b) as usize;
+        assert_eq!(data[o..o + BS as usize], w[k][..], "block {blk}");
     }
 }
 
