@@ -502,7 +502,10 @@ impl Front {
     /// ([`Front::submit`]): sub-block, larger than one bio, outside the
     /// device, a block size not a power of 2, or a read that queued or
     /// stream dispatch would hold, or auto would (one that starts where
-    /// the last ended, or while requests are held).
+    /// the last ended, or while requests are held). The reads it sends
+    /// are not among the requests in flight that auto's hold counts: a
+    /// run of reads that continue one another is held from its second
+    /// follower on.
     ///
     /// # Safety
     /// As [`Front::submit`]'s for a read of `len` bytes into `buf`;
