@@ -50,6 +50,10 @@
 //!   a front holds is always granted, so it makes progress. At most
 //!   [`KEEP_BOUNCES`] buffers of up to [`KEEP_BOUNCE`] each are kept for
 //!   reuse, outside the budget.
+//! - An export may send an aligned read of one bio straight to the device
+//!   with its own end_io ([`Front::read_direct`], vhost-user-blk's reads):
+//!   nothing is ordered against a read, so it needs no slot, and the
+//!   front only checks it and makes its bio.
 //! - Steady state allocates nothing: request slots, bounce buffers and the
 //!   plug list are recycled.
 
@@ -488,6 +492,70 @@ impl Front {
         }
         self.start(idx);
         Submitted::Later
+    }
+
+    /// Sends an aligned read of at most one bio straight to the device
+    /// and returns true: the bio (its status the read's, its `ctx` and
+    /// its `private` the caller's) ends in `end_io`, and the front keeps no
+    /// slot for it. Nothing here is ordered against a read (a
+    /// read-modify-write waits for writes only), so a slot would only be
+    /// written and read back. False when the read needs the front
+    /// ([`Front::submit`]): sub-block, larger than one bio, outside the
+    /// device, a block size not a power of 2, or a read that queued or
+    /// stream dispatch would hold, or auto would (one that starts where
+    /// the last ended, or while requests are held). The reads it sends
+    /// are not among the requests in flight that auto's hold counts: a
+    /// run of reads that continue one another is held from its second
+    /// follower on.
+    ///
+    /// # Safety
+    /// As [`Front::submit`]'s for a read of `len` bytes into `buf`;
+    /// `private` must be what `end_io` expects, and stay so until it is
+    /// called.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    pub unsafe fn read_direct(
+        &self,
+        offset: u64,
+        len: u32,
+        buf: *mut u8,
+        buf_index: u16,
+        end_io: udm_core::EndIo,
+        private: *mut (),
+        ctx: u64,
+    ) -> bool {
+        let end = offset.wrapping_add(u64::from(len));
+        if len == 0
+            || len > self.max_bio
+            || self.lbs_mask == 0
+            || (offset | end) & self.lbs_mask != 0
+            || end < offset
+            || end > self.size.get()
+        {
+            return false;
+        }
+        match self.mode.get() {
+            Dispatch::Direct => {}
+            Dispatch::Auto => {
+                if self.next_off.get() == offset || !self.plug.borrow().is_empty() {
+                    return false;
+                }
+                self.next_off.set(end);
+            }
+            _ => return false,
+        }
+        let mut bio = self.reactor().alloc_bio();
+        bio.op = Op::Read;
+        bio.sector = offset >> SECTOR_SHIFT;
+        // SAFETY: the caller's: `len` writable bytes at `buf`, untouched
+        // until `end_io` is called.
+        unsafe { bio.add_seg(buf, len as usize) };
+        bio.buf_index = buf_index;
+        bio.flags = BioFlags::NONE;
+        bio.set_ctx(ctx);
+        bio.set_end_io(end_io, private);
+        self.chan.submit(bio);
+        true
     }
 
     /// Gives slot `idx` its bounce buffer if the budget grants it (or it

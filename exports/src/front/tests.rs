@@ -1014,3 +1014,75 @@ fn a_bounce_larger_than_the_budget_still_goes_when_it_is_the_fronts_only_one() {
     assert_eq!(rig.results(), vec![(1, Ok(()))]);
     assert_eq!(budget.lent(), 0);
 }
+
+/// The reads [`Front::read_direct`] sent, as (ctx, status), in order.
+type DirectList = RefCell<Vec<(u64, Status)>>;
+
+fn direct_done(bio: BioPtr) {
+    // SAFETY: private is the test's list, alive for the whole test.
+    let list = unsafe { &*(bio.private() as *const DirectList) };
+    list.borrow_mut().push((bio.ctx(), bio.status()));
+}
+
+/// An aligned read of one bio goes straight to the device with the
+/// caller's end_io and context, and takes no slot; any read the front
+/// must split, bounce, refuse or (in queued and stream mode, or when auto
+/// would merge it) hold is left to `submit`.
+#[test]
+fn read_direct_sends_one_aligned_bio_and_leaves_the_rest_to_submit() {
+    let rig = Rig::new(MemDev::new());
+    let mut w = pattern(9, BS as usize);
+    rig.submit(1, FrontOp::Write, BS as u64, &mut w, ReqFlags::default());
+    rig.run();
+    let list: DirectList = RefCell::new(Vec::new());
+    let private = (&list as *const DirectList).cast_mut().cast();
+    let mut r = vec![0u8; MAX_IO as usize + BS as usize];
+    let rp = r.as_mut_ptr();
+    let direct = |off: u64, len: usize, ctx: u64| {
+        // SAFETY: `r` outlives the reads, which the test runs to the end
+        // before it looks at `r`; `private` is the list direct_done wants.
+        unsafe {
+            rig.front().read_direct(
+                off,
+                len as u32,
+                rp,
+                udm_core::Bio::NO_BUF,
+                direct_done,
+                private,
+                ctx,
+            )
+        }
+    };
+    assert!(direct(BS as u64, BS as usize, 7));
+    assert_eq!(rig.front().in_flight(), 0, "no slot taken");
+    assert!(!direct(BS as u64, 512, 8), "sub-block");
+    assert!(
+        !direct(0, MAX_IO as usize + BS as usize, 8),
+        "more than one bio"
+    );
+    assert!(!direct(SIZE as u64, BS as usize, 8), "past the end");
+    assert!(!direct(0, 0, 8), "empty");
+    while list.borrow().is_empty() {
+        rig.step();
+    }
+    assert_eq!(*list.borrow(), vec![(7, Status::Ok)]);
+    assert_eq!(r[..BS as usize], w[..]);
+    assert_eq!(shapes(&rig.dev)[1..], [(Op::Read, BS as u64, BS, 1)]);
+
+    rig.front().set_dispatch(Dispatch::Auto);
+    assert!(
+        direct(0, BS as usize, 9),
+        "auto: a read that continues nothing"
+    );
+    assert!(
+        !direct(BS as u64, BS as usize, 9),
+        "auto: one that continues it"
+    );
+    rig.front().set_dispatch(Dispatch::Queued);
+    assert!(!direct(3 * BS as u64, BS as usize, 9), "queued");
+    rig.front().set_dispatch(Dispatch::Stream);
+    assert!(!direct(3 * BS as u64, BS as usize, 9), "stream");
+    while list.borrow().len() < 2 {
+        rig.step();
+    }
+}

@@ -40,9 +40,8 @@ use std::sync::atomic::{fence, AtomicU16, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::Arc;
 
-use slab::Slab;
 use udm_core::io_uring::{opcode, types};
-use udm_core::{cqe_more, Bio, BlockDevice, Poller, Reactor, RingOp};
+use udm_core::{cqe_more, Bio, BioPtr, BlockDevice, Poller, Reactor, RingOp};
 use virtio_bindings::virtio_blk::*;
 use virtio_queue::{Queue, QueueT};
 
@@ -73,18 +72,28 @@ pub struct Start {
     pub inflight: Option<QueueInflight>,
 }
 
-/// One request in flight: its chain's head, what is left of it, and
-/// where its status goes.
+/// One request in flight, at its chain's head in [`VQueue::reqs`]: what is
+/// left of it, and where its status goes.
 struct VReq {
-    head: u16,
-    /// Front requests in flight, plus one while it is being submitted.
+    /// Front requests in flight, plus one while it is being submitted
+    /// (0: the head's slot is free).
     pending: u32,
     status: u8,
     status_ptr: *mut u8,
     /// Bytes written into the chain (the used element's length).
     written: u32,
     /// Keeps the memory its pointers are in mapped, and registered.
-    _mem: Rc<Guest>,
+    _mem: Option<Rc<Guest>>,
+}
+
+impl VReq {
+    const FREE: VReq = VReq {
+        pending: 0,
+        status: S_OK,
+        status_ptr: std::ptr::null_mut(),
+        written: 0,
+        _mem: None,
+    };
 }
 
 /// One queue on its reactor. Boxed (its kick op's address is handed to
@@ -108,7 +117,13 @@ pub struct VQueue {
     mem: Rc<Guest>,
     front: Rc<Front>,
     shared: Arc<Shared>,
-    reqs: Slab<VReq>,
+    /// Requests in flight, by head: a head names one chain until its
+    /// used element is written (the driver may not offer it again before;
+    /// one that does is refused, [`VQueue::take`]), so the head is the
+    /// request's key, with no allocator to keep.
+    reqs: Vec<VReq>,
+    /// How many of `reqs` are in flight.
+    in_flight: usize,
     segs: Vec<Seg>,
     worker: *const Worker,
     in_dirty: bool,
@@ -295,7 +310,7 @@ impl VQueue {
         let table = self.queue.desc_table();
         // Out of the queue for the batch (the requests borrow it mutably).
         let mut segs = std::mem::take(&mut self.segs);
-        while next != avail && self.reqs.len() < size as usize {
+        while next != avail && self.in_flight < size as usize {
             let Some(head) = avail_head(&mem, rings.avail, ring, size, next) else {
                 self.fail_ring("its avail ring is outside guest memory");
                 break;
@@ -318,7 +333,7 @@ impl VQueue {
             self.take(head, (table, rings.desc, size), &mem, &mut segs);
         }
         self.segs = segs;
-        if self.reqs.len() >= self.queue.size() as usize {
+        if self.in_flight >= self.queue.size() as usize {
             // Resumed when a request completes.
             self.throttled = true;
         }
@@ -367,6 +382,21 @@ impl VQueue {
         mem: &Rc<Guest>,
         segs: &mut Vec<Seg>,
     ) {
+        // Offered again while in flight (or past the ring, from a
+        // recovered inflight record): the driver is broken. A first offer
+        // is answered; this one cannot be (its used element would name
+        // the same chain).
+        if self
+            .reqs
+            .get(usize::from(head))
+            .is_none_or(|r| r.pending != 0)
+        {
+            tracing::warn!(
+                "vhost: queue {}: avail entry names descriptor {head}, in flight or past the ring; skipped",
+                self.index
+            );
+            return;
+        }
         match chain::parse_chain(|a, l| mem.map(a, l), table, host, size, head, segs) {
             Ok(p) => self.start_request(head, p, p.data(segs), mem),
             Err(e) => {
@@ -421,14 +451,15 @@ impl VQueue {
     }
 
     fn start_request(&mut self, head: u16, p: chain::Parsed, segs: &[Seg], mem: &Rc<Guest>) {
-        let idx = self.reqs.insert(VReq {
-            head,
+        let idx = usize::from(head);
+        self.reqs[idx] = VReq {
             pending: 1,
             status: S_OK,
             status_ptr: p.status,
             written: 1,
-            _mem: mem.clone(),
-        });
+            _mem: Some(mem.clone()),
+        };
+        self.in_flight += 1;
         let st = self.submit_request(idx, p, segs, mem);
         // The submission's own count: in flight still, in the common case.
         let r = &mut self.reqs[idx];
@@ -473,8 +504,31 @@ impl VQueue {
                     fua,
                     ..ReqFlags::default()
                 };
+                let ctx: *mut () = (self as *mut VQueue).cast();
                 for s in segs {
                     let bi = mem.buf_index(s.ptr, s.len);
+                    if op == FrontOp::Read {
+                        // Counted first: a device may end the bio inline.
+                        self.reqs[idx].pending += 1;
+                        // SAFETY: as for `submit` below; ctx is this queue,
+                        // which is not freed while a request is in flight
+                        // (retirable()), as read_end_io expects.
+                        if unsafe {
+                            self.front.read_direct(
+                                off,
+                                s.len,
+                                s.ptr,
+                                bi,
+                                read_end_io,
+                                ctx,
+                                idx as u64,
+                            )
+                        } {
+                            off += s.len as u64;
+                            continue;
+                        }
+                        self.reqs[idx].pending -= 1;
+                    }
                     let st = self.submit(idx, op, off, s.len, flags, s.ptr, bi);
                     if st != S_OK {
                         return st;
@@ -627,12 +681,13 @@ impl VQueue {
         if r.pending > 0 {
             return;
         }
-        let r = self.reqs.remove(idx);
+        let r = std::mem::replace(r, VReq::FREE);
+        self.in_flight -= 1;
         // SAFETY: the status byte is guest memory mapped by chain::parse,
         // kept mapped by r's Rc<Guest>, which lives until after this.
         unsafe { std::ptr::write_volatile(r.status_ptr, r.status) };
         let written = if r.status == S_OK { r.written } else { 1 };
-        self.add_used(r.head, written);
+        self.add_used(idx as u16, written);
     }
 
     /// Puts `head` on the used ring with `len` bytes written: the element
@@ -752,7 +807,7 @@ impl VQueue {
 
     /// Whether a stopped queue may be freed.
     fn retirable(&self) -> bool {
-        self.stop.is_some() && !self.kick_inflight && !self.cancel_inflight && self.reqs.is_empty()
+        self.stop.is_some() && !self.kick_inflight && !self.cancel_inflight && self.in_flight == 0
     }
 }
 
@@ -857,6 +912,22 @@ fn front_done(ctx: *mut (), done: Done<'_>) {
     q.piece_done(done.token as usize, st);
 }
 
+/// The end_io of a read the front sent straight to the device
+/// ([`Front::read_direct`]): private is the queue, ctx the request.
+fn read_end_io(bio: BioPtr) {
+    // SAFETY: private is the queue that submitted the read; it is not
+    // freed while a request is in flight (retirable()).
+    let q = unsafe { &mut *bio.private().cast::<VQueue>() };
+    let (idx, st) = (bio.ctx() as usize, bio.status());
+    drop(bio);
+    let st = if st.is_ok() {
+        S_OK
+    } else {
+        status_of(FrontError::from_status(st, ReqFlags::default()))
+    };
+    q.piece_done(idx, st);
+}
+
 fn kick_done(op: *mut RingOp, res: i32, flags: u32) {
     // SAFETY: the op is the first field of a #[repr(C)] VQueue, alive
     // until the kick poll's final CQE (this call or a later one).
@@ -947,6 +1018,7 @@ impl Worker {
                 return;
             }
         };
+        let size = s.queue.size();
         let q = Box::new(VQueue {
             kick_op: RingOp {
                 complete: kick_done,
@@ -964,7 +1036,8 @@ impl Worker {
             mem: self.fixed.guest(s.mem),
             front,
             shared: self.shared.clone(),
-            reqs: Slab::new(),
+            reqs: (0..size).map(|_| VReq::FREE).collect(),
+            in_flight: 0,
             segs: Vec::with_capacity(64),
             worker: self,
             in_dirty: false,
@@ -1102,10 +1175,7 @@ impl Poller for Worker {
                 self.retire(p);
                 continue;
             }
-            if q.throttled
-                && q.stop.is_none()
-                && !q.broken
-                && q.reqs.len() < q.queue.size() as usize
+            if q.throttled && q.stop.is_none() && !q.broken && q.in_flight < q.queue.size() as usize
             {
                 // Room again: the requests that waited in the ring.
                 q.throttled = false;
