@@ -316,7 +316,7 @@ impl Front {
             rmws: Cell::new(0),
             waiting: RefCell::new(VecDeque::new()),
             mode: Cell::new(Dispatch::Direct),
-            next_off: Cell::new(u64::MAX),
+            next_off: Cell::new(plug::NOWHERE),
             merge_helps: caps.contains(Caps::MERGE),
             max_segs: l.max_segments.max(1) as usize,
             plug: RefCell::new(Vec::new()),
@@ -333,6 +333,7 @@ impl Front {
             m => m,
         };
         self.unplug();
+        self.next_off.set(plug::NOWHERE);
         self.mode.set(mode);
     }
 
@@ -503,7 +504,8 @@ impl Front {
     /// ([`Front::submit`]): sub-block, larger than one bio, outside the
     /// device, a block size not a power of 2, or a read that queued or
     /// stream dispatch would hold, or auto would (one that starts where
-    /// the last ended, or while requests are held). The reads it sends
+    /// the last ended or follows a held run, or while requests are held).
+    /// The reads it sends
     /// are not among the requests in flight that auto's hold counts: a
     /// run of reads that continue one another is held from its second
     /// follower on.
@@ -537,7 +539,10 @@ impl Front {
         match self.mode.get() {
             Dispatch::Direct => {}
             Dispatch::Auto => {
-                if self.next_off.get() == offset || !self.plug.borrow().is_empty() {
+                // As `hold`: a read that continues the last, or follows a
+                // held run (a stream's jump), goes by `submit` to be held.
+                let last = self.next_off.get();
+                if last == offset || last == plug::STREAMING || !self.plug.borrow().is_empty() {
                     return false;
                 }
                 self.next_off.set(end);

@@ -14,6 +14,10 @@ use super::{Front, FrontOp, Request, NO_SLOT};
 /// ([`Front::hold_auto`]). An offset no request ends at.
 pub(super) const STREAMING: u64 = u64::MAX;
 
+/// Auto dispatch's `next_off` before any request, or after a change of
+/// mode: continues nothing and follows no run. An offset no request ends at.
+pub(super) const NOWHERE: u64 = u64::MAX - 1;
+
 /// A request held for queued dispatch: one bio's worth, aligned.
 #[derive(Clone, Copy)]
 pub(super) struct Plugged {
