@@ -495,6 +495,7 @@ impl RaidChannel {
 
     /// Counts `bio`'s regions out of this reactor's writers (a flush has
     /// none).
+    #[inline(always)]
     fn exit(&self, bio: &Bio) {
         if bio.op != Op::Flush {
             let (r0, r1) = self.sh.regions(bio.sector, bio.sectors());
@@ -565,20 +566,33 @@ const SOLO: u64 = 1 << 63;
 /// `into_raw` by `leader_done`) until its count drops to zero here, and
 /// its `per_io` touched by nothing but this fan-out's completions (the
 /// legs below never look at the `per_io` of a bio they did not allocate).
+#[inline(always)]
 unsafe fn count(leader: *mut Bio, leg: usize, ok: bool, parent: Option<BioPtr>) {
     // SAFETY: see the function's contract; the reactor runs one
     // completion at a time, so no other reference to the leader is in use.
     let l = unsafe { &mut (*leader).per_io };
     l[L_BITS] |= if ok { SOME_OK } else { 1 << leg };
     l[L_LEFT] -= 1;
-    let left = l[L_LEFT] as u32;
-    let ch = l[L_CHAN] as *const RaidChannel;
-    if left != 0 {
+    if l[L_LEFT] as u32 != 0 {
         if let Some(p) = parent {
             l[L_PARENT] = p.into_raw() as u64;
         }
         return;
     }
+    // SAFETY: as above; this was the last completion.
+    unsafe { finish(leader, parent) }
+}
+
+/// The last completion of a fan-out whose leader is `leader` (see
+/// [`count`]): frees the leader and finishes the caller's bio.
+///
+/// # Safety
+/// As [`count`]'s, and the leader's count is zero.
+#[inline(never)]
+unsafe fn finish(leader: *mut Bio, parent: Option<BioPtr>) {
+    // SAFETY: see the function's contract.
+    let l = unsafe { &mut (*leader).per_io };
+    let ch = l[L_CHAN] as *const RaidChannel;
     let bits = l[L_BITS];
     let parent = match parent {
         Some(p) => p,
