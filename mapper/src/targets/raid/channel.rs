@@ -30,6 +30,7 @@ use udm_core::{
 };
 
 use super::state::{test, Counts, Shared};
+use super::MAX_LEGS;
 
 static NEXT_KEY: AtomicU64 = AtomicU64::new(0x7261_0000_0000);
 
@@ -105,7 +106,9 @@ impl BlockDevice for RaidDev {
         for l in &self.shared.cfg.legs {
             legs.push(l.data.clone().open(reactor)?);
         }
-        let n = legs.len();
+        // Every entry a leg's channel (the ones past the last leg are never
+        // used), so that an index masked to MAX_LEGS needs no bounds check.
+        let leg_ch = std::array::from_fn(|i| Rc::as_ptr(&legs[i.min(legs.len() - 1)]));
         let (limits, caps) = (self.limits(), self.caps());
         // A bio that passes the mirror's check passes every leg's (see
         // `RaidChannel::nocheck`): the mirror's limits stack the legs',
@@ -119,10 +122,11 @@ impl BlockDevice for RaidDev {
         let ch = Rc::new(RaidChannel {
             sh: self.shared.clone(),
             legs,
+            leg_ch,
             limits,
             caps,
             nocheck,
-            outstanding: (0..n).map(|_| Cell::new(0)).collect(),
+            outstanding: std::array::from_fn(|_| Cell::new(0)),
             rr: Cell::new(0),
             flip: Cell::new(false),
             writers: self.shared.new_counts(),
@@ -149,6 +153,9 @@ impl BlockDevice for RaidDev {
 pub(crate) struct RaidChannel {
     sh: Arc<Shared>,
     legs: Vec<Rc<dyn Channel>>,
+    /// `legs` as the pointers the I/O path calls through (one load each,
+    /// not the `Rc`'s two and its offset).
+    leg_ch: [*const dyn Channel; MAX_LEGS],
     /// The mirror's limits and capabilities, which `submit` checks a bio
     /// against.
     limits: Limits,
@@ -158,7 +165,7 @@ pub(crate) struct RaidChannel {
     /// bio's sectors, and every leg is at least as long as the mirror.
     nocheck: bool,
     /// Reads outstanding per leg on this reactor.
-    outstanding: Vec<Cell<u32>>,
+    outstanding: [Cell<u32>; MAX_LEGS],
     /// Where the next read's search for the least busy leg starts.
     rr: Cell<usize>,
     /// The same when two legs may serve (which of the two next).
@@ -190,15 +197,23 @@ impl Channel for RaidChannel {
     /// limits stack the mirror's.
     #[inline]
     unsafe fn submit_nocheck(&self, bio: BioPtr) {
-        match bio.op {
-            Op::Read => self.read(bio),
-            Op::Write | Op::Discard | Op::WriteZeroes => self.write(bio),
-            Op::Flush => self.fan_out(bio),
+        if bio.op == Op::Read {
+            return self.read(bio);
         }
+        self.submit_other(bio)
     }
 }
 
 impl RaidChannel {
+    /// Anything but a read (out of line: the read path stays lean).
+    #[inline(never)]
+    fn submit_other(&self, bio: BioPtr) {
+        match bio.op {
+            Op::Write | Op::Discard | Op::WriteZeroes => self.write(bio),
+            _ => self.fan_out(bio),
+        }
+    }
+
     /// Retries parked writes; completes those whose superblock is written.
     pub fn kick(&self) {
         let parked: Vec<BioPtr> = std::mem::take(&mut *self.parked.borrow_mut());
@@ -225,16 +240,25 @@ impl RaidChannel {
         }
     }
 
+    /// Leg `i`'s count of reads outstanding.
+    #[inline(always)]
+    fn out(&self, i: usize) -> &Cell<u32> {
+        &self.outstanding[i & (MAX_LEGS - 1)]
+    }
+
     /// Sends `bio`, which passed the mirror's check, to leg `i`.
     #[inline(always)]
     fn to_leg(&self, i: usize, bio: BioPtr) {
+        let ch = self.leg_ch[i & (MAX_LEGS - 1)];
         if self.nocheck {
-            // SAFETY: the bio passed the mirror's check, which implies
-            // the leg's (see `nocheck`); the mirror does not move it
-            // (a clone has its parent's sector and segments).
-            unsafe { self.legs[i].submit_nocheck(bio) }
+            // SAFETY: `ch` is `legs[i]`'s, which this channel holds; the
+            // bio passed the mirror's check, which implies the leg's (see
+            // `nocheck`); the mirror does not move it (a clone has its
+            // parent's sector and segments).
+            unsafe { (*ch).submit_nocheck(bio) }
         } else {
-            self.legs[i].submit(bio)
+            // SAFETY: as above, `ch` is alive.
+            unsafe { (*ch).submit(bio) }
         }
     }
 
@@ -260,7 +284,7 @@ impl RaidChannel {
         if rest & (rest - 1) == 0 {
             // Two legs to choose from (the common case), without the loop.
             let b = rest.trailing_zeros() as usize;
-            let (oa, ob) = (self.outstanding[a].get(), self.outstanding[b].get());
+            let (oa, ob) = (self.out(a).get(), self.out(b).get());
             if oa != ob {
                 return Some(if oa < ob { a } else { b });
             }
@@ -284,7 +308,7 @@ impl RaidChannel {
             if m & (1 << i) == 0 {
                 continue;
             }
-            let o = self.outstanding[i].get();
+            let o = self.out(i).get();
             if o < least {
                 least = o;
                 best = Some(i);
@@ -293,7 +317,42 @@ impl RaidChannel {
         best
     }
 
+    /// A read: in the common case (see [`Shared::paths`]) the least busy
+    /// of two legs, without a look at the regions or the masks.
+    #[inline(always)]
     fn read(&self, bio: BioPtr) {
+        let p = self.sh.read_pair.load(Ordering::Acquire);
+        if p == 0 || !bio.can_push() {
+            return self.read_any(bio);
+        }
+        let (a, b) = ((p & 0xff) as usize, ((p >> 8) & 0xff) as usize);
+        let (oa, ob) = (self.out(a).get(), self.out(b).get());
+        let leg = if oa != ob {
+            if oa < ob {
+                a
+            } else {
+                b
+            }
+        } else {
+            let t = self.flip.get();
+            self.flip.set(!t);
+            if t {
+                b
+            } else {
+                a
+            }
+        };
+        let me = self as *const RaidChannel as *mut ();
+        let mut bio = bio;
+        // Cannot fail: a frame is free.
+        let _ = bio.push_end_io_ctx(read_done, me, leg as u64);
+        self.out(leg).set(self.out(leg).get() + 1);
+        self.to_leg(leg, bio);
+    }
+
+    /// A read in any state of the array.
+    #[inline(never)]
+    fn read_any(&self, bio: BioPtr) {
         let sh = &*self.sh;
         let mut source_only = false;
         if sh.any_unsynced.load(Ordering::Acquire) {
@@ -308,11 +367,29 @@ impl RaidChannel {
         if !bio.push_end_io_ctx(read_done, me, leg as u64) {
             return bio.complete(Status::NoMem);
         }
-        self.outstanding[leg].set(self.outstanding[leg].get() + 1);
+        self.out(leg).set(self.out(leg).get() + 1);
         self.to_leg(leg, bio);
     }
 
+    /// A write (or discard, write-zeroes): in the common case (see
+    /// [`Shared::paths`]) to two legs without a look at the masks.
     fn write(&self, bio: BioPtr) {
+        let sh = &*self.sh;
+        let p = sh.write_pair.load(Ordering::Acquire);
+        if p == 0 {
+            return self.write_any(bio);
+        }
+        let (r0, r1) = sh.regions(bio.sector, bio.sectors());
+        if !sh.enter(&self.writers, r0, r1) {
+            self.parked.borrow_mut().push(bio);
+            return;
+        }
+        self.fan_out_pair(bio, (p & 0xff) as usize, ((p >> 8) & 0xff) as usize);
+    }
+
+    /// A write in any state of the array.
+    #[inline(never)]
+    fn write_any(&self, bio: BioPtr) {
         let sh = &*self.sh;
         if sh.meta_dead.load(Ordering::Acquire) {
             return bio.complete(Status::IoErr);
@@ -386,8 +463,39 @@ impl RaidChannel {
         self.to_leg(first, bio);
     }
 
+    /// [`RaidChannel::fan_out`] to two live legs, `a` and `b`: the bio
+    /// itself to `a`, and a clone (the leader) to `b`.
+    #[inline(always)]
+    fn fan_out_pair(&self, bio: BioPtr, a: usize, b: usize) {
+        let me = self as *const RaidChannel as *mut ();
+        let mut bio = bio.make_room();
+        let mut c = bio.alloc_clone();
+        if bio.op.has_data() {
+            if let [seg] = bio.segs() {
+                // SAFETY: as in fan_out.
+                unsafe { c.add_seg(seg.base, seg.len) };
+                c.buf_index = bio.buf_index;
+            } else {
+                c.add_segs_from(&bio, 0, bio.len() as usize);
+            }
+        } else {
+            c.set_dataless(bio.op, bio.sector, bio.len());
+        }
+        c.sector = bio.sector;
+        // Two completions: the clone's and the bio's own.
+        c.per_io = [0, 2 | (a as u64) << 32, 0, me as u64];
+        c.set_end_io(leader_done, me);
+        c.set_ctx(b as u64);
+        let leader: *mut Bio = &mut *c;
+        self.to_leg(b, c);
+        // make_room left a free frame.
+        let _ = bio.push_end_io_ctx(first_done, me, leader as u64);
+        self.to_leg(a, bio);
+    }
+
     /// Counts `bio`'s regions out of this reactor's writers (a flush has
     /// none).
+    #[inline(always)]
     fn exit(&self, bio: &Bio) {
         if bio.op != Op::Flush {
             let (r0, r1) = self.sh.regions(bio.sector, bio.sectors());
@@ -397,7 +505,21 @@ impl RaidChannel {
 
     /// Every leg is done with a fanned-out `bio` (our frame on top):
     /// `bits` says which legs failed and whether any succeeded.
+    #[inline]
     fn done(&self, mut bio: BioPtr, bits: u64) {
+        if bits == SOME_OK {
+            // Every leg took it (the common case).
+            self.exit(&bio);
+            bio.pop_end_io();
+            bio.set_status(Status::Ok);
+            return bio.endio();
+        }
+        self.done_any(bio, bits)
+    }
+
+    /// [`RaidChannel::done`] when a leg failed.
+    #[inline(never)]
+    fn done_any(&self, mut bio: BioPtr, bits: u64) {
         let failed = bits & !SOME_OK;
         bio.set_status(if bits & SOME_OK != 0 {
             Status::Ok
@@ -444,20 +566,33 @@ const SOLO: u64 = 1 << 63;
 /// `into_raw` by `leader_done`) until its count drops to zero here, and
 /// its `per_io` touched by nothing but this fan-out's completions (the
 /// legs below never look at the `per_io` of a bio they did not allocate).
+#[inline(always)]
 unsafe fn count(leader: *mut Bio, leg: usize, ok: bool, parent: Option<BioPtr>) {
     // SAFETY: see the function's contract; the reactor runs one
     // completion at a time, so no other reference to the leader is in use.
     let l = unsafe { &mut (*leader).per_io };
     l[L_BITS] |= if ok { SOME_OK } else { 1 << leg };
     l[L_LEFT] -= 1;
-    let left = l[L_LEFT] as u32;
-    let ch = l[L_CHAN] as *const RaidChannel;
-    if left != 0 {
+    if l[L_LEFT] as u32 != 0 {
         if let Some(p) = parent {
             l[L_PARENT] = p.into_raw() as u64;
         }
         return;
     }
+    // SAFETY: as above; this was the last completion.
+    unsafe { finish(leader, parent) }
+}
+
+/// The last completion of a fan-out whose leader is `leader` (see
+/// [`count`]): frees the leader and finishes the caller's bio.
+///
+/// # Safety
+/// As [`count`]'s, and the leader's count is zero.
+#[inline(never)]
+unsafe fn finish(leader: *mut Bio, parent: Option<BioPtr>) {
+    // SAFETY: see the function's contract.
+    let l = unsafe { &mut (*leader).per_io };
+    let ch = l[L_CHAN] as *const RaidChannel;
     let bits = l[L_BITS];
     let parent = match parent {
         Some(p) => p,
@@ -518,8 +653,19 @@ fn read_done(mut bio: BioPtr) {
     let ch = unsafe { &*(bio.private() as *const RaidChannel) };
     let ctx = bio.ctx();
     let leg = (ctx & 0xff) as usize;
-    let tried = (ctx >> 8) | (1 << leg);
-    ch.outstanding[leg].set(ch.outstanding[leg].get() - 1);
+    ch.out(leg).set(ch.out(leg).get() - 1);
+    // Read on the first leg tried, without an error: done.
+    if ctx >> 8 == 0 && bio.status().is_ok() {
+        bio.pop_end_io();
+        return bio.endio();
+    }
+    read_retry(ch, bio, leg, (ctx >> 8) | (1 << leg));
+}
+
+/// A read that failed on a leg, or succeeded after failing on others: read
+/// repair, or the next leg.
+#[inline(never)]
+fn read_retry(ch: &RaidChannel, mut bio: BioPtr, leg: usize, tried: u64) {
     let sh = &*ch.sh;
     if bio.status().is_ok() {
         let bad = tried & !(1 << leg);
@@ -545,7 +691,7 @@ fn read_done(mut bio: BioPtr) {
             }
             bio.set_status(Status::Ok);
             bio.set_ctx((tried << 8) | next as u64);
-            ch.outstanding[next].set(ch.outstanding[next].get() + 1);
+            ch.out(next).set(ch.out(next).get() + 1);
             ch.to_leg(next, bio);
         }
         None => {

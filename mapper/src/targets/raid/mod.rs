@@ -442,6 +442,7 @@ impl Target for Raid {
                 }
                 st.mark_wanted = true;
                 sh.any_unsynced.store(true, Ordering::Release);
+                sh.paths();
                 st.action = Action::Idle;
             }
             ["recover"] => st.frozen = false,

@@ -191,6 +191,7 @@ impl Worker {
                 }
             }
             sh.any_unsynced.store(false, Ordering::Release);
+            sh.paths();
             st.cursor = n;
             st.action = Action::Idle;
             sh.events.fetch_add(1, Ordering::AcqRel);
@@ -242,6 +243,7 @@ impl Worker {
                 sh.fail_legs(bad);
             }
             sh.insync.fetch_or(legs & !bad, Ordering::AcqRel);
+            sh.paths();
             {
                 let mut st = sh.lock();
                 st.action = Action::Idle;

@@ -127,6 +127,14 @@ pub(crate) struct Shared {
     pub failed: AtomicU64,
     /// Legs in sync ('A'); a live leg not in it is being rebuilt ('a').
     pub insync: AtomicU64,
+    /// The common case of the read path in one word (see [`Shared::paths`]):
+    /// [`PAIR`] and the two legs reads choose between, or 0.
+    pub read_pair: AtomicU64,
+    /// The same for writes: [`PAIR`] and the two live legs, or 0.
+    pub write_pair: AtomicU64,
+    /// Serializes [`Shared::paths`], so that the last to run stores what
+    /// the last change made.
+    paths_lock: Mutex<()>,
     /// Events raised (leg failures, actions finished) for `udm wait`.
     pub events: AtomicU64,
     pub worker: OnceLock<ReactorHandle>,
@@ -135,6 +143,10 @@ pub(crate) struct Shared {
     /// Each reactor's channel: its handle and local key.
     pub chans: Mutex<Vec<(ReactorHandle, u64)>>,
 }
+
+/// In [`Shared::read_pair`] and [`Shared::write_pair`]: the common case
+/// holds; the two legs are in bits 0..8 and 8..16.
+pub(crate) const PAIR: u64 = 1 << 63;
 
 /// One reactor's writes in flight per region (see the module docs).
 pub(crate) type Counts = Arc<[AtomicU32]>;
@@ -175,6 +187,9 @@ impl Shared {
             meta_dead: AtomicBool::new(false),
             failed: AtomicU64::new(0),
             insync: AtomicU64::new(0),
+            read_pair: AtomicU64::new(0),
+            write_pair: AtomicU64::new(0),
+            paths_lock: Mutex::new(()),
             events: AtomicU64::new(0),
             st: Mutex::new(State {
                 want_mark: vec![0; words],
@@ -230,6 +245,38 @@ impl Shared {
         self.insync.load(Ordering::Acquire) & !self.failed.load(Ordering::Acquire)
     }
 
+    /// Recomputes [`Shared::read_pair`] and [`Shared::write_pair`]; called
+    /// after every change to `failed`, `insync`, `any_unsynced` or
+    /// `meta_dead`. Reads: exactly two readable legs that are not
+    /// write-mostly, and no region unsynced (no read needs the source
+    /// leg). Writes: exactly two live legs, and metadata that can be
+    /// written. A bio that reads a word just before a change acts as one
+    /// that loaded the masks just before it did.
+    pub fn paths(&self) {
+        let _g = self.paths_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let pair = |m: u64| {
+            if m.count_ones() == 2 {
+                let b = (m & (m - 1)).trailing_zeros() as u64;
+                PAIR | m.trailing_zeros() as u64 | b << 8
+            } else {
+                0
+            }
+        };
+        let normal = self.readable() & !self.cfg.write_mostly;
+        let r = if self.any_unsynced.load(Ordering::SeqCst) {
+            0
+        } else {
+            pair(normal)
+        };
+        let w = if self.meta_dead.load(Ordering::SeqCst) {
+            0
+        } else {
+            pair(self.live())
+        };
+        self.read_pair.store(r, Ordering::SeqCst);
+        self.write_pair.store(w, Ordering::SeqCst);
+    }
+
     /// The leg a resync copies from, and reads of unsynced regions go to:
     /// the first readable leg that is not write-mostly, else the first
     /// readable one.
@@ -268,7 +315,7 @@ impl Shared {
     /// (a region is under the resync barrier, or its dirty bit is not
     /// durable yet) it is counted out again, the mark it needs is asked
     /// for, and the caller parks it until the worker kicks the channels.
-    #[inline]
+    #[inline(always)]
     pub fn enter(&self, w: &[AtomicU32], r0: u64, r1: u64) -> bool {
         if r0 == r1 {
             // One region, already marked, no barrier on it (the common
@@ -284,10 +331,17 @@ impl Shared {
                 }
                 return true;
             }
-            self.exit(w, r, r);
-            return self.enter_slow(w, r, r);
+            return self.enter_retry(w, r);
         }
         self.enter_slow(w, r0, r1)
+    }
+
+    /// [`Shared::enter`] for one region that is not marked or is under
+    /// the barrier: counted out again, then as any range.
+    #[cold]
+    fn enter_retry(&self, w: &[AtomicU32], r: u64) -> bool {
+        self.exit(w, r, r);
+        self.enter_slow(w, r, r)
     }
 
     /// [`Shared::enter`] for any range.
@@ -336,7 +390,7 @@ impl Shared {
     /// A resync that waits for one of the regions to drain is poked; should
     /// it miss the store, it looks again on its own (see
     /// `Worker::next_deadline`).
-    #[inline]
+    #[inline(always)]
     pub fn exit(&self, w: &[AtomicU32], r0: u64, r1: u64) {
         if r0 == r1 {
             let c = &w[r0 as usize];
@@ -347,6 +401,12 @@ impl Shared {
             }
             return;
         }
+        self.exit_range(w, r0, r1)
+    }
+
+    /// [`Shared::exit`] for more than one region.
+    #[inline(never)]
+    fn exit_range(&self, w: &[AtomicU32], r0: u64, r1: u64) {
         let mut last = false;
         for r in r0..=r1 {
             let c = &w[r as usize];
@@ -365,6 +425,7 @@ impl Shared {
     /// (so that a leg holding stale data is never read after a crash).
     pub fn fail_legs(&self, legs: u64) -> u64 {
         let old = self.failed.fetch_or(legs, Ordering::AcqRel);
+        self.paths();
         let mut st = self.lock();
         if old | legs != old {
             for i in 0..self.cfg.legs.len() {

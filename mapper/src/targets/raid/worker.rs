@@ -278,6 +278,7 @@ impl Worker {
                 // to a resync from a stale leg after a crash).
                 tracing::error!("raid1: no leg's metadata can be written, writes fail");
                 me.sh.meta_dead.store(true, Ordering::Release);
+                me.sh.paths();
             }
             // The marks are durable on every leg that took them.
             for (i, m) in marks.iter().enumerate() {
@@ -602,6 +603,7 @@ fn apply(w: &Worker, legs: &[LegMeta]) -> Result<(), Error> {
         }
     }
     sh.any_unsynced.store(any, Ordering::Release);
+    sh.paths();
     // Regions to resync stay dirty on disk until they are: a crash before
     // then resyncs them again (an interrupted initial resync included).
     let mut image = a.dirty.clone();
