@@ -5,4 +5,6 @@
 use libfuzzer_sys::fuzz_target;
 use udm_exports::vhost::fuzzing;
 
-fuzz_target!(|data: &[u8]| fuzzing::chains(data));
+fuzz_target!(|data: &[u8]| {
+    fuzzing::chains(data);
+});
