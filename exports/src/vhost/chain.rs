@@ -197,10 +197,12 @@ pub fn parse_chain(
             host = map(addr, len).map_or(std::ptr::null(), |p| p.cast_const());
             continue;
         }
-        total += len as u64;
-        if total > u32::MAX as u64 {
+        // A descriptor that would take the total past u32 ends the chain
+        // before it, as the walk does: none of its bytes count.
+        if total + len as u64 > u32::MAX as u64 {
             break;
         }
+        total += len as u64;
         if flags & F_NEXT != 0 {
             next = link;
             ttl -= 1;
