@@ -118,30 +118,44 @@ pub fn parse(
 ) -> Result<Parsed, BadChain> {
     segs.clear();
     let mut seen_write = false;
-    // Readable and writable bytes of the chain (u64: at most MAX_DESCS
-    // lengths of u32 each).
-    let (mut rd, mut wr) = (0u64, 0u64);
-    for (n, (addr, len, writable)) in descs.enumerate() {
+    // Readable bytes, and all bytes (u64: at most MAX_DESCS lengths of
+    // u32 each).
+    let (mut rd, mut total) = (0u64, 0u64);
+    for (n, desc) in descs.enumerate() {
         if n >= MAX_DESCS {
             return Err(BadChain::TooLong);
         }
-        if writable {
-            seen_write = true;
-        } else if seen_write {
-            return Err(BadChain::ReadAfterWrite);
-        }
-        if len == 0 {
-            continue;
-        }
-        let ptr = map(addr, len).ok_or(BadChain::Unmapped { addr, len })?;
-        segs.push(Seg { ptr, len, writable });
-        if writable {
-            wr += len as u64;
-        } else {
-            rd += len as u64;
-        }
+        total += desc.1 as u64;
+        add_desc(&map, segs, &mut seen_write, &mut rd, desc)?;
     }
-    finish(segs, rd, wr)
+    finish(segs, rd, total - rd)
+}
+
+/// One descriptor's step of a parse ([`parse`], [`parse_chain`]): no
+/// readable descriptor after a writable one, the segment mapped (an empty
+/// one skipped) and pushed, its bytes counted in `rd` if readable.
+#[inline(always)]
+fn add_desc(
+    map: &impl Fn(u64, u32) -> Option<*mut u8>,
+    segs: &mut Vec<Seg>,
+    seen_write: &mut bool,
+    rd: &mut u64,
+    (addr, len, writable): Desc,
+) -> Result<(), BadChain> {
+    if writable {
+        *seen_write = true;
+    } else if *seen_write {
+        return Err(BadChain::ReadAfterWrite);
+    }
+    if len == 0 {
+        return Ok(());
+    }
+    let ptr = map(addr, len).ok_or(BadChain::Unmapped { addr, len })?;
+    segs.push(Seg { ptr, len, writable });
+    if !writable {
+        *rd += len as u64;
+    }
+    Ok(())
 }
 
 /// The walk of the chain whose head is descriptor `head` of the table at
@@ -214,19 +228,7 @@ pub fn parse_chain(
         }
         n += 1;
         let writable = flags & F_WRITE != 0;
-        if writable {
-            seen_write = true;
-        } else if seen_write {
-            return Err(BadChain::ReadAfterWrite);
-        }
-        if len == 0 {
-            continue;
-        }
-        let ptr = map(addr, len).ok_or(BadChain::Unmapped { addr, len })?;
-        segs.push(Seg { ptr, len, writable });
-        if !writable {
-            rd += len as u64;
-        }
+        add_desc(&map, segs, &mut seen_write, &mut rd, (addr, len, writable))?;
     }
     finish(segs, rd, total - rd)
 }
