@@ -432,21 +432,7 @@ impl RaidChannel {
         while others != 0 {
             let i = others.trailing_zeros() as usize;
             others &= others - 1;
-            let mut c = bio.alloc_clone();
-            if bio.op.has_data() {
-                if let [seg] = bio.segs() {
-                    // SAFETY: the clone points into the caller's buffer,
-                    // valid until the caller's bio completes, which is
-                    // after every clone has (the leader's count).
-                    unsafe { c.add_seg(seg.base, seg.len) };
-                    c.buf_index = bio.buf_index;
-                } else {
-                    c.add_segs_from(&bio, 0, bio.len() as usize);
-                }
-                c.sector = bio.sector;
-            } else {
-                c.set_dataless(bio.op, bio.sector, bio.len());
-            }
+            let mut c = leg_clone(&bio);
             if leader.is_null() {
                 // Every completion to come: the clones' and the bio's own.
                 c.per_io = [0, (n + 1) | (first as u64) << 32, 0, me as u64];
@@ -469,19 +455,7 @@ impl RaidChannel {
     fn fan_out_pair(&self, bio: BioPtr, a: usize, b: usize) {
         let me = self as *const RaidChannel as *mut ();
         let mut bio = bio.make_room();
-        let mut c = bio.alloc_clone();
-        if bio.op.has_data() {
-            if let [seg] = bio.segs() {
-                // SAFETY: as in fan_out.
-                unsafe { c.add_seg(seg.base, seg.len) };
-                c.buf_index = bio.buf_index;
-            } else {
-                c.add_segs_from(&bio, 0, bio.len() as usize);
-            }
-        } else {
-            c.set_dataless(bio.op, bio.sector, bio.len());
-        }
-        c.sector = bio.sector;
+        let mut c = leg_clone(&bio);
         // Two completions: the clone's and the bio's own.
         c.per_io = [0, 2 | (a as u64) << 32, 0, me as u64];
         c.set_end_io(leader_done, me);
@@ -541,6 +515,28 @@ impl RaidChannel {
         bio.set_status(s);
         bio.endio();
     }
+}
+
+/// A clone of `bio` for another leg of a fan-out: the same sectors, and
+/// the same data (the caller's buffer) or the same dataless operation.
+#[inline(always)]
+fn leg_clone(bio: &BioPtr) -> BioPtr {
+    let mut c = bio.alloc_clone();
+    if bio.op.has_data() {
+        if let [seg] = bio.segs() {
+            // SAFETY: the clone points into the caller's buffer, valid
+            // until the caller's bio completes, which is after every clone
+            // has (the leader's count).
+            unsafe { c.add_seg(seg.base, seg.len) };
+            c.buf_index = bio.buf_index;
+        } else {
+            c.add_segs_from(bio, 0, bio.len() as usize);
+        }
+        c.sector = bio.sector;
+    } else {
+        c.set_dataless(bio.op, bio.sector, bio.len());
+    }
+    c
 }
 
 /// A fan-out's count, in its leader clone's `per_io`: the caller's bio once
