@@ -49,7 +49,7 @@ use super::chain::{self, Seg};
 use super::config::{Shared, MAX_RANGES, MAX_RANGE_SECTORS};
 use super::fixed::{Guest, Registry};
 use super::inflight::QueueInflight;
-use super::memory::Memory;
+use super::memory::{self, Memory};
 use crate::front::{Done, Front, FrontError, FrontOp, ReqFlags, Request, Submitted};
 
 const S_OK: u8 = VIRTIO_BLK_S_OK as u8;
@@ -400,7 +400,11 @@ impl VQueue {
             );
             return;
         }
-        match chain::parse_chain(|a, l| mem.map(a, l), table, host, size, head, segs) {
+        // The regions at hand (not through the Rc, the Guest and the Arc
+        // at each of the chain's lookups).
+        let regions = mem.regions();
+        let map = |a, l| memory::map_in(regions, a, l);
+        match chain::parse_chain(map, table, host, size, head, segs) {
             Ok(p) => self.start_request(head, p, p.data(segs), mem),
             Err(e) => {
                 tracing::warn!(
@@ -674,7 +678,9 @@ impl VQueue {
         }
     }
 
-    /// A part of request `idx` ended with status `st`.
+    /// A part of request `idx` ended with status `st`. Inlined into the
+    /// end_ios (one call fewer per request).
+    #[inline(always)]
     fn piece_done(&mut self, idx: usize, st: u8) {
         let r = &mut self.reqs[idx];
         if st != S_OK && r.status == S_OK {
