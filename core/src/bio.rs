@@ -250,18 +250,25 @@ impl SegVec {
             &self.heap
         }
     }
-    #[inline]
+    #[inline(always)]
     fn push(&mut self, s: Seg) {
         let n = self.n as usize;
         if n < INLINE_SEGS {
             self.inline[n] = s;
+            self.n += 1;
         } else {
-            if n == INLINE_SEGS {
-                self.heap.clear();
-                self.heap.extend_from_slice(&self.inline);
-            }
-            self.heap.push(s);
+            self.push_heap(s);
         }
+    }
+    /// [`SegVec::push`] past the inline segments (moved to the heap).
+    #[cold]
+    #[inline(never)]
+    fn push_heap(&mut self, s: Seg) {
+        if self.n as usize == INLINE_SEGS {
+            self.heap.clear();
+            self.heap.extend_from_slice(&self.inline);
+        }
+        self.heap.push(s);
         self.n += 1;
     }
     #[inline]

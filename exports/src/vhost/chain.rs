@@ -116,7 +116,7 @@ pub fn parse(
     map: impl Fn(u64, u32) -> Option<*mut u8>,
     segs: &mut Vec<Seg>,
 ) -> Result<Parsed, BadChain> {
-    segs.clear();
+    let mut out = Out::new(segs);
     let mut seen_write = false;
     // Readable bytes, and all bytes (u64: at most MAX_DESCS lengths of
     // u32 each).
@@ -126,9 +126,54 @@ pub fn parse(
             return Err(BadChain::TooLong);
         }
         total += desc.1 as u64;
-        add_desc(&map, segs, &mut seen_write, &mut rd, desc)?;
+        add_desc(&map, &mut out, &mut seen_write, &mut rd, desc)?;
     }
-    finish(segs, rd, total - rd)
+    finish(out.done(segs), rd, total - rd)
+}
+
+/// Where a parse writes its segments: the caller's vector, cleared and
+/// with room for [`MAX_DESCS`] (so a segment is three stores, with no
+/// test of the capacity and no update of the vector's length until
+/// [`Out::done`]); `k` written so far.
+struct Out {
+    base: *mut Seg,
+    k: usize,
+}
+
+impl Out {
+    #[inline(always)]
+    fn new(segs: &mut Vec<Seg>) -> Out {
+        segs.clear();
+        segs.reserve(MAX_DESCS);
+        Out {
+            base: segs.as_mut_ptr(),
+            k: 0,
+        }
+    }
+
+    /// Appends `s`.
+    ///
+    /// # Safety
+    /// Fewer than [`MAX_DESCS`] segments were appended before (a parse
+    /// appends at most one per descriptor, and refuses the descriptor
+    /// past MAX_DESCS first).
+    #[inline(always)]
+    unsafe fn push(&mut self, s: Seg) {
+        // SAFETY: k < MAX_DESCS <= the capacity reserved in `new`, in the
+        // vector `done` takes back (nothing else touched it meanwhile).
+        unsafe { self.base.add(self.k).write(s) };
+        self.k += 1;
+    }
+
+    /// The segments, in `segs` (the vector `new` was given).
+    #[inline(always)]
+    fn done(self, segs: &mut Vec<Seg>) -> &mut [Seg] {
+        debug_assert!(std::ptr::eq(segs.as_ptr(), self.base));
+        // SAFETY: the first k entries were written by `push`, within the
+        // capacity; Seg is Copy (nothing to drop).
+        unsafe { segs.set_len(self.k) };
+        segs
+    }
 }
 
 /// One descriptor's step of a parse ([`parse`], [`parse_chain`]): no
@@ -137,7 +182,7 @@ pub fn parse(
 #[inline(always)]
 fn add_desc(
     map: &impl Fn(u64, u32) -> Option<*mut u8>,
-    segs: &mut Vec<Seg>,
+    out: &mut Out,
     seen_write: &mut bool,
     rd: &mut u64,
     (addr, len, writable): Desc,
@@ -151,7 +196,9 @@ fn add_desc(
         return Ok(());
     }
     let ptr = map(addr, len).ok_or(BadChain::Unmapped { addr, len })?;
-    segs.push(Seg { ptr, len, writable });
+    // SAFETY: one segment per descriptor, and the callers refuse the
+    // descriptor past MAX_DESCS before this step.
+    unsafe { out.push(Seg { ptr, len, writable }) };
     if !writable {
         *rd += len as u64;
     }
@@ -173,7 +220,7 @@ pub fn parse_chain(
     head: u16,
     segs: &mut Vec<Seg>,
 ) -> Result<Parsed, BadChain> {
-    segs.clear();
+    let mut out = Out::new(segs);
     let (mut table, mut host, mut size) = (table, host, size);
     let (mut next, mut ttl, mut indirect) = (head, size, false);
     let mut n = 0;
@@ -228,9 +275,15 @@ pub fn parse_chain(
         }
         n += 1;
         let writable = flags & F_WRITE != 0;
-        add_desc(&map, segs, &mut seen_write, &mut rd, (addr, len, writable))?;
+        add_desc(
+            &map,
+            &mut out,
+            &mut seen_write,
+            &mut rd,
+            (addr, len, writable),
+        )?;
     }
-    finish(segs, rd, total - rd)
+    finish(out.done(segs), rd, total - rd)
 }
 
 /// The header, the status and the layout of a chain whose segments are

@@ -80,6 +80,13 @@ pub struct Memory {
 impl Memory {
     /// The memory of `regions`; refused if two overlap.
     pub fn new(regions: Vec<Region>) -> Result<Memory, String> {
+        // `map`'s one test per region needs each to end by u64::MAX.
+        if let Some(r) = regions.iter().find(|r| r.gpa.checked_add(r.len).is_none()) {
+            return Err(format!(
+                "memory region {:#x}+{:#x} wraps around",
+                r.gpa, r.len
+            ));
+        }
         let guest =
             GuestMemoryMmap::from_arc_regions(regions.iter().map(|r| r.mapping.clone()).collect())
                 .map_err(|e| format!("guest memory regions: {e}"))?;
@@ -95,14 +102,7 @@ impl Memory {
     /// lie whole inside one region.
     #[inline]
     pub fn map(&self, gpa: u64, len: u32) -> Option<*mut u8> {
-        for r in &self.regions {
-            let off = gpa.wrapping_sub(r.gpa);
-            if gpa >= r.gpa && off < r.len && len as u64 <= r.len - off {
-                // SAFETY: off < r.len, the mapping's length.
-                return Some(unsafe { r.host().add(off as usize) });
-            }
-        }
-        None
+        map_in(&self.regions, gpa, len)
     }
 
     /// The guest address of the frontend's address `va`.
@@ -112,6 +112,23 @@ impl Memory {
             (off < r.len).then_some(r.gpa + off)
         })
     }
+}
+
+/// [`Memory::map`] over `regions` (a memory's [`Memory::regions`], as
+/// it made them), for a caller that maps range after range with the
+/// slice at hand.
+#[inline]
+pub(super) fn map_in(regions: &[Region], gpa: u64, len: u32) -> Option<*mut u8> {
+    for r in regions {
+        // Below the region, `off` wraps past its length: a region ends by
+        // u64::MAX (`Region::map`, `Memory::new`), so one test covers both.
+        let off = gpa.wrapping_sub(r.gpa);
+        if off < r.len && len as u64 <= r.len - off {
+            // SAFETY: off < r.len, the mapping's length.
+            return Some(unsafe { r.host().add(off as usize) });
+        }
+    }
+    None
 }
 
 #[cfg(test)]
