@@ -29,7 +29,9 @@
 # that spins when nobody asked shows here).
 # The "other%" column is the CPU that neither the server nor fio used during the
 # job (other processes on the machine), in % of one CPU: rows with a high value
-# were measured on a busy machine.
+# were measured on a busy machine. "fio%" is the client's own CPU: near 100%
+# of a CPU, fio is the ceiling and a faster server cannot raise the IOPS.
+# Last, each server against the first in SERVERS: medians of per-round ratios.
 set -euo pipefail
 ROUNDS=${1:-3}
 RUNTIME=${2:-4}
@@ -158,7 +160,7 @@ cpu = (int(c1) - int(c0)) / int(tck)
 # CPU used by neither the server nor fio (fio's usr/sys are % of the run)
 fio_cpu = (d["usr_cpu"] + d["sys_cpu"]) / 100 * float(rt)
 other = ((int(b1) - int(b0)) / int(tck) - cpu - fio_cpu) / float(rt) * 100
-print(f"{s}\t{j}\t{r}\t{side['iops']:.0f}\t{p99:.1f}\t{cpu / max(ios, 1) * 1e6:.2f}\t{max(other, 0):.0f}")
+print(f"{s}\t{j}\t{r}\t{side['iops']:.0f}\t{p99:.1f}\t{cpu / max(ios, 1) * 1e6:.2f}\t{max(other, 0):.0f}\t{fio_cpu / float(rt) * 100:.0f}")
 PY
         done
         if [ "${IDLE_S:-2}" != 0 ]; then
@@ -176,16 +178,33 @@ python3 - "$RES" "$SERVERS" "$JOBS" "$W/idle.tsv" <<'PY'
 import sys, statistics as st
 rows = [l.split("\t") for l in open(sys.argv[1]).read().splitlines()]
 servers, jobs = sys.argv[2].split(), sys.argv[3].split()
-print(f"medians of {len(set(r[2] for r in rows))} rounds; CPU = server CPU seconds per million I/Os")
-print(f"{'job':20} {'server':15} {'IOPS':>9} {'p99 us':>9} {'CPU s/MIO':>10} {'other%':>7}")
+print(f"medians of {len(set(r[2] for r in rows))} rounds; CPU = server CPU seconds per million I/Os;")
+print("fio% = the client's CPU (usr+sys), % of one CPU: near 100, fio is the ceiling")
+print(f"{'job':20} {'server':15} {'IOPS':>9} {'p99 us':>9} {'CPU s/MIO':>10} {'other%':>7} {'fio%':>5}")
 for j in jobs:
     for s in servers:
         v = [r for r in rows if r[0] == s and r[1] == j]
         if not v:
             continue
         med = lambda i: st.median(float(x[i]) for x in v)
-        print(f"{j:20} {s:15} {med(3):9.0f} {med(4):9.1f} {med(5):10.2f} {med(6):7.0f}")
+        print(f"{j:20} {s:15} {med(3):9.0f} {med(4):9.1f} {med(5):10.2f} {med(6):7.0f} {med(7):5.0f}")
     print()
+# Each server against the first, round by round: medians of the per-round
+# ratios, which a loaded host's swings between rounds move less than the
+# ratio of medians.
+first = servers[0]
+print(f"per-round ratios to {first} (medians): IOPS, CPU per I/O")
+for j in jobs:
+    for s in servers[1:]:
+        a = {x[2]: x for x in rows if x[0] == first and x[1] == j}
+        b = {x[2]: x for x in rows if x[0] == s and x[1] == j}
+        rs = [r for r in a if r in b]
+        if not rs:
+            continue
+        iops = st.median(float(a[r][3]) / float(b[r][3]) for r in rs)
+        cpu = st.median(float(a[r][5]) / float(b[r][5]) for r in rs)
+        print(f"{j:20} {first} / {s:15} x{iops:.2f}  x{cpu:.2f}")
+print()
 idle = [l.split("\t") for l in open(sys.argv[4]).read().splitlines()]
 print("idle CPU% (server CPU while no client is connected, % of one CPU):")
 for s in servers:
