@@ -87,6 +87,13 @@ bitflags::bitflags! {
         const FUA = 2;
         /// Fail with [`Status::Again`] rather than block (REQ_NOWAIT).
         const NOWAIT = 4;
+        /// Set by the submitter on a write: its data will not be read soon
+        /// (Linux's `RWF_DONTCACHE`). A device whose store lands in the
+        /// CPU's caches may write past them (the RAM disk: non-temporal
+        /// stores), so that the write neither reads its destination's lines
+        /// in nor evicts data that will be read. A hint: a device may
+        /// ignore it, and a read of the data is correct either way.
+        const DONTCACHE = 8;
         /// Fail rather than fall back to writing zero buffers (NBD's FAST_ZERO).
         const NOUNMAP_FAST = 16;
         /// Read only, set by the submitter: instead of copying the data into the
@@ -115,6 +122,7 @@ impl fmt::Debug for BioFlags {
             (Self::PREFLUSH, "PREFLUSH"),
             (Self::FUA, "FUA"),
             (Self::NOWAIT, "NOWAIT"),
+            (Self::DONTCACHE, "DONTCACHE"),
             (Self::NOUNMAP_FAST, "NOUNMAP_FAST"),
             (Self::MAY_LEND, "MAY_LEND"),
             (Self::LENT, "LENT"),

@@ -150,6 +150,52 @@ fn a_failing_leg_is_dropped_without_an_error_and_raises_an_event() {
 }
 
 #[test]
+fn reads_go_to_the_regions_home_leg_and_to_the_other_once_it_failed() {
+    let mut devs = two_legs();
+    let l1 = devs.mapped("l1", &format!("0 {LEG} linear d1 0"));
+    devs.add(as_dev(&l1));
+    // Regions of 1024 sectors: leg 0 is region 0's home, leg 1 region 1's.
+    let md = devs.mapped("r", &line("nosync region_size 1024", "m0 d0 m1 l1"));
+    let dev = as_dev(&md);
+    let t = ReactorThread::spawn("raid");
+    let (d0, d1) = (devs.get("d0"), devs.get("d1"));
+    t.write(&dev, 0, pattern(1, 0, 64));
+    t.write(&dev, 1024, pattern(2, 1024, 64));
+    // Each write reached both legs, the home leg's copy and the other's
+    // (sent DONTCACHE) alike.
+    for d in [&d0, &d1] {
+        assert_eq!(t.read(d, 0, 64), pattern(1, 0, 64));
+        assert_eq!(t.read(d, 1024, 64), pattern(2, 1024, 64));
+    }
+    // Behind the mirror's back, the copy off each region's home leg
+    // changes: reads, one at a time, see only the home leg's.
+    t.write(&d1, 0, pattern(9, 0, 64));
+    t.write(&d0, 1024, pattern(9, 1024, 64));
+    for _ in 0..8 {
+        assert_eq!(
+            t.read(&dev, 0, 64),
+            pattern(1, 0, 64),
+            "region 0 from leg 0"
+        );
+        assert_eq!(
+            t.read(&dev, 1024, 64),
+            pattern(2, 1024, 64),
+            "region 1 from leg 1"
+        );
+    }
+    // Leg 1 fails under a write: region 1 is read from leg 0 from then on.
+    l1.replace(devs.table(&format!("0 {LEG} error"))).unwrap();
+    let d = t.run(&dev, Req::write(1024, pattern(3, 1024, 64)));
+    assert_eq!(d.status, Status::Ok);
+    assert!(status(&md).contains(" AD "), "{}", status(&md));
+    for _ in 0..4 {
+        assert_eq!(t.read(&dev, 1024, 64), pattern(3, 1024, 64));
+        assert_eq!(t.read(&dev, 0, 64), pattern(1, 0, 64));
+    }
+    assert_eq!(t.read(&d0, 1024, 64), pattern(3, 1024, 64));
+}
+
+#[test]
 fn a_read_error_is_served_by_the_other_leg_and_repaired() {
     let mut devs = two_legs();
     let dust = devs.mapped("dust1", &format!("0 {LEG} dust d1 0 512"));
@@ -157,14 +203,16 @@ fn a_read_error_is_served_by_the_other_leg_and_repaired() {
     let md = devs.mapped("r", &line("nosync region_size 1024", "m0 d0 m1 dust1"));
     let dev = as_dev(&md);
     let t = ReactorThread::spawn("raid");
-    t.write(&dev, 0, pattern(5, 0, 256));
+    // Region 1 (sectors 1024..2048), whose home leg is the dust one.
+    t.write(&dev, 1024, pattern(5, 1024, 256));
     for b in [3, 40, 41, 200] {
-        dust.message(0, &["addbadblock", &b.to_string()]).unwrap();
+        dust.message(0, &["addbadblock", &(1024 + b).to_string()])
+            .unwrap();
     }
     dust.message(0, &["enable"]).unwrap();
-    // Reads balance over both legs: every bad block is met by some read.
+    // Reads go to the region's home leg: every bad block is met.
     for _ in 0..8 {
-        assert_eq!(t.read(&dev, 0, 256), pattern(5, 0, 256));
+        assert_eq!(t.read(&dev, 1024, 256), pattern(5, 1024, 256));
     }
     wait_for("read repair to rewrite the bad blocks", || {
         dust.message(0, &["countbadblocks"])

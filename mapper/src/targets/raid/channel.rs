@@ -12,9 +12,16 @@
 //!   that fails is marked failed, and the bio waits for the superblock that
 //!   says so before it completes, without an error as long as a leg took
 //!   the write.
-//! - A read goes to the readable leg with the fewest reads outstanding on
-//!   this reactor (write-mostly legs only when no other can serve; the
-//!   resync's source while its region may differ between legs). It is the
+//!   With two legs, each region has a home leg (the legs take alternate
+//!   regions): the caller's bio goes there, and the clone to the other leg
+//!   is flagged `DONTCACHE` (it will not be read soon; the RAM disk then
+//!   stores it past the caches).
+//! - A read with two legs to choose from goes to its region's home leg,
+//!   unless that leg has `HOME_MARGIN` more reads outstanding on this
+//!   reactor than the other; otherwise to the readable leg with the fewest
+//!   reads outstanding on this reactor (write-mostly legs only when no
+//!   other can serve; the resync's source while its region may differ
+//!   between legs). It is the
 //!   caller's bio itself, remapped; on an error it is retried on the next
 //!   leg and the worker rewrites the region on the leg that failed.
 //! - A flush goes to every live leg.
@@ -26,7 +33,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use udm_core::{
-    check_bio, Bio, BioPtr, BlockDevice, Caps, Channel, Error, Limits, Op, Reactor, Status,
+    check_bio, Bio, BioFlags, BioPtr, BlockDevice, Caps, Channel, Error, Limits, Op, Reactor,
+    Status,
 };
 
 use super::state::{test, Counts, Shared};
@@ -317,30 +325,22 @@ impl RaidChannel {
         best
     }
 
-    /// A read: in the common case (see [`Shared::paths`]) the least busy
-    /// of two legs, without a look at the regions or the masks.
+    /// A read: in the common case (see [`Shared::paths`]) the home leg of
+    /// its region (see [`home_pair`]), which holds the cached copy of the
+    /// region's recent writes, unless it has [`HOME_MARGIN`] reads more
+    /// outstanding on this reactor than the other leg; without a look at
+    /// the masks.
     #[inline(always)]
     fn read(&self, bio: BioPtr) {
         let p = self.sh.read_pair.load(Ordering::Acquire);
         if p == 0 || !bio.can_push() {
             return self.read_any(bio);
         }
-        let (a, b) = ((p & 0xff) as usize, ((p >> 8) & 0xff) as usize);
-        let (oa, ob) = (self.out(a).get(), self.out(b).get());
-        let leg = if oa != ob {
-            if oa < ob {
-                a
-            } else {
-                b
-            }
+        let (home, other) = home_pair(p, bio.sector >> self.sh.cfg.region_shift);
+        let leg = if self.out(home).get() < self.out(other).get() + HOME_MARGIN {
+            home
         } else {
-            let t = self.flip.get();
-            self.flip.set(!t);
-            if t {
-                b
-            } else {
-                a
-            }
+            other
         };
         let me = self as *const RaidChannel as *mut ();
         let mut bio = bio;
@@ -384,7 +384,8 @@ impl RaidChannel {
             self.parked.borrow_mut().push(bio);
             return;
         }
-        self.fan_out_pair(bio, (p & 0xff) as usize, ((p >> 8) & 0xff) as usize);
+        let (home, other) = home_pair(p, r0);
+        self.fan_out_pair(bio, home, other);
     }
 
     /// A write in any state of the array.
@@ -449,13 +450,17 @@ impl RaidChannel {
         self.to_leg(first, bio);
     }
 
-    /// [`RaidChannel::fan_out`] to two live legs, `a` and `b`: the bio
-    /// itself to `a`, and a clone (the leader) to `b`.
+    /// [`RaidChannel::fan_out`] to two live legs, `a` (the region's home,
+    /// which reads prefer) and `b`: the bio itself to `a`, and a clone (the
+    /// leader) to `b`, flagged [`BioFlags::DONTCACHE`]: reads of the region
+    /// go to `a` while it is not much busier, so `b`'s copy will not be
+    /// read soon and need not take the caches.
     #[inline(always)]
     fn fan_out_pair(&self, bio: BioPtr, a: usize, b: usize) {
         let me = self as *const RaidChannel as *mut ();
         let mut bio = bio.make_room();
         let mut c = leg_clone(&bio);
+        c.flags.insert(BioFlags::DONTCACHE);
         // Two completions: the clone's and the bio's own.
         c.per_io = [0, 2 | (a as u64) << 32, 0, me as u64];
         c.set_end_io(leader_done, me);
@@ -514,6 +519,26 @@ impl RaidChannel {
         bio.pop_end_io();
         bio.set_status(s);
         bio.endio();
+    }
+}
+
+/// How many reads more than the other leg a region's home leg may have
+/// outstanding on a reactor before a read goes to the other leg: enough
+/// that a queue's reads of recent writes stay on the cached copy, few
+/// enough that a slow or busy leg sheds its load.
+const HOME_MARGIN: u32 = 8;
+
+/// The two legs of `pair` (a [`Shared::read_pair`] or
+/// [`Shared::write_pair`] word) as region `r`'s home leg, which its reads
+/// prefer and its writes reach through the caches, and the other: the
+/// legs take alternate regions, so that each serves half the reads.
+#[inline(always)]
+fn home_pair(pair: u64, r: u64) -> (usize, usize) {
+    let (a, b) = ((pair & 0xff) as usize, ((pair >> 8) & 0xff) as usize);
+    if r & 1 == 0 {
+        (a, b)
+    } else {
+        (b, a)
     }
 }
 
