@@ -461,28 +461,10 @@ fn sfence() {
     };
 }
 
-/// The size of the CPU's last-level cache in bytes (sysfs: glibc's
-/// `_SC_LEVEL3_CACHE_SIZE` reports 384 MiB for a 32 MiB L3 on this host's
-/// AMD EPYC); 0, so that a disk's reads are staged, where unknown.
+/// The size of the CPU's last-level cache in bytes; 0, so that a disk's
+/// reads are staged, where unknown.
 fn last_level_cache() -> u64 {
-    let mut best = (0, 0);
-    for i in 0..16 {
-        let dir = format!("/sys/devices/system/cpu/cpu0/cache/index{i}");
-        let read = |f: &str| std::fs::read_to_string(format!("{dir}/{f}"));
-        let (Ok(level), Ok(size)) = (read("level"), read("size")) else {
-            break;
-        };
-        let level: u32 = level.trim().parse().unwrap_or(0);
-        let size = size.trim();
-        let bytes = match size.strip_suffix('K') {
-            Some(k) => k.parse::<u64>().unwrap_or(0) << 10,
-            None => size.parse().unwrap_or(0),
-        };
-        if level > best.0 {
-            best = (level, bytes);
-        }
-    }
-    best.1
+    udm_core::affinity::last_level_cache().unwrap_or(0)
 }
 
 /// The end_io of a read [`RamChannel::submit_nocheck`] staged: copies it

@@ -151,30 +151,10 @@ struct Crypt {
     write_stores: Stores,
 }
 
-/// The last-level cache's size in bytes (sysfs; 32 MiB if it says
-/// nothing), read once.
+/// The last-level cache's size in bytes (32 MiB where sysfs says
+/// nothing).
 fn llc_bytes() -> u64 {
-    static LLC: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *LLC.get_or_init(|| {
-        let size = |i: u32| -> Option<(u32, u64)> {
-            let d = format!("/sys/devices/system/cpu/cpu0/cache/index{i}");
-            let level = std::fs::read_to_string(format!("{d}/level")).ok()?;
-            let size = std::fs::read_to_string(format!("{d}/size")).ok()?;
-            let size = size.trim();
-            let (n, mult) = match size.strip_suffix('K') {
-                Some(n) => (n, 1u64 << 10),
-                None => match size.strip_suffix('M') {
-                    Some(n) => (n, 1 << 20),
-                    None => (size, 1),
-                },
-            };
-            Some((level.trim().parse().ok()?, n.parse::<u64>().ok()? * mult))
-        };
-        (0..8)
-            .filter_map(size)
-            .max()
-            .map_or(32 << 20, |(_, bytes)| bytes)
-    })
+    udm_core::affinity::last_level_cache().unwrap_or(32 << 20)
 }
 
 fn bad(m: impl std::fmt::Display) -> Error {
