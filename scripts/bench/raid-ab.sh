@@ -12,26 +12,24 @@ set -euo pipefail
 ROUNDS=${1:-5}; A=${2:?usage: raid-ab.sh ROUNDS UDM_A UDM_B}; B=${3:?usage: raid-ab.sh ROUNDS UDM_A UDM_B}
 CASES=${CASES:-"lin_read raid_read lin_write raid_write raid_read_2jobs"}
 COMMON=(--iodepth 32 --runtime 1 --prefill --dispatch direct --json)
+. "$(dirname "$0")/raid-stacks.sh"
 S=${SIZE:-1G}; SEC=${SECTORS:-2097152}
-LIN=(--dev ram0=ram:$S,prealloc --dev "lin=0 $SEC linear ram0 0" --target lin)
-RAID=(--dev m0=ram:1M --dev d0=ram:$S,prealloc --dev m1=ram:1M --dev d1=ram:$S,prealloc
-      --dev "r=0 $SEC raid raid1 4 0 nosync daemon_sleep 100000 2 m0 d0 m1 d1" --target r)
+LIN=$(raid_lin "$S" "$SEC"); RAID=$(raid_mirror "$S" "$SEC")
 declare -A CASE=(
-    [lin_read]="${LIN[*]@Q} --rw randread"
-    [raid_read]="${RAID[*]@Q} --rw randread"
-    [lin_write]="${LIN[*]@Q} --rw randwrite"
-    [raid_write]="${RAID[*]@Q} --rw randwrite"
-    [lin_rw]="${LIN[*]@Q} --rw randrw"
-    [raid_rw]="${RAID[*]@Q} --rw randrw"
-    [raid_read_2jobs]="${RAID[*]@Q} --rw randread --jobs 2"
+    [lin_read]="$LIN --rw randread"
+    [raid_read]="$RAID --rw randread"
+    [lin_write]="$LIN --rw randwrite"
+    [raid_write]="$RAID --rw randwrite"
+    [lin_rw]="$LIN --rw randrw"
+    [raid_rw]="$RAID --rw randrw"
+    [raid_read_2jobs]="$RAID --rw randread --jobs 2"
 )
-iops() { python3 -c 'import json,sys; j=json.load(sys.stdin); print(j["iops"] if "'${METRIC:-cpu}'"=="iops" else j["ios"]/max(0.01, j["cpu_user_s"]+j["cpu_sys_s"]))'; }
 OUT=$(mktemp); trap 'rm -f "$OUT"' EXIT
 for ((r = 0; r < ROUNDS; r++)); do
   if ((r % 2)); then bins="B A"; else bins="A B"; fi
   for c in $CASES; do for x in $bins; do
     bin=${!x}
-    v=$(eval "$bin bench ${CASE[$c]} ${COMMON[*]}" | iops)
+    v=$(eval "$bin bench ${CASE[$c]} ${COMMON[*]}" | per_cpu)
     echo "$r $x $c $v" >>"$OUT"
   done; done
 done

@@ -12,14 +12,10 @@ set -euo pipefail
 ROUNDS=${1:-5}
 UDM=${2:-target/release/udm}
 COMMON=(--rw randwrite --iodepth 32 --runtime 1 --prefill --dispatch direct --json)
-lin() { echo "--dev ram0=ram:$1,prealloc --dev 'lin=0 $2 linear ram0 0' --target lin"; }
-raid() {
-    echo "--dev m0=ram:1M --dev d0=ram:$1,prealloc --dev m1=ram:1M --dev d1=ram:$1,prealloc" \
-        "--dev 'r=0 $2 raid raid1 4 0 nosync daemon_sleep 100000 2 m0 d0 m1 d1' --target r"
-}
+. "$(dirname "$0")/raid-stacks.sh"
 declare -A CASE=(
-    [lin_512M]=$(lin 512M 1048576) [lin_1G]=$(lin 1G 2097152) [lin_2G]=$(lin 2G 4194304)
-    [raid_512M]=$(raid 512M 1048576) [raid_1G]=$(raid 1G 2097152)
+    [lin_512M]=$(raid_lin 512M 1048576) [lin_1G]=$(raid_lin 1G 2097152) [lin_2G]=$(raid_lin 2G 4194304)
+    [raid_512M]=$(raid_mirror 512M 1048576) [raid_1G]=$(raid_mirror 1G 2097152)
 )
 ORDER=(lin_512M raid_512M lin_1G raid_1G lin_2G)
 OUT=$(mktemp)
@@ -27,8 +23,7 @@ trap 'rm -f "$OUT"' EXIT
 for ((r = 0; r < ROUNDS; r++)); do
     if ((r % 2)); then seq=$(printf '%s\n' "${ORDER[@]}" | tac); else seq=$(printf '%s\n' "${ORDER[@]}"); fi
     for c in $seq; do
-        v=$(eval "$UDM bench ${CASE[$c]} ${COMMON[*]}" |
-            python3 -c 'import json,sys; j=json.load(sys.stdin); print(j["ios"]/max(0.01, j["cpu_user_s"]+j["cpu_sys_s"]))')
+        v=$(eval "$UDM bench ${CASE[$c]} ${COMMON[*]}" | METRIC=cpu per_cpu)
         echo "$r $c $v" >>"$OUT"
     done
 done

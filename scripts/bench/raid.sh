@@ -15,19 +15,16 @@ set -euo pipefail
 ROUNDS=${1:-7}
 UDM=${2:-target/release/udm}
 COMMON=(--iodepth 32 --runtime 1 --prefill --dispatch direct --json)
-LIN=(--dev ram0=ram:1G,prealloc --dev 'lin=0 2097152 linear ram0 0' --target lin)
-RAID=(--dev m0=ram:1M --dev d0=ram:1G,prealloc --dev m1=ram:1M --dev d1=ram:1G,prealloc
-      --dev 'r=0 2097152 raid raid1 4 0 nosync daemon_sleep 100000 2 m0 d0 m1 d1' --target r)
-NOMETA=(--dev d0=ram:1G,prealloc --dev d1=ram:1G,prealloc
-        --dev 'r=0 2097152 raid raid1 2 0 nosync 2 - d0 - d1' --target r)
+. "$(dirname "$0")/raid-stacks.sh"
+LIN=$(raid_lin 1G 2097152); RAID=$(raid_mirror 1G 2097152); NOMETA=$(raid_nometa 1G 2097152)
 iops() { python3 -c 'import json,sys; j=json.load(sys.stdin); print(j["iops"], j["ios"]/max(0.01, j["cpu_user_s"]+j["cpu_sys_s"]))'; }
 declare -A CASE=(
-    [lin_read]="${LIN[*]@Q} --rw randread"
-    [raid_read]="${RAID[*]@Q} --rw randread"
-    [lin_write]="${LIN[*]@Q} --rw randwrite"
-    [raid_write]="${RAID[*]@Q} --rw randwrite"
-    [nometa_write]="${NOMETA[*]@Q} --rw randwrite"
-    [raid_read_2jobs]="${RAID[*]@Q} --rw randread --jobs 2"
+    [lin_read]="$LIN --rw randread"
+    [raid_read]="$RAID --rw randread"
+    [lin_write]="$LIN --rw randwrite"
+    [raid_write]="$RAID --rw randwrite"
+    [nometa_write]="$NOMETA --rw randwrite"
+    [raid_read_2jobs]="$RAID --rw randread --jobs 2"
 )
 read -r -a ORDER <<<"${UDM_RAID_BENCH_CASES:-lin_read raid_read lin_write raid_write nometa_write raid_read_2jobs}"
 OUT=$(mktemp)
