@@ -24,7 +24,8 @@
 //! `memalign` (which takes twice the page from the heap: 256 MiB written
 //! took 528 MB resident, now 266 MB), faults on both pages and a `memset`:
 //! measured 2.2-2.5 µs against 6-12 µs per first write, which was most of
-//! udm's cost in a 4 KiB random-write NBD run on a fresh RAM disk. Transparent huge pages are turned off for the mapping:
+//! udm's cost in a 4 KiB random-write NBD run on a fresh RAM disk.
+//! Transparent huge pages are turned off for a lazily backed mapping:
 //! random first writes would each zero 2 MiB (6-10 µs per write measured).
 //!
 //! [`BlockDevice::block_status`] answers from the same bitmap: a page never
@@ -53,7 +54,13 @@
 //!
 //! `prealloc` backs every page at creation, as a brd disk that has been
 //! written over once: benchmarks then measure the data path, not
-//! first-touch page faults.
+//! first-touch page faults. A preallocated disk asks for transparent huge
+//! pages (`MADV_HUGEPAGE`, where the kernel's THP mode is `madvise` or
+//! `always`): no write pays for zeroing them, and a 2 MiB page takes one
+//! TLB entry where 512 pages of 4 KiB each take their own, which random
+//! I/O over a disk larger than the TLB's reach missed on every copy
+//! (docs/benchmarks.md, "The RAM disk on huge pages"). Without free huge
+//! pages the kernel backs it with small ones, as before.
 
 use std::any::Any;
 use std::ptr::NonNull;
@@ -125,6 +132,9 @@ impl RamDevice {
     /// an access pattern reaches (a log-structured cache reaches all of it,
     /// random overwrites of a region only part).
     pub fn prealloc(&self) -> Result<(), Error> {
+        // Before the pages are backed, so that they are backed huge.
+        // Failure (a kernel without THP) is harmless: small pages.
+        let _ = self.mem.advise(libc::MADV_HUGEPAGE);
         if let Err(e) = self.mem.advise(libc::MADV_POPULATE_WRITE) {
             if e.raw_os_error() != Some(libc::EINVAL) {
                 return Err(e.context(format_args!("ram: preallocating '{}'", self.name)));
@@ -545,6 +555,48 @@ mod tests {
     use super::*;
     use std::cell::{Cell, RefCell};
     use udm_core::{CompletionMode, ReactorConfig};
+
+    /// Whether the kernel may back the mapping holding `addr` with huge
+    /// pages (`THPeligible` in /proc/self/smaps), None if no mapping does.
+    fn thp_eligible(addr: *const u8) -> Option<bool> {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let addr = addr as usize;
+        let mut inside = false;
+        for line in smaps.lines() {
+            let range = line.split_whitespace().next().unwrap_or("");
+            if let Some((lo, hi)) = range.split_once('-') {
+                if let (Ok(lo), Ok(hi)) =
+                    (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
+                {
+                    inside = (lo..hi).contains(&addr);
+                    continue;
+                }
+            }
+            if inside {
+                if let Some(v) = line.strip_prefix("THPeligible:") {
+                    return Some(v.trim() == "1");
+                }
+            }
+        }
+        None
+    }
+
+    #[test]
+    fn a_preallocated_disk_asks_for_huge_pages_and_a_lazy_one_does_not() {
+        let mode = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+            .unwrap_or_default();
+        if !mode.contains("[always]") && !mode.contains("[madvise]") {
+            eprintln!("skipped: transparent huge pages are off here ({mode:?})");
+            return;
+        }
+        let lazy = RamDevice::new("lazy", 8 << 20).unwrap();
+        let pre = RamDevice::new("pre", 8 << 20).unwrap();
+        pre.prealloc().unwrap();
+        // Lazy first writes would each zero 2 MiB: small pages only.
+        assert_eq!(thp_eligible(lazy.mem.as_ptr()), Some(false));
+        assert_eq!(thp_eligible(pre.mem.as_ptr()), Some(true));
+        assert_eq!(pre.allocated_bytes(), 8 << 20);
+    }
 
     /// The reads' end_ios: which ran, and whether every read left to the
     /// next turn had been copied when each did.
