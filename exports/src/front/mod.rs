@@ -418,7 +418,9 @@ impl Front {
     /// continues the one before while other requests of the front are in
     /// flight is held as in stream mode; a lone one, or one that does not
     /// continue, goes on direct's path (a test and a store more than
-    /// direct), sending first what is held.
+    /// direct), sending first what is held. Auto on a device that merging
+    /// helps is `Queued` or `Direct`, as its trial chose for the epoch
+    /// ([`Front::auto_epochs`]).
     pub fn dispatch(&self) -> Dispatch {
         self.mode.get()
     }
