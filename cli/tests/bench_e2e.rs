@@ -380,7 +380,8 @@ fn json_field<'a>(out: &'a str, key: &str) -> &'a str {
         .unwrap_or_else(|| panic!("no {key} in {out}"))
 }
 
-/// Auto takes the device's report: RAM per request, a per-request delay queued;
+/// Auto takes the device's report: RAM per request, a per-request delay
+/// weighed (queued against direct);
 /// and queued, stream and auto dispatch allocate nothing per I/O once warm.
 #[test]
 fn bench_dispatch_auto_follows_the_device_and_queued_and_stream_allocate_nothing_per_io() {
@@ -403,8 +404,19 @@ fn bench_dispatch_auto_follows_the_device_and_queued_and_stream_allocate_nothing
     };
     let out = run("d=ram:64M", &[]);
     assert_eq!(json_field(&out, "dispatch"), "\"auto\"", "{out}");
-    let out = run("d=null:64M,delay=20", &["--rw", "write"]);
-    assert_eq!(json_field(&out, "dispatch"), "\"queued\"", "{out}");
+    assert_eq!(json_field(&out, "dispatch_auto"), "null", "{out}");
+    // A per-request delay: auto weighs queued against direct, and says
+    // how many epochs ran each way.
+    let out = run("d=null:64M,delay=20", &["--rw", "write", "--iodepth", "8"]);
+    assert_eq!(json_field(&out, "dispatch"), "\"auto\"", "{out}");
+    let epochs = |mode: &str| -> u64 {
+        let key = format!("{mode}_epochs");
+        json_field(&out, &key).parse().unwrap()
+    };
+    assert!(epochs("queued") + epochs("direct") > 0, "{out}");
+    // At iodepth 1 nothing is in flight to merge with: direct, unweighed.
+    let out = run("d=null:64M,delay=20", &["--rw", "write", "--iodepth", "1"]);
+    assert_eq!(json_field(&out, "dispatch_auto"), "null", "{out}");
     for mode in ["queued", "stream", "auto"] {
         let out = run("d=null:1G", &["--rw", "write", "--dispatch", mode]);
         assert_eq!(json_field(&out, "dispatch"), format!("\"{mode}\""), "{out}");
@@ -416,7 +428,7 @@ fn bench_dispatch_auto_follows_the_device_and_queued_and_stream_allocate_nothing
     assert!(err.contains("'sorted'"), "{err}");
 }
 
-/// Auto dispatch on devices that merging does not help (RAM, an O_DIRECT
+/// Auto dispatch on devices that merging does not help (RAM, a buffered
 /// file on tmpfs) sends a sequential job's batches as queued does, one bio
 /// for the 32 I/Os of each, also across the wraps from the region's end to
 /// its start (a 1 MiB region wraps every 256 I/Os): the jump's first I/O is
@@ -426,7 +438,7 @@ fn bench_dispatch_auto_follows_the_device_and_queued_and_stream_allocate_nothing
 #[test]
 fn auto_merges_a_sequential_job_across_its_wraps_as_queued_does_and_sends_random_io_direct() {
     let file = TempFile::new("auto-wrap");
-    let file_dev = format!("d=file:{},size=1M", file.path);
+    let file_dev = format!("d=file:{},size=1M,buffered", file.path);
     // I/Os per bio: the bench takes a fresh bio for each one it sends.
     let per_bio = |dev: &str, rw: &str, mode: &str| -> f64 {
         let (code, out, err) = udm(&[

@@ -171,11 +171,11 @@ fn auto_picks_each_exports_mode_from_its_devices_report() {
         "{out}"
     );
     assert!(
-        line("d").contains("dispatch queued (auto: merging helps (file on a disk, O_DIRECT))"),
+        line("d").contains("dispatch auto (auto: merging helps (file on a disk, O_DIRECT); queued, or direct where it measures faster)"),
         "{out}"
     );
     assert!(
-        line("slow").contains("dispatch queued (auto: merging helps (null with a delay"),
+        line("slow").contains("dispatch auto (auto: merging helps (null with a delay"),
         "{out}"
     );
     let ctl = s.ctl();
@@ -325,7 +325,7 @@ fn vhost_exports_take_queued_dispatch_and_auto_follows_the_device() {
     );
     let info = d.ok(&["info", "slow"]);
     assert!(
-        info.contains("Export dispatch:   slow (vhost-user-blk): queued (auto: merging helps (null with a delay"),
+        info.contains("Export dispatch:   slow (vhost-user-blk): auto (auto: merging helps (null with a delay"),
         "{info}"
     );
 }

@@ -38,6 +38,7 @@ pub mod reactor;
 pub mod ring;
 #[cfg(feature = "test-util")]
 pub mod testing;
+mod trial;
 
 pub use bio::{Bio, BioFlags, BioPtr, EndIo, Op, Seg, Status, SECTOR_SHIFT, SECTOR_SIZE};
 pub use buf::AlignedBuf;
@@ -45,7 +46,7 @@ pub use device::{
     bio_status, check_bio, push_extent, Alloc, BlockDevice, Caps, Channel, Extent, Limits,
     BLOCK_STATUS_MAX_EXTENTS,
 };
-pub use dispatch::{merge_report, Dispatch};
+pub use dispatch::{merge_report, AutoTrial, Dispatch};
 pub use error::{Error, ErrorKind, Result};
 pub use mmap::Mmap;
 pub use pool::{PoolConfig, ReactorPool, StopToken};

@@ -16,19 +16,22 @@
 //! I/Os are in flight, and sends a lone or scattered I/O direct, except
 //! that a sequential run held goes on across a jump (the I/O after a held
 //! run is held wherever it starts: [`STREAMING`]); at iodepth 1 it is
-//! direct.
+//! direct. Auto on a device that merging helps weighs queued against
+//! direct at iodepths above 1 ([`AutoTrial`]): at the end of each reactor turn past an epoch's
+//! end the trial may change the mode, and the I/Os issued after go the new
+//! way (what is held was sent at the turn's end, before).
 
 use std::cell::{Cell, UnsafeCell};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use udm_backends::AlignedBuf;
 use udm_core::cputime::thread_cpu;
 use udm_core::{
-    Bio, BioPtr, BlockDevice, CacheStats, Channel, Dispatch, Error, Op, Reactor, Status,
+    AutoTrial, Bio, BioPtr, BlockDevice, CacheStats, Channel, Dispatch, Error, Op, Reactor, Status,
     SECTOR_SHIFT,
 };
 
@@ -107,8 +110,12 @@ pub struct JobCfg {
     pub verify: bool,
     /// PRNG seed.
     pub seed: u64,
-    /// Direct (each I/O submitted as issued), queued or stream.
+    /// Direct (each I/O submitted as issued), queued, stream or auto.
     pub dispatch: Dispatch,
+    /// Auto dispatch weighs queued against direct (the device reports
+    /// that merging helps it: [`Dispatch::choose`], and more than one I/O
+    /// is in flight).
+    pub weigh: bool,
 }
 
 /// What one job measured.
@@ -141,6 +148,9 @@ pub struct JobResult {
     pub cpu: (Duration, Duration),
     /// Descriptor-cache counters over the measured phases.
     pub cache: CacheStats,
+    /// Auto dispatch's trial ([`JobCfg::weigh`]): the epochs that ran
+    /// queued and direct, and the mode it ended in.
+    pub weighed: Option<((u64, u64), Dispatch)>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -158,8 +168,11 @@ enum Phase {
 const M_DIRECT: u8 = 0;
 /// auto (on a device that merging does not help: `Dispatch::choose`),
 const M_AUTO: u8 = 1;
-/// queued or stream.
+/// queued or stream,
 const M_HOLD: u8 = 2;
+/// auto weighing queued against direct ([`JobCfg::weigh`]): queued's copy
+/// or direct's as the trial's mode is now.
+const M_WEIGH: u8 = 3;
 
 /// Auto dispatch's [`Job::next_block`] once an I/O that continued the one
 /// before was held: the next I/O is held too, wherever it starts. A
@@ -211,6 +224,10 @@ struct Job {
     /// The largest merged bio: the device's limits.
     max_bytes: u32,
     max_segs: usize,
+    /// Auto dispatch's trial ([`JobCfg::weigh`]), and its mode: `Queued`
+    /// or `Direct` (read per I/O).
+    trial: Cell<Option<AutoTrial>>,
+    weighed_mode: Cell<Dispatch>,
 }
 
 struct Stats {
@@ -308,7 +325,8 @@ impl Job {
     }
 
     /// Issues the slot's next I/O; false when the phase has no more.
-    /// `M`: the job's dispatch ([`M_DIRECT`], [`M_AUTO`] or [`M_HOLD`]). A
+    /// `M`: the job's dispatch ([`M_DIRECT`], [`M_AUTO`], [`M_HOLD`] or
+    /// [`M_WEIGH`]). A
     /// copy per kind, so that direct's has no dispatch code at all (with
     /// auto's test inline in one copy for all modes, direct paid 5 more
     /// instructions per I/O in register saves; with the test out of line,
@@ -332,6 +350,9 @@ impl Job {
         let held = match M {
             M_DIRECT => false,
             M_AUTO => self.hold_auto(slot, op, block),
+            M_WEIGH => {
+                self.weighed_mode.get() == Dispatch::Queued && self.hold(slot, op, block, sector)
+            }
             _ => self.hold(slot, op, block, sector),
         };
         if held {
@@ -358,7 +379,7 @@ impl Job {
     /// held and returns false, to go direct. Out of line.
     #[inline(never)]
     fn hold(&self, slot: *mut Slot, op: Op, block: u64, sector: u64) -> bool {
-        if self.cfg.dispatch != Dispatch::Queued {
+        if self.cfg.dispatch == Dispatch::Stream {
             if self.next_block.replace(block + 1) != block {
                 self.unplug();
                 return false;
@@ -458,6 +479,7 @@ impl Job {
             // instructions per I/O to say so).
             let more = match self.cfg.dispatch {
                 Dispatch::Direct => self.issue::<M_DIRECT>(slot),
+                Dispatch::Auto if self.cfg.weigh => self.issue::<M_WEIGH>(slot),
                 Dispatch::Auto if self.cfg.iodepth == 1 => self.issue::<M_DIRECT>(slot),
                 Dispatch::Auto => self.issue::<M_AUTO>(slot),
                 _ => self.issue::<M_HOLD>(slot),
@@ -516,7 +538,7 @@ impl Job {
         let plug = unsafe { &mut *self.plug.get() };
         // The plug's entries are slots of the job's vector, not resized
         // after setup, each with its I/O held ("see above" below).
-        if self.cfg.dispatch == Dispatch::Queued {
+        if self.cfg.dispatch == Dispatch::Queued || self.cfg.weigh {
             plug.sort_unstable_by_key(|&s| {
                 // SAFETY: see above.
                 unsafe { ((*s).op as u8, (*s).sector) }
@@ -562,7 +584,9 @@ impl Job {
             }
             // Each I/O's next goes as the job's mode sends it (auto's
             // through auto's test, not stream's).
-            let end_io = if self.cfg.dispatch == Dispatch::Auto {
+            let end_io = if self.cfg.weigh {
+                bench_merged_end_io::<M_WEIGH>
+            } else if self.cfg.dispatch == Dispatch::Auto {
                 bench_merged_end_io::<M_AUTO>
             } else {
                 bench_merged_end_io::<M_HOLD>
@@ -579,11 +603,27 @@ impl Job {
     /// iodepth 1 every I/O a completion issues has nothing else in flight,
     /// so auto sends it direct, and the run loop need not look for a batch
     /// to send (a phase's first batch, held, [`Job::start_phase`] sends).
+    /// Weighing queued against direct, it may hold at any iodepth.
     fn may_hold(&self) -> bool {
         match self.cfg.dispatch {
             Dispatch::Direct => false,
-            Dispatch::Auto => self.cfg.iodepth > 1,
+            Dispatch::Auto => self.cfg.iodepth > 1 || self.cfg.weigh,
             Dispatch::Queued | Dispatch::Stream => true,
+        }
+    }
+
+    /// At the end of a reactor turn (what it held sent): ends the trial's
+    /// epoch if it has run its time; the I/Os issued from now on go the
+    /// way the trial chose for the next epoch.
+    #[inline]
+    fn weigh(&self) {
+        if let Some(mut t) = self.trial.get() {
+            let now = Instant::now();
+            if now >= t.end() {
+                let ios = self.with_stats(|st| st.ios);
+                self.weighed_mode.set(t.end_epoch_at(now, ios));
+                self.trial.set(Some(t));
+            }
         }
     }
 
@@ -622,7 +662,7 @@ fn bench_end_io<const M: u8>(bio: BioPtr) {
 /// The end_io of a bio that [`Job::unplug`] sent (queued, stream or auto
 /// dispatch): private is the first slot of the chain of I/Os it carries;
 /// each completes with the bio's status.
-/// `M`: as in [`Job::issue`] ([`M_AUTO`] or [`M_HOLD`]).
+/// `M`: as in [`Job::issue`] ([`M_AUTO`], [`M_HOLD`] or [`M_WEIGH`]).
 fn bench_merged_end_io<const M: u8>(bio: BioPtr) {
     let mut slot = bio.private() as *mut Slot;
     // SAFETY: private is a slot of a live job (set in unplug).
@@ -777,6 +817,8 @@ fn run_on(
         next_block: Cell::new(u64::MAX),
         max_bytes: dev.limits().max_io_bytes.max(cfg.bs),
         max_segs: dev.limits().max_segments.max(1) as usize,
+        trial: Cell::new(None),
+        weighed_mode: Cell::new(Dispatch::Queued),
         cfg,
     };
     {
@@ -815,6 +857,12 @@ fn run_on(
     let a0 = alloc::thread_allocs();
     let c0 = thread_cpu();
     let k0 = reactor.cache_stats();
+    if job.cfg.weigh {
+        // Weighed over the measured phases only; a prefill is not the
+        // workload.
+        job.trial.set(Some(AutoTrial::new(t0, 0)));
+        job.weighed_mode.set(Dispatch::Queued);
+    }
     job.start_phase(if job.cfg.verify {
         Phase::VerifyWrite
     } else {
@@ -826,7 +874,13 @@ fn run_on(
     // (Two loops, so that a job that never holds an I/O pays nothing for
     // the check.)
     let done = || job.phase.get() == Phase::Done && job.inflight.get() == 0;
-    if job.may_hold() {
+    if job.cfg.weigh {
+        reactor.run_until(|| {
+            job.unplug();
+            job.weigh();
+            done()
+        });
+    } else if job.may_hold() {
         reactor.run_until(|| {
             job.unplug();
             done()
@@ -839,6 +893,7 @@ fn run_on(
     let c1 = thread_cpu();
     let k1 = reactor.cache_stats();
 
+    let weighed = job.trial.get().map(|t| (t.epochs(), t.mode()));
     let Job { stats, chan, .. } = job;
     drop(chan);
     let st = stats.into_inner();
@@ -861,6 +916,7 @@ fn run_on(
             misses: k1.misses - k0.misses,
             frees: k1.frees - k0.frees,
         },
+        weighed,
     })
 }
 

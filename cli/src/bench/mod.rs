@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use udm_core::{
-    affinity, BlockDevice, CompletionMode, Dispatch, Error, PoolConfig, Reactor, ReactorConfig,
-    ReactorPool, StopToken, SECTOR_SHIFT,
+    affinity, merge_report, BlockDevice, CompletionMode, Dispatch, Error, PoolConfig, Reactor,
+    ReactorConfig, ReactorPool, StopToken, SECTOR_SHIFT,
 };
 use udm_mapper::MappedDevice;
 
@@ -370,6 +370,9 @@ struct BenchJson<'a> {
     mode: &'a str,
     dispatch: &'a str,
     dispatch_why: &'a str,
+    /// Auto dispatch weighing queued against direct (a device that merging
+    /// helps): what it chose over the run; null elsewhere.
+    dispatch_auto: Option<AutoJson>,
     runtime_s: f64,
     ios: u64,
     reads: u64,
@@ -388,6 +391,15 @@ struct BenchJson<'a> {
     verified_blocks: u64,
     mismatches: u64,
     first_mismatch: Option<&'a str>,
+}
+
+/// What auto dispatch chose over a run, summed over its jobs: the trial's
+/// epochs in each mode, and the mode the first job ended in.
+#[derive(Serialize)]
+struct AutoJson {
+    queued_epochs: u64,
+    direct_epochs: u64,
+    last: &'static str,
 }
 
 /// Latency percentiles in microseconds.
@@ -482,6 +494,9 @@ fn run(devs: &[Arc<dyn BlockDevice>], cfg: BenchCfg) -> Result<Report, Error> {
             verify: cfg.verify,
             seed: seed.wrapping_add(j as u64 * 0x9e37_79b9),
             dispatch,
+            // At iodepth 1 nothing is in flight to merge with: auto is
+            // direct there, as where merging does not help.
+            weigh: dispatch == Dispatch::Auto && cfg.iodepth > 1 && merge_report(&**dev).0,
         })
         .collect();
     let pool_cfg = PoolConfig {
@@ -552,7 +567,17 @@ fn report(
     let mut elapsed = Duration::ZERO;
     let mut first_error = None;
     let mut first_mismatch = None;
+    let mut weighed: Option<AutoJson> = None;
     for r in rs {
+        if let Some(((q, d), last)) = r.weighed {
+            let w = weighed.get_or_insert(AutoJson {
+                queued_epochs: 0,
+                direct_epochs: 0,
+                last: last.name(),
+            });
+            w.queued_epochs += q;
+            w.direct_epochs += d;
+        }
         let _ = hist.add(&r.hist);
         ios += r.ios;
         reads += r.reads;
@@ -603,6 +628,7 @@ fn report(
             mode,
             dispatch: dispatch.name(),
             dispatch_why: why,
+            dispatch_auto: weighed,
             runtime_s: r3(secs),
             ios,
             reads,
@@ -666,6 +692,12 @@ fn report(
         println!(
             "    descriptors: allocs/io={allocs_per_io:.4}, cache hits={hits}, misses={misses}"
         );
+        if let Some(w) = &weighed {
+            println!(
+                "    dispatch: auto ran {} epochs queued, {} direct; ended {}",
+                w.queued_epochs, w.direct_epochs, w.last
+            );
+        }
         if cfg.verify {
             println!("    verify: {verified} blocks checked, {mismatches} mismatches");
         }

@@ -26,28 +26,16 @@
 use std::cell::Cell;
 use std::time::{Duration, Instant};
 
+use crate::trial::{Epoch, Score, Trial, Way};
+
 /// How long an epoch runs (it ends at the first idle turn after that):
 /// a few scheduler slices, so that one preemption does not decide it.
 pub(crate) const EPOCH: Duration = Duration::from_millis(8);
-/// An epoch that served fewer bios judges nothing: an idle reactor, or
-/// one whose client is sparse (whose long gaps close the spin window
-/// anyway). The weighing starts over from spinning, which a new
-/// request-reply client needs first.
-const MIN_BIOS: u64 = 64;
-/// Epochs waiting the better way between two tries of the other, at first
-/// and at most (doubling while the tries agree).
-const FIRST_EVERY: u32 = 8;
-const MAX_EVERY: u32 = 64;
 /// Sleeping at once is chosen only if it keeps this share of the
 /// throughput spinning had...
 const KEEP_RATE: f64 = 0.85;
 /// ...and costs at most this share of the spin's CPU per bio.
 const SAVE_COST: f64 = 0.9;
-/// A throughput that moves by more than this factor from the chosen
-/// wait's average is another workload: try the other way soon. (A QD1
-/// client after a QD32 one moves it 5-10x; a loaded host's scheduling
-/// moves single epochs by up to 2x.)
-const CHANGE: f64 = 3.0;
 
 /// How an adaptive reactor waits during an epoch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,135 +46,31 @@ pub(crate) enum Wait {
     Sleep,
 }
 
-impl Wait {
-    fn other(self) -> Wait {
-        match self {
-            Wait::Spin => Wait::Sleep,
-            Wait::Sleep => Wait::Spin,
-        }
-    }
-}
+impl Way for Wait {
+    const FIRST: Wait = Wait::Spin;
+    const SECOND: Wait = Wait::Sleep;
+    /// An idle reactor, or one whose client is sparse (whose long gaps
+    /// close the spin window anyway). The weighing starts over from
+    /// spinning, which a new request-reply client needs first.
+    const MIN_IOS: u64 = 64;
+    const FIRST_EVERY: u32 = 8;
+    const MAX_EVERY: u32 = 64;
+    /// A QD1 client after a QD32 one moves the rate 5-10x; a loaded host's
+    /// scheduling moves single epochs by up to 2x.
+    const CHANGE: f64 = 3.0;
 
-/// What an epoch measured.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Epoch {
-    /// Its length.
-    pub wall: Duration,
-    /// The reactor thread's CPU time in it.
-    pub cpu: Duration,
-    /// Bios it allocated (requests and their clones).
-    pub bios: u64,
-}
-
-/// An epoch's score.
-#[derive(Clone, Copy, Debug)]
-struct Score {
-    /// Bios per second.
-    rate: f64,
-    /// CPU nanoseconds per bio.
-    cost: f64,
-}
-
-/// The trial of the two waits: the decisions alone, fed with measurements
-/// (so a test can give it any workload's).
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Trial {
-    /// The wait that scored better.
-    best: Wait,
-    /// The current epoch's wait.
-    now: Wait,
-    /// Each wait's score: the last try's, or the running average of
-    /// the epochs that waited the better way (a quarter for the newest).
-    spin: Option<Score>,
-    sleep: Option<Score>,
-    /// Epochs of `best` between two tries.
-    every: u32,
-    /// Epochs of `best` since the last try.
-    since: u32,
-}
-
-impl Trial {
-    pub(crate) fn new() -> Trial {
-        Trial {
-            best: Wait::Spin,
-            now: Wait::Spin,
-            spin: None,
-            sleep: None,
-            every: FIRST_EVERY,
-            since: 0,
-        }
-    }
-
-    /// The current epoch's wait.
-    #[cfg(test)]
-    pub(crate) fn wait(&self) -> Wait {
-        self.now
-    }
-
-    /// Ends the current epoch with what it measured; returns the next
-    /// epoch's wait.
-    pub(crate) fn end_epoch(&mut self, e: Epoch) -> Wait {
-        if e.bios < MIN_BIOS || e.wall.is_zero() {
-            *self = Trial::new();
-            return self.now;
-        }
-        let s = Score {
-            rate: e.bios as f64 / e.wall.as_secs_f64(),
-            cost: e.cpu.as_nanos() as f64 / e.bios as f64,
-        };
-        let slot = match self.now {
-            Wait::Spin => &mut self.spin,
-            Wait::Sleep => &mut self.sleep,
-        };
-        let before = *slot;
-        *slot = Some(match before {
-            Some(b) if self.now == self.best => Score {
-                rate: b.rate + (s.rate - b.rate) / 4.0,
-                cost: b.cost + (s.cost - b.cost) / 4.0,
-            },
-            _ => s,
-        });
-        if self.now != self.best {
-            // A try ended: compare, and space the next try out while the
-            // answer stays the same.
-            let best = self.choose();
-            self.every = if best == self.best {
-                (self.every * 2).min(MAX_EVERY)
-            } else {
-                FIRST_EVERY
-            };
-            self.best = best;
-            self.since = 0;
+    fn verdict(spin: Score, sleep: Score, _: Wait) -> Wait {
+        if sleep.rate >= KEEP_RATE * spin.rate && sleep.cost <= SAVE_COST * spin.cost {
+            Wait::Sleep
         } else {
-            self.since += 1;
-            if before.is_some_and(|b| s.rate > b.rate * CHANGE || s.rate * CHANGE < b.rate) {
-                // Another workload: the average is the old one's.
-                *slot = Some(s);
-                self.every = FIRST_EVERY;
-                self.since = self.every;
-            }
-        }
-        self.now = if self.since >= self.every {
-            self.best.other()
-        } else {
-            self.best
-        };
-        self.now
-    }
-
-    fn choose(&self) -> Wait {
-        match (self.spin, self.sleep) {
-            (Some(p), Some(s)) if s.rate >= KEEP_RATE * p.rate && s.cost <= SAVE_COST * p.cost => {
-                Wait::Sleep
-            }
-            _ => Wait::Spin,
+            Wait::Spin
         }
     }
 }
 
 /// A reactor's running trial: the epoch's start and the decisions.
 pub(crate) struct Weigh {
-    trial: Cell<Trial>,
+    trial: Cell<Trial<Wait>>,
     /// When the epoch started: wall clock, thread CPU time, bios so far.
     start: Cell<(Instant, Duration, u64)>,
     /// When the epoch may end.
@@ -230,7 +114,7 @@ impl Weigh {
         let wait = trial.end_epoch(Epoch {
             wall: now.saturating_duration_since(t0),
             cpu: cpu.saturating_sub(c0),
-            bios: bios.wrapping_sub(b0),
+            ios: bios.wrapping_sub(b0),
         });
         self.trial.set(trial);
         self.at_once.set(wait == Wait::Sleep);
@@ -256,16 +140,16 @@ mod tests {
         Epoch {
             wall: EPOCH,
             cpu: Duration::from_nanos((us * 1e3) as u64 * bios),
-            bios,
+            ios: bios,
         }
     }
 
     /// Runs `n` epochs of a workload that scores `spin` while spinning and
     /// `sleep` while sleeping at once; returns the waits chosen.
-    fn run(t: &mut Trial, n: usize, spin: (f64, f64), sleep: (f64, f64)) -> Vec<Wait> {
+    fn run(t: &mut Trial<Wait>, n: usize, spin: (f64, f64), sleep: (f64, f64)) -> Vec<Wait> {
         (0..n)
             .map(|_| {
-                let (k, us) = match t.wait() {
+                let (k, us) = match t.way() {
                     Wait::Spin => spin,
                     Wait::Sleep => sleep,
                 };
@@ -286,14 +170,14 @@ mod tests {
     fn a_request_reply_client_keeps_the_spin_that_doubles_its_throughput() {
         // NBD at QD1: sleeping is cheaper per I/O (19.3 against 22.6 µs)
         // but halves the client's rate: the spin stays.
-        let mut t = Trial::new();
+        let mut t = Trial::<Wait>::new();
         let waits = run(&mut t, 1000, (43.6, 22.6), (20.1, 19.3));
         assert!(share(&waits, Wait::Spin) > 0.97, "{waits:?}");
-        // And tries sleeping ever less often: once in MAX_EVERY epochs.
+        // And tries sleeping ever less often: once in Wait::MAX_EVERY epochs.
         let last = &waits[800..];
         let tries = last.iter().filter(|&&w| w == Wait::Sleep).count();
         assert!(
-            tries <= last.len() / MAX_EVERY as usize + 1,
+            tries <= last.len() / Wait::MAX_EVERY as usize + 1,
             "{tries} tries"
         );
     }
@@ -302,7 +186,7 @@ mod tests {
     fn a_deep_queue_whose_client_keeps_sending_sleeps_between_bursts() {
         // NBD at QD32: sleeping keeps 94% of the rate at 78% of the CPU
         // per I/O, so the reactor sleeps, trying the spin now and then.
-        let mut t = Trial::new();
+        let mut t = Trial::<Wait>::new();
         let waits = run(&mut t, 1000, (205.6, 4.75), (192.9, 3.69));
         assert!(share(&waits[100..], Wait::Sleep) > 0.97, "{waits:?}");
         assert!(waits[..20].contains(&Wait::Sleep));
@@ -316,7 +200,7 @@ mod tests {
             ((1860.0, 0.53), (630.0, 0.64)),
             ((81.0, 12.2), (24.0, 15.8)),
         ] {
-            let mut t = Trial::new();
+            let mut t = Trial::<Wait>::new();
             let waits = run(&mut t, 500, spin, sleep);
             assert!(share(&waits, Wait::Spin) > 0.95, "{spin:?}: {waits:?}");
         }
@@ -325,11 +209,11 @@ mod tests {
     #[test]
     fn sleeping_that_saves_little_cpu_or_costs_throughput_loses() {
         // 5% less CPU per bio is not worth waking for: within the noise.
-        let mut t = Trial::new();
+        let mut t = Trial::<Wait>::new();
         let waits = run(&mut t, 300, (100.0, 5.0), (100.0, 4.75));
         assert!(share(&waits, Wait::Spin) > 0.95);
         // Half the CPU, but 20% of the throughput gone: too much.
-        let mut t = Trial::new();
+        let mut t = Trial::<Wait>::new();
         let waits = run(&mut t, 300, (100.0, 5.0), (80.0, 2.5));
         assert!(share(&waits, Wait::Spin) > 0.95);
     }
@@ -339,9 +223,9 @@ mod tests {
         // QD32, then QD1 on the same reactor: the rate falls by half in
         // the sleeping epochs, which brings the next try of the spin
         // forward, and the spin wins it.
-        let mut t = Trial::new();
+        let mut t = Trial::<Wait>::new();
         run(&mut t, 500, (205.6, 4.75), (192.9, 3.69));
-        assert_eq!(t.wait(), Wait::Sleep);
+        assert_eq!(t.way(), Wait::Sleep);
         let waits = run(&mut t, 30, (43.6, 22.6), (20.1, 19.3));
         let first_spin = waits.iter().position(|&w| w == Wait::Spin).unwrap();
         assert!(first_spin <= 2, "{waits:?}");
@@ -350,23 +234,23 @@ mod tests {
 
     #[test]
     fn an_idle_or_sparse_epoch_starts_the_weighing_over_from_the_spin() {
-        let mut t = Trial::new();
+        let mut t = Trial::<Wait>::new();
         run(&mut t, 500, (205.6, 4.75), (192.9, 3.69));
-        assert_eq!(t.wait(), Wait::Sleep);
+        assert_eq!(t.way(), Wait::Sleep);
         // A client that left: 2 ms with a handful of bios.
         assert_eq!(
             t.end_epoch(Epoch {
                 wall: EPOCH,
                 cpu: Duration::from_micros(30),
-                bios: 3,
+                ios: 3,
             }),
             Wait::Spin
         );
         // The next deep-queue client is weighed afresh: sleeping is tried
-        // within FIRST_EVERY epochs.
+        // within Wait::FIRST_EVERY epochs.
         let waits = run(
             &mut t,
-            FIRST_EVERY as usize + 1,
+            Wait::FIRST_EVERY as usize + 1,
             (205.6, 4.75),
             (192.9, 3.69),
         );

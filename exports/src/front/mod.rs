@@ -40,9 +40,12 @@
 //!   read-modify-write) go as in direct mode. *Auto*, on a device that
 //!   merging does not help, holds as stream does only a request that
 //!   continues the one before while others are in flight; any other goes
-//!   as in direct mode, at direct's cost. An export calls `unplug` at
-//!   the end of each batch it receives (one receive, one virtqueue kick);
-//!   in direct mode it finds nothing held and returns.
+//!   as in direct mode, at direct's cost. On a device that merging helps
+//!   it is queued or direct, as its trial ([`AutoTrial`]) measures: the
+//!   batch's end reads the clock, and past an epoch's end the trial may
+//!   change the mode, after what was held has gone. An export calls
+//!   `unplug` at the end of each batch it receives (one receive, one
+//!   virtqueue kick); in direct mode it finds nothing held and returns.
 //! - Bounce buffers are charged to the process's in-flight budget when
 //!   the export gives one ([`Front::set_budget`]), as a connection's
 //!   buffers are: a sub-block request that cannot get its bounce waits, in
@@ -65,11 +68,13 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::rc::Rc;
 use std::sync::Arc;
+use std::time::Instant;
 
 use slab::Slab;
 pub use udm_core::Dispatch;
 use udm_core::{
-    AlignedBuf, BioFlags, BioPtr, BlockDevice, Caps, Channel, Op, Reactor, Status, SECTOR_SHIFT,
+    AlignedBuf, AutoTrial, BioFlags, BioPtr, BlockDevice, Caps, Channel, Op, Reactor, Status,
+    SECTOR_SHIFT,
 };
 
 use crate::limits::Budget;
@@ -283,6 +288,12 @@ pub struct Front {
     next_off: Cell<u64>,
     /// The device reports that merging helps it ([`Caps::MERGE`]).
     merge_helps: bool,
+    /// Auto dispatch on a device that merging helps: the trial of queued
+    /// against direct, whose mode `mode` holds ([`Front::unplug`] feeds it).
+    trial: Cell<Option<AutoTrial>>,
+    /// Requests taken so far (what the trial counts per epoch: in a
+    /// closed loop, as many as complete).
+    taken: Cell<u64>,
     /// Most segments in one bio (the device's `max_segments`).
     max_segs: usize,
     plug: RefCell<Vec<Plugged>>,
@@ -336,23 +347,59 @@ impl Front {
             mode: Cell::new(Dispatch::Direct),
             next_off: Cell::new(plug::NOWHERE),
             merge_helps: caps.contains(Caps::MERGE),
+            trial: Cell::new(None),
+            taken: Cell::new(0),
             max_segs: l.max_segments.max(1) as usize,
             plug: RefCell::new(Vec::new()),
         })
     }
 
-    /// Sets how requests go to the device (direct until set): `Auto`
-    /// queues where the device reports that merging helps it, and chooses
-    /// per request elsewhere (see [`Front::dispatch`]). Requests held go at
+    /// Sets how requests go to the device (direct until set): `Auto`, where
+    /// the device reports that merging helps it, queues or goes direct as
+    /// its trial measures ([`AutoTrial`], starting queued), and chooses per
+    /// request elsewhere (see [`Front::dispatch`]). Requests held go at
     /// once when the mode changes.
     pub fn set_dispatch(&self, mode: Dispatch) {
+        self.trial.set(None);
+        self.unplug();
         let mode = match mode {
-            Dispatch::Auto if self.merge_helps => Dispatch::Queued,
+            Dispatch::Auto if self.merge_helps => {
+                let t = AutoTrial::new(Instant::now(), self.taken.get());
+                self.trial.set(Some(t));
+                t.mode()
+            }
             m => m,
         };
+        self.set_mode(mode);
+    }
+
+    fn set_mode(&self, mode: Dispatch) {
         self.unplug();
         self.next_off.set(plug::NOWHERE);
         self.mode.set(mode);
+    }
+
+    /// At a batch's end (`now`), weighing queued against direct: ends the
+    /// trial's epoch if it has run its time, and takes the mode it chose.
+    #[cold]
+    fn weigh(&self, now: Instant) {
+        let Some(mut t) = self.trial.get() else {
+            return;
+        };
+        if now < t.end() {
+            return;
+        }
+        let mode = t.end_epoch_at(now, self.taken.get());
+        self.trial.set(Some(t));
+        if mode != self.mode.get() {
+            self.set_mode(mode);
+        }
+    }
+
+    /// Auto dispatch weighing queued against direct: the epochs that ran
+    /// queued and direct so far (None in any other dispatch).
+    pub fn auto_epochs(&self) -> Option<(u64, u64)> {
+        self.trial.get().map(|t| t.epochs())
     }
 
     /// Charges bounce buffers to `budget` from now on (once; later calls
@@ -371,7 +418,9 @@ impl Front {
     /// continues the one before while other requests of the front are in
     /// flight is held as in stream mode; a lone one, or one that does not
     /// continue, goes on direct's path (a test and a store more than
-    /// direct), sending first what is held.
+    /// direct), sending first what is held. Auto on a device that merging
+    /// helps is `Queued` or `Direct`, as its trial chose for the epoch
+    /// ([`Front::auto_epochs`]).
     pub fn dispatch(&self) -> Dispatch {
         self.mode.get()
     }
@@ -416,6 +465,7 @@ impl Front {
     /// must stay valid and untouched by the caller until the request is
     /// finished (its [`DoneFn`] is called).
     pub unsafe fn submit(self: &Rc<Self>, req: Request) -> Submitted {
+        self.taken.set(self.taken.get().wrapping_add(1));
         if req.op == FrontOp::Flush {
             let idx = self.insert(req, 0, 0, false, false);
             self.start_flush(idx);
@@ -567,6 +617,7 @@ impl Front {
             }
             _ => return false,
         }
+        self.taken.set(self.taken.get().wrapping_add(1));
         let mut bio = self.reactor().alloc_bio();
         bio.op = Op::Read;
         bio.sector = offset >> SECTOR_SHIFT;

@@ -5,6 +5,8 @@
 //! auto mode, only while it does and other requests are in flight, and
 //! across a stream's jump (the request after a held run).
 
+use std::time::Instant;
+
 use udm_core::{BioFlags, BioPtr, Dispatch, Op, SECTOR_SHIFT};
 
 use super::{Front, FrontOp, Request, NO_SLOT};
@@ -185,13 +187,16 @@ impl Front {
     /// one bio of several segments, up to the device's `max_io_bytes` and
     /// `max_segments`. Exports call it at the end of each batch of
     /// requests; with nothing held (always, in direct mode) it returns at
-    /// once.
+    /// once. Auto dispatch weighing queued against direct reads the clock
+    /// here, after what was held has gone: the trial may change the mode.
     #[inline]
     pub fn unplug(&self) {
-        if self.plug.borrow().is_empty() {
-            return;
+        if !self.plug.borrow().is_empty() {
+            self.send_plug();
         }
-        self.send_plug();
+        if self.trial.get().is_some() {
+            self.weigh(Instant::now());
+        }
     }
 
     /// [`Front::unplug`]'s work, out of line: the hot callers only test

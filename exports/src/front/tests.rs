@@ -690,6 +690,75 @@ fn auto_queues_only_where_the_device_reports_that_merging_helps() {
 }
 
 #[test]
+fn auto_where_merging_helps_goes_direct_while_direct_serves_more_and_back_when_not() {
+    let dev = Arc::new(MemDev {
+        merge: true,
+        ..Arc::into_inner(MemDev::new()).unwrap()
+    });
+    let rig = Rig::new(dev);
+    let front = rig.front();
+    front.set_dispatch(Dispatch::Auto);
+    assert_eq!(
+        front.dispatch(),
+        Dispatch::Queued,
+        "the device's report first"
+    );
+    // The trial on the test's clock, an hour ahead of the real one: the
+    // unplugs the front makes itself never end an epoch.
+    let mut now = Instant::now() + std::time::Duration::from_secs(3600);
+    front
+        .trial
+        .set(Some(AutoTrial::new(now, front.taken.get())));
+    let mut bufs: Vec<Vec<u8>> = (0..256).map(|_| vec![0; BS as usize]).collect();
+    // One epoch of a workload that takes `queued` reads in queued epochs
+    // and `direct` in direct ones, in batches of 8 (each unplugged and
+    // completed); the epoch ends at the next batch's end. Returns the
+    // mode the trial chose for the next epoch.
+    let mut epoch = |queued: usize, direct: usize| {
+        let n = if front.dispatch() == Dispatch::Queued {
+            queued
+        } else {
+            direct
+        };
+        for (i, b) in bufs[..n].iter_mut().enumerate() {
+            let off = (i as u64 % 64) * BS as u64;
+            rig.submit(i as u64, FrontOp::Read, off, b, ReqFlags::default());
+            if i % 8 == 7 {
+                front.unplug();
+                rig.run();
+            }
+        }
+        front.unplug();
+        rig.run();
+        rig.results();
+        now += udm_core::dispatch::EPOCH;
+        front.weigh(now);
+        front.dispatch()
+    };
+    // Direct serves twice queued's rate: chosen within a few epochs.
+    let modes: Vec<Dispatch> = (0..20).map(|_| epoch(100, 200)).collect();
+    assert_eq!(modes.last(), Some(&Dispatch::Direct), "{modes:?}");
+    let (q, d) = front.auto_epochs().unwrap();
+    assert!(d > q, "{q} queued, {d} direct");
+    // In direct mode a batch goes as it comes: one bio per read.
+    rig.dev.log.lock().unwrap().clear();
+    let mut b = vec![0; 2 * BS as usize];
+    let (lo, hi) = b.split_at_mut(BS as usize);
+    rig.submit(1, FrontOp::Read, 0, lo, ReqFlags::default());
+    rig.submit(2, FrontOp::Read, BS as u64, hi, ReqFlags::default());
+    assert_eq!(shapes(&rig.dev).len(), 2);
+    front.unplug();
+    rig.run();
+    rig.results();
+    // Queued serves twice direct's: back to queued by the next try.
+    let modes: Vec<Dispatch> = (0..66).map(|_| epoch(200, 100)).collect();
+    assert_eq!(modes.last(), Some(&Dispatch::Queued), "{modes:?}");
+    // Asked for direct: the trial ends.
+    front.set_dispatch(Dispatch::Direct);
+    assert_eq!(front.auto_epochs(), None);
+}
+
+#[test]
 fn stream_holds_only_what_continues_the_request_before_and_sends_the_rest_as_it_comes() {
     let rig = Rig::new(MemDev::new());
     rig.front().set_dispatch(Dispatch::Stream);

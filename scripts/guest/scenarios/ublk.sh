@@ -138,7 +138,7 @@ check ublk_direct_does_not_merge [ "$BIOS_direct" -eq 2048 ]
 # auto follows the device's report: a slow device gains from merging.
 udm create slow null:16M,delay=100
 udm export add slow --ublk --id 4 >/dev/null
-check ublk_auto_follows_the_device sh -c "udm info slow | grep -q 'Export dispatch: .*(ublk): queued (auto: merging helps'"
+check ublk_auto_follows_the_device sh -c "udm info slow | grep -q 'Export dispatch: .*(ublk): auto (auto: merging helps'"
 udm info slow | grep "Export dispatch"
 udm export remove slow
 # A daemon stop deletes the devices it serves.
