@@ -17,9 +17,10 @@
 //! that a sequential run held goes on across a jump (the I/O after a held
 //! run is held wherever it starts: [`STREAMING`]); at iodepth 1 it is
 //! direct. Auto on a device that merging helps weighs queued against
-//! direct at iodepths above 1 ([`AutoTrial`]): at the end of each reactor turn past an epoch's
-//! end the trial may change the mode, and the I/Os issued after go the new
-//! way (what is held was sent at the turn's end, before).
+//! direct at iodepths above 1 ([`AutoTrial`]): at the end of each reactor
+//! turn past an epoch's end the trial may change the mode, and the I/Os
+//! issued after go the new way (what is held was sent at the turn's end,
+//! before).
 
 use std::cell::{Cell, UnsafeCell};
 use std::rc::Rc;
@@ -326,11 +327,11 @@ impl Job {
 
     /// Issues the slot's next I/O; false when the phase has no more.
     /// `M`: the job's dispatch ([`M_DIRECT`], [`M_AUTO`], [`M_HOLD`] or
-    /// [`M_WEIGH`]). A
-    /// copy per kind, so that direct's has no dispatch code at all (with
-    /// auto's test inline in one copy for all modes, direct paid 5 more
-    /// instructions per I/O in register saves; with the test out of line,
-    /// auto paid a call) and auto's does not test for the others.
+    /// [`M_WEIGH`]). A copy per kind, so that direct's has no dispatch code
+    /// at all (with auto's test inline in one copy for all modes, direct
+    /// paid 5 more instructions per I/O in register saves; with the test
+    /// out of line, auto paid a call) and auto's does not test for the
+    /// others.
     #[inline]
     fn issue<const M: u8>(&self, slot: *mut Slot) -> bool {
         let Some((op, block)) = self.next_io() else {
