@@ -3,7 +3,7 @@
 //! Wraps any [`BlockDevice`] and keeps, beside it, what a real disk with a
 //! volatile write cache would have *durably*: a write becomes durable when a
 //! FLUSH that was submitted after it completed, or, with FUA, when it
-//! completes itself. [`PowerCut::cut`] turns the power off (from then on
+//! completes itself. [`Power::cut`] turns the power off (from then on
 //! every I/O fails, atomically for every device sharing the same
 //! [`Power`]); [`PowerCut::restore`] then rewrites the inner device with
 //! what survived: the durable contents, and — when asked to tear — for each

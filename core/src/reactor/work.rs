@@ -27,7 +27,7 @@ pub trait Poller {
 }
 
 /// A reactor's queue of slow work (the kernel's `queue_work` on the local
-/// CPU). A poller added with [`Reactor::add_poller`] is called on every
+/// CPU). A poller added with [`Reactor::add_poller`](super::Reactor::add_poller) is called on every
 /// turn, which costs each I/O of a QD1 loop a call; one queued here is
 /// called only from the turn after it was queued until its
 /// [`Poller::pending`] turns false, so a device whose slow path (retries,

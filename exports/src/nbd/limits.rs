@@ -1,5 +1,5 @@
 //! The NBD server's own connection counts: per-export caps, beside the
-//! process-wide [`Pool`](crate::limits::Pool) every server shares.
+//! process-wide [`Pool`] every server shares.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;

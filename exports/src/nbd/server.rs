@@ -3,7 +3,7 @@
 //!
 //! The thread that calls [`Server::run`] accepts (on every listener, with
 //! `poll(2)`, off the data path) and hands each socket to the next reactor
-//! thread through its [`ReactorHandle`] mailbox; from then on the
+//! thread through its [`ReactorHandle`](udm_core::ReactorHandle) mailbox; from then on the
 //! connection lives on that reactor. When `stop_fd` becomes readable (a
 //! signalfd for SIGINT/SIGTERM, or an eventfd), the server stops
 //! accepting, lets every reactor finish the requests in flight, joins them,
