@@ -28,6 +28,16 @@ fn line(params: &str, legs: &str) -> String {
     format!("0 {LEG} raid raid1 {n} 0 {params} 2 {legs}")
 }
 
+/// A mirror (nosync, regions of 1024 sectors) over `devs`' legs whose leg
+/// 1 data device is `l1`, a linear mapping of d1 that a test can switch to
+/// `error`: returns `l1` and the mirror.
+fn mirror_with_leg1_switchable(devs: &mut Devices) -> (Arc<MappedDevice>, Arc<MappedDevice>) {
+    let l1 = devs.mapped("l1", &format!("0 {LEG} linear d1 0"));
+    devs.add(as_dev(&l1));
+    let md = devs.mapped("r", &line("nosync region_size 1024", "m0 d0 m1 l1"));
+    (l1, md)
+}
+
 fn status(md: &Arc<MappedDevice>) -> String {
     md.table().status_lines()[0].clone()
 }
@@ -129,10 +139,7 @@ fn a_new_array_resyncs_once_live_without_any_io() {
 #[test]
 fn a_failing_leg_is_dropped_without_an_error_and_raises_an_event() {
     let mut devs = two_legs();
-    // Leg 1's data device is a mapped device, switched to `error`.
-    let l1 = devs.mapped("l1", &format!("0 {LEG} linear d1 0"));
-    devs.add(as_dev(&l1));
-    let md = devs.mapped("r", &line("nosync region_size 1024", "m0 d0 m1 l1"));
+    let (l1, md) = mirror_with_leg1_switchable(&mut devs);
     let dev = as_dev(&md);
     let t = ReactorThread::spawn("raid");
     t.write(&dev, 0, pattern(1, 0, 64));
@@ -152,10 +159,8 @@ fn a_failing_leg_is_dropped_without_an_error_and_raises_an_event() {
 #[test]
 fn reads_go_to_the_regions_home_leg_and_to_the_other_once_it_failed() {
     let mut devs = two_legs();
-    let l1 = devs.mapped("l1", &format!("0 {LEG} linear d1 0"));
-    devs.add(as_dev(&l1));
     // Regions of 1024 sectors: leg 0 is region 0's home, leg 1 region 1's.
-    let md = devs.mapped("r", &line("nosync region_size 1024", "m0 d0 m1 l1"));
+    let (l1, md) = mirror_with_leg1_switchable(&mut devs);
     let dev = as_dev(&md);
     let t = ReactorThread::spawn("raid");
     let (d0, d1) = (devs.get("d0"), devs.get("d1"));
