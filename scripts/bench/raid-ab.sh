@@ -14,16 +14,7 @@ CASES=${CASES:-"lin_read raid_read lin_write raid_write raid_read_2jobs"}
 COMMON=(--iodepth 32 --runtime 1 --prefill --dispatch direct --json)
 . "$(dirname "$0")/raid-stacks.sh"
 S=${SIZE:-1G}; SEC=${SECTORS:-2097152}
-LIN=$(raid_lin "$S" "$SEC"); RAID=$(raid_mirror "$S" "$SEC")
-declare -A CASE=(
-    [lin_read]="$LIN --rw randread"
-    [raid_read]="$RAID --rw randread"
-    [lin_write]="$LIN --rw randwrite"
-    [raid_write]="$RAID --rw randwrite"
-    [lin_rw]="$LIN --rw randrw"
-    [raid_rw]="$RAID --rw randrw"
-    [raid_read_2jobs]="$RAID --rw randread --jobs 2"
-)
+raid_cases "$S" "$SEC"
 OUT=$(mktemp); trap 'rm -f "$OUT"' EXIT
 for ((r = 0; r < ROUNDS; r++)); do
   if ((r % 2)); then bins="B A"; else bins="A B"; fi

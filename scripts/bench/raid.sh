@@ -16,16 +16,8 @@ ROUNDS=${1:-7}
 UDM=${2:-target/release/udm}
 COMMON=(--iodepth 32 --runtime 1 --prefill --dispatch direct --json)
 . "$(dirname "$0")/raid-stacks.sh"
-LIN=$(raid_lin 1G 2097152); RAID=$(raid_mirror 1G 2097152); NOMETA=$(raid_nometa 1G 2097152)
+raid_cases 1G 2097152
 iops() { python3 -c 'import json,sys; j=json.load(sys.stdin); print(j["iops"], j["ios"]/max(0.01, j["cpu_user_s"]+j["cpu_sys_s"]))'; }
-declare -A CASE=(
-    [lin_read]="$LIN --rw randread"
-    [raid_read]="$RAID --rw randread"
-    [lin_write]="$LIN --rw randwrite"
-    [raid_write]="$RAID --rw randwrite"
-    [nometa_write]="$NOMETA --rw randwrite"
-    [raid_read_2jobs]="$RAID --rw randread --jobs 2"
-)
 read -r -a ORDER <<<"${UDM_RAID_BENCH_CASES:-lin_read raid_read lin_write raid_write nometa_write raid_read_2jobs}"
 OUT=$(mktemp)
 for ((r = 0; r < ROUNDS; r++)); do
