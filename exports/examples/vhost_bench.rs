@@ -3,7 +3,12 @@
 //! `seqwrite`) reads or writes of BS bytes at QD in flight on one queue for
 //! SECS seconds; prints `iops N` (and, on stderr, `ios N`: the I/Os done).
 //!
-//! usage: vhost_bench SOCKET [SECS=5] [QD=32] [BS=4096] [read|write|seqread|seqwrite]
+//! The queue waits for completions on its call eventfd (`irq`, what a
+//! guest's interrupt-driven virtio-blk queue does) or polls the used ring
+//! with the server's notifications off (`poll`, what a guest's
+//! `virtio_blk.poll_queues` or SPDK's virtio initiator does).
+//!
+//! usage: vhost_bench SOCKET [SECS=5] [QD=32] [BS=4096] [read|write|seqread|seqwrite] [irq|poll]
 
 // A benchmark tool: a failed setup step ends it with its message.
 #![allow(clippy::unwrap_used)]
@@ -15,9 +20,9 @@ use blkio::{Blkio, Completion, ReqFlags};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let path = args
-        .get(1)
-        .expect("usage: vhost_bench SOCKET [SECS] [QD] [BS] [read|write|seqread|seqwrite]");
+    let path = args.get(1).expect(
+        "usage: vhost_bench SOCKET [SECS] [QD] [BS] [read|write|seqread|seqwrite] [irq|poll]",
+    );
     let arg = |i: usize, d: u64| args.get(i).map_or(d, |s| s.parse().unwrap());
     let secs = arg(2, 5);
     let qd = arg(3, 32) as usize;
@@ -25,11 +30,24 @@ fn main() {
     let rw = args.get(5).map_or("read", String::as_str);
     let write = rw.ends_with("write");
     let seq = rw.starts_with("seq");
+    let poll = match args.get(6).map_or("irq", String::as_str) {
+        "irq" => false,
+        "poll" => true,
+        m => panic!("vhost_bench: completion mode {m:?} is neither irq nor poll"),
+    };
     let mut b = Blkio::new("virtio-blk-vhost-user").unwrap();
     b.set_str("path", path).unwrap();
     b.connect().unwrap();
-    b.set_i32("num-queues", 1).unwrap();
-    let mut q = b.start().unwrap().queues.pop().unwrap();
+    b.set_i32("num-queues", i32::from(!poll)).unwrap();
+    b.set_i32("num-poll-queues", i32::from(poll)).unwrap();
+    let started = b.start().unwrap();
+    let mut q = if poll {
+        started.poll_queues
+    } else {
+        started.queues
+    }
+    .pop()
+    .unwrap();
     let cap = b.get_u64("capacity").unwrap();
     let blocks = cap / bs as u64;
     let region = b.alloc_mem_region(qd * bs).unwrap();

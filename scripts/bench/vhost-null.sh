@@ -13,6 +13,9 @@
 #   udm-interrupt (--interrupt), udm-b (the binary at $UDM_B), udm+OPTS
 #   (udm serve OPTS, commas for spaces), qsd (the main loop),
 #   qsd-iothread (the export in an iothread, which polls adaptively).
+#   WAIT=poll: the client polls its used ring with the servers'
+#   notifications off (a guest's virtio_blk.poll_queues); default irq: it
+#   sleeps on its call eventfd.
 set -euo pipefail
 ROUNDS=${1:-5}
 RUNTIME=${2:-5}
@@ -58,5 +61,5 @@ start() {
     vhost_listening "$1"
 }
 
-echo "# $(date -u +%F) $(git rev-parse --short HEAD) null devices, $BS $RW QD$QD, $RUNTIME s x $ROUNDS rounds, load $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "# $(date -u +%F) $(git rev-parse --short HEAD) null devices, $BS $RW QD$QD, client ${WAIT:-irq}, $RUNTIME s x $ROUNDS rounds, load $(cut -d' ' -f1-3 /proc/loadavg)"
 vhost_rounds "$ROUNDS" "$W/results" "$A" "$B"

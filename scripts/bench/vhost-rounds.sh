@@ -1,7 +1,9 @@
 # Sourced by the vhost-user-blk bench scripts: two servers in interleaved
 # rounds against the VM-less client (exports/examples/vhost_bench.rs).
 #
-# The caller sets CLIENT, SOCK, RUNTIME, QD, BS, RW and defines
+# The caller sets CLIENT, SOCK, RUNTIME, QD, BS, RW (and WAIT: the
+# client waits on its call eventfd, `irq`, the default, or polls,
+# `poll`) and defines
 # `start NAME`, which starts server NAME in the background listening on
 # $SOCK and calls `vhost_listening NAME` (it sets PID).
 #
@@ -26,7 +28,7 @@ vhost_run() {
     local clk c0 out iops c1
     clk=$(getconf CLK_TCK)
     c0=$(awk '{print $14 + $15}' "/proc/$PID/stat")
-    out=$("$CLIENT" "$SOCK" "$RUNTIME" "$QD" "$BS" "$RW" 2>/dev/null)
+    out=$("$CLIENT" "$SOCK" "$RUNTIME" "$QD" "$BS" "$RW" "${WAIT:-irq}" 2>/dev/null)
     c1=$(awk '{print $14 + $15}' "/proc/$PID/stat")
     kill "$PID"
     wait "$PID" 2>/dev/null || true
