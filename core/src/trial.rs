@@ -8,7 +8,11 @@
 //! keep agreeing (from [`Way::FIRST_EVERY`] epochs between two tries,
 //! doubling up to [`Way::MAX_EVERY`]). The better way's score is a running
 //! average (a quarter for the newest epoch); a try is scored on its own
-//! epoch. A rate that moves by more than [`Way::CHANGE`] from the better
+//! epoch, and a try that would change the way runs a second epoch first,
+//! the change made only if the two epochs' average still calls for it:
+//! one epoch that noise made look better (a preemption in the other way's
+//! last epoch, a burst of the host's other work) does not move the trial.
+//! A rate that moves by more than [`Way::CHANGE`] from the better
 //! way's average is another workload: the average starts over from it and
 //! the other way is tried soon. An epoch that served fewer than
 //! [`Way::MIN_IOS`] judges nothing and starts the trial over from
@@ -78,6 +82,9 @@ pub(crate) struct Trial<W: Way> {
     every: u32,
     /// Epochs of `best` since the last try.
     since: u32,
+    /// The current epoch is a try's second, which confirms or refutes its
+    /// first.
+    confirming: bool,
 }
 
 impl<W: Way> Trial<W> {
@@ -89,6 +96,7 @@ impl<W: Way> Trial<W> {
             second: None,
             every: W::FIRST_TRY,
             since: 0,
+            confirming: false,
         }
     }
 
@@ -114,10 +122,17 @@ impl<W: Way> Trial<W> {
             &mut self.second
         };
         let before = *slot;
+        let weight = if self.now == self.best {
+            4.0
+        } else if self.confirming {
+            2.0
+        } else {
+            1.0
+        };
         *slot = Some(match before {
-            Some(b) if self.now == self.best => Score {
-                rate: b.rate + (s.rate - b.rate) / 4.0,
-                cost: b.cost + (s.cost - b.cost) / 4.0,
+            Some(b) if weight > 1.0 => Score {
+                rate: b.rate + (s.rate - b.rate) / weight,
+                cost: b.cost + (s.cost - b.cost) / weight,
             },
             _ => s,
         });
@@ -128,6 +143,12 @@ impl<W: Way> Trial<W> {
                 (Some(f), Some(s)) => W::verdict(f, s, self.best),
                 _ => W::FIRST,
             };
+            if best != self.best && !self.confirming {
+                // It calls for a change: one more epoch the same way first.
+                self.confirming = true;
+                return self.now;
+            }
+            self.confirming = false;
             self.every = if best == self.best {
                 (self.every * 2).min(W::MAX_EVERY)
             } else {
