@@ -35,8 +35,9 @@
 //!   report, is kept unless direct serves [`DIRECT_FASTER`] times its rate,
 //!   or as much at a fifth less CPU per I/O; an epoch of fewer than 64 I/Os
 //!   (an idle or sparse client) starts the trial over from queued.
-//!   Elsewhere it chooses per request: a request that continues the one before while others
-//!   are in flight is held to merge as in stream mode; a lone request
+//!   Elsewhere it chooses per request: a request that continues the one
+//!   before while others are in flight is held to merge as in stream
+//!   mode; a lone request
 //!   (nothing else in flight) or a scattered one goes on direct's path,
 //!   with nothing held. A fast device then pays direct's cost for what
 //!   stream could not merge anyway (a lone sequential request held and

@@ -277,8 +277,8 @@ pub(crate) struct ReactorCore {
     wake_buf: UnsafeCell<u64>,
     wake_armed: Cell<bool>,
     last_work: Cell<Instant>,
-    /// Adaptive mode: idle turns in a row (the spin yields the CPU on
-    /// every [`YIELD_EVERY`]th).
+    /// Adaptive mode: idle turns since the gap started
+    /// ([`ReactorCore::idle_turn_yields`]).
     idle_turns: Cell<u32>,
     /// Adaptive mode: when the reactor went idle (None while it has work).
     idle_since: Cell<Option<Instant>>,
@@ -330,11 +330,21 @@ impl ReactorCore {
         }
     }
 
+    /// Adaptive mode: counts an idle turn of the gap; true on every
+    /// [`YIELD_EVERY`]th, whose spin yields the CPU.
+    #[inline]
+    fn idle_turn_yields(&self) -> bool {
+        let n = self.idle_turns.get().wrapping_add(1);
+        self.idle_turns.set(n);
+        n.is_multiple_of(YIELD_EVERY)
+    }
+
     /// Adaptive mode: an idle gap starts (and, weighed, an epoch may end).
     #[inline]
     fn go_idle(&self) {
         let now = Instant::now();
         self.idle_since.set(Some(now));
+        self.idle_turns.set(0);
         if let Some(w) = &self.weigh {
             w.at_idle(now, || self.bios_allocated());
         }
@@ -903,10 +913,7 @@ impl Reactor {
                 }
                 core.ring.submit();
                 if t.work == 0 {
-                    let n = core.idle_turns.get().wrapping_add(1);
-                    core.idle_turns.set(n);
-                    if core.config.mode == CompletionMode::Adaptive && n.is_multiple_of(YIELD_EVERY)
-                    {
+                    if core.config.mode == CompletionMode::Adaptive && core.idle_turn_yields() {
                         // An idle spin gives the CPU to anything else that
                         // wants it: it is a bet on latency, not a claim on
                         // the core (the client may be waiting for this CPU).
@@ -915,8 +922,6 @@ impl Reactor {
                     } else {
                         std::hint::spin_loop();
                     }
-                } else {
-                    core.idle_turns.set(0);
                 }
             }
         }
