@@ -329,3 +329,84 @@ fn vhost_exports_take_queued_dispatch_and_auto_follows_the_device() {
         "{info}"
     );
 }
+
+/// The number before `what` in `text` (`… 12 epochs queued …`).
+fn count_before(text: &str, what: &str) -> u64 {
+    let i = text
+        .find(what)
+        .unwrap_or_else(|| panic!("no '{what}' in {text}"));
+    text[..i]
+        .split_whitespace()
+        .last()
+        .and_then(|n| n.trim_start_matches('(').parse().ok())
+        .unwrap_or_else(|| panic!("no count before '{what}' in {text}"))
+}
+
+/// `udm info` says what auto's trial of queued against direct runs now,
+/// on how many of the export's connections, and the epochs it ran each
+/// way; `export ls --json` carries the same line; a connection that closed
+/// no longer counts, its epochs do.
+#[test]
+fn info_shows_what_auto_dispatch_trial_runs_and_ran() {
+    let d = Daemon::start(&[]);
+    // A null device with a delay reports that merging helps it: auto
+    // weighs queued against direct there.
+    d.ok(&["create", "slow", "null:64M,delay=20"]);
+    let sock = d.dir.path("slow.sock");
+    d.ok(&[
+        "export",
+        "add",
+        "slow",
+        "--nbd",
+        &format!("unix:{}", sock.display()),
+    ]);
+    let info = d.ok(&["info", "slow"]);
+    assert!(
+        info.contains(
+            "Export dispatch:   slow (nbd): auto (auto: merging helps (null with a delay"
+        ) && !info.contains("trial:"),
+        "before any connection, no trial: {info}"
+    );
+    let mut fio = std::process::Command::new("fio")
+        .args([
+            "--name=t",
+            "--ioengine=nbd",
+            &format!("--uri=nbd+unix:///slow?socket={}", sock.display()),
+            "--rw=randread",
+            "--bs=4k",
+            "--iodepth=32",
+            "--time_based",
+            "--runtime=4",
+            "--size=64M",
+        ])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("fio");
+    // Epochs are 8 ms: after 2 s the trial has run many, and fio has 2 s left.
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let info = d.ok(&["info", "slow"]);
+    let line = info
+        .lines()
+        .find(|l| l.starts_with("Export dispatch:"))
+        .unwrap_or_else(|| panic!("{info}"));
+    assert!(
+        line.contains("; trial: queued on 1 of 1 connections (")
+            || line.contains("; trial: direct on 1 of 1 connections ("),
+        "{line}"
+    );
+    let ran = count_before(line, "epochs queued") + count_before(line, "direct)");
+    assert!(ran >= 10, "{line}");
+    let ls = d.ok(&["export", "ls", "--json"]);
+    assert!(ls.contains("trial: "), "{ls}");
+    assert!(fio.wait().unwrap().success());
+    let info = d.ok(&["info", "slow"]);
+    let line = info
+        .lines()
+        .find(|l| l.starts_with("Export dispatch:"))
+        .unwrap_or_else(|| panic!("{info}"));
+    assert!(line.contains("; trial: no connections now ("), "{line}");
+    assert!(
+        count_before(line, "epochs queued") + count_before(line, "direct)") >= ran,
+        "{line}"
+    );
+}

@@ -8,10 +8,11 @@ use std::sync::{Arc, Mutex, Weak};
 use udm_control::{Devices, ExportInfo, ExportSpec, Holder};
 use udm_core::{Error, ErrorKind, ReactorConfig};
 
+use udm_exports::front::AutoReport;
 use udm_exports::limits::{Limits, Pool};
 use udm_exports::nbd::{Clients, Export, Listen, Server, ServerConfig, Tls};
 
-use super::running::{hold_device, Protocol, Served, ServerThread};
+use super::running::{hold_device, with_trial, Protocol, Served, ServerThread};
 
 /// One export being served.
 pub(super) struct NbdExport {
@@ -20,6 +21,8 @@ pub(super) struct NbdExport {
     bound: Listen,
     holder: Holder,
     clients: Clients,
+    /// What the connections' trials of auto dispatch run and ran.
+    auto: Arc<AutoReport>,
     server: ServerThread,
 }
 
@@ -30,6 +33,10 @@ impl Served for NbdExport {
 
     fn clients(&self) -> usize {
         self.clients.get()
+    }
+
+    fn dispatch(&self) -> String {
+        with_trial(&self.info.dispatch, &self.auto, "connections")
     }
 
     fn busy(&self, n: usize) -> String {
@@ -159,6 +166,7 @@ impl Protocol for Nbd {
         let mut export = Export::new(&name, dev, spec.read_only);
         export.set_dispatch(dispatch);
         let dispatch = format!("{} ({})", export.dispatch, export.dispatch_why);
+        let auto = export.auto.clone();
         let started = (|| {
             let srv = Server::bind(
                 vec![export],
@@ -206,6 +214,7 @@ impl Protocol for Nbd {
             bound,
             holder,
             clients,
+            auto,
             server,
         })
     }

@@ -13,6 +13,7 @@ use std::thread::JoinHandle;
 
 use udm_control::{Devices, ExportInfo, ExportList, ExportService, ExportSpec, Holder};
 use udm_core::{BlockDevice, Error, ErrorKind};
+use udm_exports::front::AutoReport;
 
 /// One export a service runs.
 pub(super) trait Served {
@@ -20,6 +21,11 @@ pub(super) trait Served {
     fn info(&self) -> &ExportInfo;
     /// Its clients now.
     fn clients(&self) -> usize;
+    /// The dispatch in use and why, as the info says it, and what auto
+    /// dispatch's trials run now and ran so far, where they run.
+    fn dispatch(&self) -> String {
+        self.info().dispatch.clone()
+    }
     /// Why a remove without force is refused while it has `n` clients.
     fn busy(&self, n: usize) -> String;
     /// Starts to stop, without waiting: at the daemon's stop, every export
@@ -112,6 +118,7 @@ impl<P: Protocol> ExportService for Service<P> {
             .iter()
             .map(|r| ExportInfo {
                 clients: r.clients(),
+                dispatch: r.dispatch(),
                 ..r.info().clone()
             })
             .collect();
@@ -192,5 +199,14 @@ impl ServerThread {
                 Err(_) => tracing::error!("export '{name}': its server panicked"),
             }
         }
+    }
+}
+
+/// `dispatch` (the info's), followed by what `auto`'s trials over the
+/// export's `what` (connections, queues) run now and ran.
+pub(super) fn with_trial(dispatch: &str, auto: &AutoReport, what: &str) -> String {
+    match auto.describe(what) {
+        Some(t) => format!("{dispatch}; {t}"),
+        None => dispatch.to_string(),
     }
 }

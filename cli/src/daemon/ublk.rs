@@ -10,7 +10,7 @@ use udm_core::{Error, ErrorKind, ReactorConfig};
 use udm_exports::limits::Pool;
 use udm_exports::ublk::{UblkConfig, UblkDevice};
 
-use super::running::{hold_device, Protocol, Served};
+use super::running::{hold_device, with_trial, Protocol, Served};
 
 /// One export being served.
 pub(super) struct UblkExport {
@@ -27,6 +27,10 @@ impl Served for UblkExport {
     /// The processes holding the device open.
     fn clients(&self) -> usize {
         self.dev.openers()
+    }
+
+    fn dispatch(&self) -> String {
+        with_trial(&self.info.dispatch, &self.dev.auto_report(), "queues")
     }
 
     fn busy(&self, n: usize) -> String {

@@ -11,10 +11,11 @@ use std::sync::Arc;
 use udm_control::{Devices, ExportInfo, ExportSpec, Holder};
 use udm_core::access::Access;
 use udm_core::{Error, ErrorKind, ReactorConfig};
+use udm_exports::front::AutoReport;
 use udm_exports::limits::Pool;
 use udm_exports::vhost::{Clients, Server, ServerConfig};
 
-use super::running::{hold_device, Protocol, Served, ServerThread};
+use super::running::{hold_device, with_trial, Protocol, Served, ServerThread};
 
 /// One export being served.
 pub(super) struct VhostExport {
@@ -22,6 +23,8 @@ pub(super) struct VhostExport {
     path: PathBuf,
     holder: Holder,
     clients: Clients,
+    /// What the queues' trials of auto dispatch run and ran.
+    auto: Arc<AutoReport>,
     server: ServerThread,
 }
 
@@ -32,6 +35,10 @@ impl Served for VhostExport {
 
     fn clients(&self) -> usize {
         self.clients.get()
+    }
+
+    fn dispatch(&self) -> String {
+        with_trial(&self.info.dispatch, &self.auto, "queues")
     }
 
     fn busy(&self, _: usize) -> String {
@@ -138,10 +145,11 @@ impl Protocol for Vhost {
                 },
             )?;
             let clients = srv.clients();
+            let auto = srv.auto_report();
             let server = ServerThread::spawn(format!("udm-exp-{name}"), move |stop| srv.run(stop))?;
-            Ok::<_, Error>((clients, server))
+            Ok::<_, Error>((clients, auto, server))
         })();
-        let (clients, server) = match started {
+        let (clients, auto, server) = match started {
             Ok(s) => s,
             Err(e) => {
                 let _ = ctl.release(&spec.device, &holder);
@@ -170,6 +178,7 @@ impl Protocol for Vhost {
             path,
             holder,
             clients,
+            auto,
             server,
         })
     }

@@ -62,6 +62,7 @@
 
 mod order;
 mod plug;
+mod report;
 
 use std::cell::{Cell, OnceCell, RefCell};
 use std::collections::VecDeque;
@@ -79,6 +80,7 @@ use udm_core::{
 
 use crate::limits::Budget;
 use plug::Plugged;
+pub use report::{AutoCounts, AutoReport};
 
 /// What a protocol request asks of the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -291,6 +293,8 @@ pub struct Front {
     /// Auto dispatch on a device that merging helps: the trial of queued
     /// against direct, whose mode `mode` holds ([`Front::unplug`] feeds it).
     trial: Cell<Option<AutoTrial>>,
+    /// Where the trial's mode and epochs are reported (unset: nowhere).
+    report: OnceCell<Arc<AutoReport>>,
     /// Requests taken so far (what the trial counts per epoch: in a
     /// closed loop, as many as complete).
     taken: Cell<u64>,
@@ -348,6 +352,7 @@ impl Front {
             next_off: Cell::new(plug::NOWHERE),
             merge_helps: caps.contains(Caps::MERGE),
             trial: Cell::new(None),
+            report: OnceCell::new(),
             taken: Cell::new(0),
             max_segs: l.max_segments.max(1) as usize,
             plug: RefCell::new(Vec::new()),
@@ -360,17 +365,35 @@ impl Front {
     /// request elsewhere (see [`Front::dispatch`]). Requests held go at
     /// once when the mode changes.
     pub fn set_dispatch(&self, mode: Dispatch) {
-        self.trial.set(None);
+        if self.trial.take().is_some() {
+            self.reported(Some(self.mode.get()), None);
+        }
         self.unplug();
         let mode = match mode {
             Dispatch::Auto if self.merge_helps => {
                 let t = AutoTrial::new(Instant::now(), self.taken.get());
                 self.trial.set(Some(t));
+                self.reported(None, Some(t.mode()));
                 t.mode()
             }
             m => m,
         };
         self.set_mode(mode);
+    }
+
+    /// Reports the trial of auto dispatch to `report` from now on: the
+    /// mode it runs and the epochs it ran (once; later calls are ignored).
+    pub fn set_report(&self, report: Arc<AutoReport>) {
+        if self.report.set(report).is_ok() && self.trial.get().is_some() {
+            self.reported(None, Some(self.mode.get()));
+        }
+    }
+
+    /// The trial left mode `was` for `mode` (None: no trial).
+    fn reported(&self, was: Option<Dispatch>, mode: Option<Dispatch>) {
+        if let Some(r) = self.report.get() {
+            r.moved(was, mode);
+        }
     }
 
     fn set_mode(&self, mode: Dispatch) {
@@ -389,9 +412,16 @@ impl Front {
         if now < t.end() {
             return;
         }
+        let (q0, d0) = t.epochs();
         let mode = t.end_epoch_at(now, self.taken.get());
         self.trial.set(Some(t));
-        if mode != self.mode.get() {
+        if let Some(r) = self.report.get() {
+            let (q, d) = t.epochs();
+            r.ran(q - q0, d - d0);
+        }
+        let was = self.mode.get();
+        if mode != was {
+            self.reported(Some(was), Some(mode));
             self.set_mode(mode);
         }
     }
@@ -1014,6 +1044,16 @@ fn front_end_io(bio: BioPtr) {
     // (BioFlags::MAY_LEND's contract), and the slice does not leave it.
     let lent = lent_seg.map(|(p, n)| unsafe { std::slice::from_raw_parts(p.cast_const(), n) });
     front.bio_done(idx, st, lent);
+}
+
+impl Drop for Front {
+    /// A front that goes (its connection closed, its queue stopped) no
+    /// longer counts in its export's report.
+    fn drop(&mut self) {
+        if self.trial.get().is_some() {
+            self.reported(Some(self.mode.get()), None);
+        }
+    }
 }
 
 #[cfg(test)]

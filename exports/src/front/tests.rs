@@ -697,12 +697,15 @@ fn auto_where_merging_helps_goes_direct_while_direct_serves_more_and_back_when_n
     });
     let rig = Rig::new(dev);
     let front = rig.front();
+    let report = Arc::new(AutoReport::default());
+    front.set_report(report.clone());
     front.set_dispatch(Dispatch::Auto);
     assert_eq!(
         front.dispatch(),
         Dispatch::Queued,
         "the device's report first"
     );
+    assert_eq!(report.counts().queued_now, 1);
     // The trial on the test's clock, an hour ahead of the real one: the
     // unplugs the front makes itself never end an epoch.
     let mut now = Instant::now() + std::time::Duration::from_secs(3600);
@@ -740,6 +743,17 @@ fn auto_where_merging_helps_goes_direct_while_direct_serves_more_and_back_when_n
     assert_eq!(modes.last(), Some(&Dispatch::Direct), "{modes:?}");
     let (q, d) = front.auto_epochs().unwrap();
     assert!(d > q, "{q} queued, {d} direct");
+    // The export's report says so: the front runs direct now, and the
+    // epochs it ran each way.
+    assert_eq!(
+        report.counts(),
+        AutoCounts {
+            queued_now: 0,
+            direct_now: 1,
+            queued_epochs: q,
+            direct_epochs: d,
+        }
+    );
     // In direct mode a batch goes as it comes: one bio per read.
     rig.dev.log.lock().unwrap().clear();
     let mut b = vec![0; 2 * BS as usize];
@@ -756,6 +770,26 @@ fn auto_where_merging_helps_goes_direct_while_direct_serves_more_and_back_when_n
     // Asked for direct: the trial ends.
     front.set_dispatch(Dispatch::Direct);
     assert_eq!(front.auto_epochs(), None);
+    let c = report.counts();
+    assert_eq!((c.queued_now, c.direct_now), (0, 0), "no trial runs");
+    assert!(c.queued_epochs > q && c.direct_epochs >= d, "{c:?}");
+}
+
+#[test]
+fn a_front_that_goes_leaves_its_export_report() {
+    let dev = Arc::new(MemDev {
+        merge: true,
+        ..Arc::into_inner(MemDev::new()).unwrap()
+    });
+    let report = Arc::new(AutoReport::default());
+    {
+        let rig = Rig::new(dev);
+        // Set after the dispatch, the report still counts the trial.
+        rig.front().set_dispatch(Dispatch::Auto);
+        rig.front().set_report(report.clone());
+        assert_eq!(report.counts().queued_now, 1);
+    }
+    assert_eq!(report.counts(), AutoCounts::default());
 }
 
 #[test]

@@ -6,6 +6,8 @@ use std::sync::Arc;
 
 use udm_core::{BlockDevice, Caps, Dispatch};
 
+use crate::front::AutoReport;
+
 use super::proto::{self, ExportInfo};
 
 /// Largest READ/WRITE payload advertised (the spec's interoperable maximum).
@@ -27,6 +29,9 @@ pub struct Export {
     pub dispatch: Dispatch,
     /// Why that mode ([`Dispatch::choose`]).
     pub dispatch_why: String,
+    /// What the connections' trials of auto dispatch run and ran (where
+    /// the device reports that merging helps it).
+    pub auto: Arc<AutoReport>,
 }
 
 impl Export {
@@ -85,6 +90,7 @@ impl Export {
             max_connections: None,
             dispatch,
             dispatch_why,
+            auto: Arc::default(),
         }
     }
 

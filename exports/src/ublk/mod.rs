@@ -39,7 +39,7 @@ use udm_core::{
     BlockDevice, Caps, Dispatch, Error, ErrorKind, Reactor, ReactorConfig, ReactorHandle,
 };
 
-use crate::front::Front;
+use crate::front::{AutoReport, Front};
 use crate::limits::{Budget, Reservation};
 use ctrl::Ctrl;
 pub use ctrl::NOT_AVAILABLE;
@@ -93,6 +93,8 @@ pub struct UblkDevice {
     handles: Vec<ReactorHandle>,
     threads: Vec<JoinHandle<()>>,
     stopped: bool,
+    /// What the queues' trials of auto dispatch run and ran.
+    auto: Arc<AutoReport>,
     /// The queues' buffers, charged to the process's in-flight budget.
     _buffers: Reservation,
 }
@@ -106,6 +108,7 @@ struct QueueSpec {
     read_only: bool,
     reactor: ReactorConfig,
     dispatch: Dispatch,
+    auto: Arc<AutoReport>,
     dev: Arc<dyn BlockDevice>,
     stop: Arc<AtomicBool>,
 }
@@ -350,6 +353,7 @@ impl UblkDevice {
             handles: Vec::new(),
             threads: Vec::new(),
             stopped: false,
+            auto: Arc::default(),
             _buffers: buffers,
         };
         // From here on, a failure stops and deletes the device (drop).
@@ -377,6 +381,7 @@ impl UblkDevice {
                 read_only,
                 reactor: cfg.reactor,
                 dispatch: cfg.dispatch,
+                auto: d.auto.clone(),
                 dev: dev.clone(),
                 stop: d.stop.clone(),
             };
@@ -413,6 +418,12 @@ impl UblkDevice {
             dev.name()
         );
         Ok(d)
+    }
+
+    /// What the queues' trials of auto dispatch run and ran (where the
+    /// device reports that merging helps it), kept up to date while it runs.
+    pub fn auto_report(&self) -> Arc<AutoReport> {
+        self.auto.clone()
     }
 
     /// The device's id, the N of `/dev/ublkbN`.
@@ -536,6 +547,7 @@ fn serve_queue(s: QueueSpec, ready: mpsc::Sender<Result<ReactorHandle, Error>>) 
         // SAFETY: the reactor outlives the front: both live on this
         // thread, and the queue (which holds the front) is dropped first.
         let front = unsafe { Front::new(&reactor, &*s.dev, chan) };
+        front.set_report(s.auto.clone());
         front.set_dispatch(s.dispatch);
         let q = Queue::new(
             s.q_id,

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use udm_core::{BlockDevice, Caps, Dispatch};
 
+use crate::front::AutoReport;
 use crate::limits::Budget;
 use virtio_bindings::virtio_blk::*;
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
@@ -161,6 +162,8 @@ pub struct Shared {
     pub capacity: AtomicU64,
     /// How requests go to the device.
     pub dispatch: Dispatch,
+    /// What the queues' trials of auto dispatch run and ran.
+    pub auto: Arc<AutoReport>,
     /// Frontends connected (0 or 1).
     pub(super) clients: AtomicUsize,
     /// Where the queues' fronts charge bounce buffers.

@@ -1075,6 +1075,7 @@ impl Worker {
         if let Some(b) = &self.shared.budget {
             f.set_budget(b.clone());
         }
+        f.set_report(self.shared.auto.clone());
         f.set_dispatch(self.shared.dispatch);
         *self.front.borrow_mut() = Some(f.clone());
         Ok(f)

@@ -29,6 +29,7 @@ use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 use super::config::{BlkConfig, Shared};
 use super::control::{is_refusal, Device};
 use super::queue::{on_worker, Worker, WORKER_KEY};
+use crate::front::AutoReport;
 use crate::limits::Budget;
 
 /// How often the server looks whether the device grew.
@@ -107,6 +108,7 @@ impl Server {
             queues: cfg.queues,
             capacity: AtomicU64::new(dev.limits().sectors),
             dispatch: cfg.dispatch,
+            auto: Arc::default(),
             clients: AtomicUsize::new(0),
             budget: cfg.budget.clone(),
         });
@@ -127,6 +129,12 @@ impl Server {
     /// The count of connected frontends, kept up to date while it runs.
     pub fn clients(&self) -> Clients {
         Clients(self.shared.clone())
+    }
+
+    /// What the queues' trials of auto dispatch run and ran (where the
+    /// device reports that merging helps it), kept up to date while it runs.
+    pub fn auto_report(&self) -> Arc<AutoReport> {
+        self.shared.auto.clone()
     }
 
     /// Serves frontends, one at a time, until `stop_fd` is readable; then

@@ -9,9 +9,9 @@
 //!                                                                        + data iovec)
 //! ```
 //!
-//! - [`worker`]: the reactor's share of the server, which flushes replies
+//! - `worker`: the reactor's share of the server, which flushes replies
 //!   at the end of each turn and frees finished connections.
-//! - [`recv`]: the receive path: one recv in flight per connection, into
+//! - `recv`: the receive path: one recv in flight per connection, into
 //!   the receive buffer, or, for the rest of a WRITE's payload, straight
 //!   into the request's buffer (only payload bytes that arrived with the
 //!   header are copied); headers validated and handed to the export front
@@ -19,7 +19,7 @@
 //!   emulates FUA with a flush where the device lacks it, and serves
 //!   byte-granular requests by read-modify-write for a client that did not
 //!   negotiate block sizes. Many requests are in flight at once.
-//! - [`send`]: replies in completion order. One sendmsg is in flight at a
+//! - `send`: replies in completion order. One sendmsg is in flight at a
 //!   time; replies that complete meanwhile are batched into the next one,
 //!   as iovecs pointing at each request's header and, for reads, its
 //!   buffer: read data is never copied into a send buffer. A batch is
@@ -35,9 +35,9 @@
 //!   take (or a reply queued behind a send in flight) is copied into the
 //!   request's buffer before the end_io returns: nothing refers to lent
 //!   memory later.
-//! - [`req`]: requests live in a slab and are named by key; their buffers
+//! - `req`: requests live in a slab and are named by key; their buffers
 //!   are recycled, so steady state allocates nothing per request.
-//! - [`tls`]: after STARTTLS, the same paths through rustls: plaintext is
+//! - `tls`: after STARTTLS, the same paths through rustls: plaintext is
 //!   decrypted into the receive buffer (or a WRITE's buffer), replies are
 //!   encrypted from their requests' buffers into full 16 KiB records, and
 //!   the ring only waits for the socket to be readable or writable.

@@ -295,6 +295,7 @@ impl Conn {
         // worker's poller, so the reactor outlives the front, which is used
         // on this thread only.
         let front = unsafe { Front::new(self.worker.reactor(), &*e.dev, chan) };
+        front.set_report(e.auto.clone());
         front.set_dispatch(e.dispatch);
         front.set_budget(self.worker.shared.pool.budget.clone());
         self.export = Some(e.info.name.clone());
