@@ -6,7 +6,9 @@
 //! per second and what it cost per I/O. Most epochs go the way that scored
 //! better; every few epochs one tries the other, less often while the tries
 //! keep agreeing (from [`Way::FIRST_EVERY`] epochs between two tries,
-//! doubling up to [`Way::MAX_EVERY`]). The better way's score is a running
+//! doubling up to [`Way::MAX_EVERY`]; a try that lost by [`Way::CLEAR`] or
+//! more, which costs most and tells least, quadruples the spacing, up to
+//! [`Way::MAX_EVERY_CLEAR`]). The better way's score is a running
 //! average (a quarter for the newest epoch); a try is scored on its own
 //! epoch, and a try that would change the way runs a second epoch first,
 //! the change made only if the two epochs' average still calls for it:
@@ -39,6 +41,12 @@ pub(crate) trait Way: Copy + Eq + Debug {
     /// Epochs of [`Way::FIRST`] before the first try of a new trial
     /// (doubling from there while the tries agree, as the spacing does).
     const FIRST_TRY: u32 = Self::FIRST_EVERY;
+    /// A try whose rate was this many times lower, or its cost per I/O
+    /// this many times higher, lost clearly (never, by default).
+    const CLEAR: f64 = f64::INFINITY;
+    /// Epochs of the better way between two tries at most while they lose
+    /// clearly.
+    const MAX_EVERY_CLEAR: u32 = Self::MAX_EVERY;
     /// A rate that moves by more than this factor from the better way's
     /// average is another workload.
     const CHANGE: f64;
@@ -149,10 +157,12 @@ impl<W: Way> Trial<W> {
                 return self.now;
             }
             self.confirming = false;
-            self.every = if best == self.best {
-                (self.every * 2).min(W::MAX_EVERY)
-            } else {
+            self.every = if best != self.best {
                 W::FIRST_EVERY
+            } else if self.lost_clearly() {
+                (self.every * 4).min(W::MAX_EVERY_CLEAR.max(W::MAX_EVERY))
+            } else {
+                (self.every * 2).min(W::MAX_EVERY)
             };
             self.best = best;
             self.since = 0;
@@ -173,5 +183,19 @@ impl<W: Way> Trial<W> {
             W::FIRST
         };
         self.now
+    }
+
+    /// Whether the try just scored lost to the better way by
+    /// [`Way::CLEAR`] or more, in rate or in cost per I/O.
+    fn lost_clearly(&self) -> bool {
+        let (best, tried) = if self.best == W::FIRST {
+            (self.first, self.second)
+        } else {
+            (self.second, self.first)
+        };
+        match (best, tried) {
+            (Some(b), Some(t)) => b.rate >= W::CLEAR * t.rate || t.cost >= W::CLEAR * b.cost,
+            _ => false,
+        }
     }
 }
