@@ -1112,15 +1112,25 @@ fn weighed_adaptive_mode_completes_io_and_sleeps_when_idle() {
         ring_io_round(&r, &dog, &ch, &dev, 64, round);
         round = round.wrapping_add(1);
     }
-    // A reactor spinning in its window takes a turn every few
-    // microseconds: idle, it sleeps at once or after its 1 ms window.
+    // Idle, it sleeps at once or after its 1 ms window: over 200 ms it
+    // spends a few ms of CPU (the window, the wakeups). One that kept
+    // spinning would spend its share of a CPU, which a loaded 2-CPU host
+    // still makes 100 ms or more. (Not a count of turns: a window's turns
+    // number from hundreds to thousands with the host's speed, and a
+    // spinner's yields let a loaded host take most of its time.)
     for _ in 0..3 {
         turns_until_message(&r, &dog, Duration::from_millis(60), "a message");
     }
+    let cpu = || {
+        let (user, system) = udm_core::cputime::thread_cpu();
+        user + system
+    };
+    let c0 = cpu();
     let turns = turns_until_message(&r, &dog, Duration::from_millis(200), "a message");
+    let used = cpu() - c0;
     assert!(
-        turns < 1000,
-        "{turns} turns in 200 ms idle: the weighed reactor kept spinning"
+        used < Duration::from_millis(30),
+        "{used:?} of CPU ({turns} turns) in 200 ms idle: the weighed reactor kept spinning"
     );
 }
 
