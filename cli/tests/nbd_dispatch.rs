@@ -342,6 +342,20 @@ fn count_before(text: &str, what: &str) -> u64 {
         .unwrap_or_else(|| panic!("no count before '{what}' in {text}"))
 }
 
+/// `udm info DEV`'s `Export dispatch:` line.
+fn dispatch_line(d: &Daemon, dev: &str) -> String {
+    let info = d.ok(&["info", dev]);
+    info.lines()
+        .find(|l| l.starts_with("Export dispatch:"))
+        .unwrap_or_else(|| panic!("{info}"))
+        .to_string()
+}
+
+/// The epochs a trial line says were run, queued and direct.
+fn epochs_ran(line: &str) -> u64 {
+    count_before(line, "epochs queued") + count_before(line, "direct)")
+}
+
 /// `udm info` says what auto's trial of queued against direct runs now,
 /// on how many of the export's connections, and the epochs it ran each
 /// way; `export ls --json` carries the same line; a connection that closed
@@ -384,29 +398,18 @@ fn info_shows_what_auto_dispatch_trial_runs_and_ran() {
         .expect("fio");
     // Epochs are 8 ms: after 2 s the trial has run many, and fio has 2 s left.
     std::thread::sleep(std::time::Duration::from_secs(2));
-    let info = d.ok(&["info", "slow"]);
-    let line = info
-        .lines()
-        .find(|l| l.starts_with("Export dispatch:"))
-        .unwrap_or_else(|| panic!("{info}"));
+    let line = dispatch_line(&d, "slow");
     assert!(
         line.contains("; trial: queued on 1 of 1 connections (")
             || line.contains("; trial: direct on 1 of 1 connections ("),
         "{line}"
     );
-    let ran = count_before(line, "epochs queued") + count_before(line, "direct)");
+    let ran = epochs_ran(&line);
     assert!(ran >= 10, "{line}");
     let ls = d.ok(&["export", "ls", "--json"]);
     assert!(ls.contains("trial: "), "{ls}");
     assert!(fio.wait().unwrap().success());
-    let info = d.ok(&["info", "slow"]);
-    let line = info
-        .lines()
-        .find(|l| l.starts_with("Export dispatch:"))
-        .unwrap_or_else(|| panic!("{info}"));
+    let line = dispatch_line(&d, "slow");
     assert!(line.contains("; trial: no connections now ("), "{line}");
-    assert!(
-        count_before(line, "epochs queued") + count_before(line, "direct)") >= ran,
-        "{line}"
-    );
+    assert!(epochs_ran(&line) >= ran, "{line}");
 }
