@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: installs what it needs, then checks formatting and
-# lints, and runs every test (unit, property, integration, end to end).
+# The whole test suite: installs what it needs, then checks formatting,
+# lints and rustdoc, and runs every test (unit, property, integration, end to end).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -8,11 +8,15 @@ cd "$(dirname "$0")/.."
 
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
+# The ci profile (Cargo.toml): release code without link-time optimisation,
+# which would re-optimise the whole crate graph for each test binary.
 echo "== cargo clippy"
-cargo clippy --all-targets --release -- -D warnings
+cargo clippy --all-targets --profile ci -- -D warnings
+echo "== cargo doc"
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --workspace --profile ci -q
 echo "== cargo test"
 # --no-fail-fast: one run reports every failing binary, not just the first.
-cargo test --release --workspace --no-fail-fast 2>&1 | tee target/test.log
+cargo test --profile ci --workspace --no-fail-fast 2>&1 | tee target/test.log
 echo "== fuzz (every target, briefly)"
 if ! FUZZ_MERGE=0 ./scripts/fuzz.sh "${FUZZ_SECONDS:-10}" >target/fuzz.log 2>&1; then
     tail -40 target/fuzz.log

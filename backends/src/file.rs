@@ -264,7 +264,7 @@ impl BlockDevice for FileDevice {
         self.merge_reason.clone()
     }
     /// Holes and data by `SEEK_DATA`/`SEEK_HOLE` for a regular file, at most
-    /// [`FILE_MAX_EXTENTS`] extents per call; data throughout for a block
+    /// `FILE_MAX_EXTENTS` extents per call; data throughout for a block
     /// device, or a file system without them. A sector holding any data is
     /// data.
     fn block_status(&self, sector: u64, sectors: u64, out: &mut Vec<Extent>) -> Result<(), Error> {

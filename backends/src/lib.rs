@@ -2,7 +2,7 @@
 //!
 //! - [`ram`]: memory, allocated lazily (brd);
 //! - [`null`]: completes without touching data, optional delay (null_blk);
-//! - [`file`]: a regular file or block device through io_uring;
+//! - [`file`](mod@file): a regular file or block device through io_uring;
 //! - [`powercut`]: wraps a device and can lose power (crash testing);
 //! - [`rbd`]: a Ceph RBD image through librbd (feature `rbd`).
 

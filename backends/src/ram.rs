@@ -38,7 +38,7 @@
 //! the next I/Os) is staged ([`udm_core::BioPtr::stage`]): the reads
 //! staged in a turn are copied one after another at the start of the next
 //! pass over completions, before its end_ios, as a queued batch's would
-//! be, which is faster out of the caches ([`copy_read`]). A lone read
+//! be, which is faster out of the caches (`copy_read`). A lone read
 //! finds nothing waiting and is copied at once, and so is every read of a
 //! disk that fits the cache, where staging only cost.
 //!

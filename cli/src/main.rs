@@ -14,6 +14,10 @@
 //! Verbs find the daemon at --control PATH, else $UDM_CONTROL, else its
 //! default socket.
 
+// The doc comments of the clap types are the `--help` text, written as
+// help reads (`[,ro]`, `<sock>.ctl`), not as rustdoc's markdown.
+#![allow(rustdoc::broken_intra_doc_links, rustdoc::invalid_html_tags)]
+
 mod alloc;
 mod bench;
 mod clock;

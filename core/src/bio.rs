@@ -317,7 +317,7 @@ pub const PER_IO_DATA: usize = 32;
 ///
 /// `repr(C)`, hot fields first: what every layer reads and a frame saves,
 /// the op, flags and depth, and the cache's links share the first cache
-/// line. (`ctx` sits between `end_io` and `private`, not in [`Frame`]'s
+/// line. (`ctx` sits between `end_io` and `private`, not in `Frame`'s
 /// order, so that saving a frame copies 8-byte words: a 16-byte copy of
 /// `end_io` and `private`, which the submitter has just stored one by one,
 /// could not be forwarded from the store buffer.)

@@ -177,7 +177,7 @@ impl MappedDevice {
     }
 
     /// Sends a message to the target holding `sector`; `stats …` is the
-    /// device's own (see [`MappedDevice::stats_message`]).
+    /// device's own (see `MappedDevice::stats_message`).
     pub fn message(&self, sector: u64, argv: &[&str]) -> Result<String, Error> {
         if argv.first() == Some(&"stats") {
             return self.stats_message(&argv[1..]);

@@ -488,7 +488,7 @@ impl MapperChannel {
 }
 
 impl Channel for MapperChannel {
-    /// The no-clone fast path (see [`MapperChannel::map_in`]). Every call in
+    /// The no-clone fast path (see `MapperChannel::map_in`). Every call in
     /// it is a tail call, so it runs without a stack frame: a linear remap
     /// costs a few dozen instructions.
     #[inline]

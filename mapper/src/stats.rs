@@ -9,7 +9,7 @@
 //! Counted on completion, by operation: I/Os and bytes. Errors are counted
 //! on completion with a status other than OK. Latency (submit to completion)
 //! is measured only while the device's histograms are switched on
-//! ([`DevStats::set_histogram_flag`]): timing costs two clock reads per I/O.
+//! (`DevStats::set_histogram_flag`): timing costs two clock reads per I/O.
 //!
 //! Latency buckets are log-linear, as HdrHistogram's and dm-stats'
 //! `--histogram`: [`SUB`] buckets per power of two from 1 µs, up to

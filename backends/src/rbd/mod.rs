@@ -324,7 +324,7 @@ impl BlockDevice for RbdDevice {
     }
     /// With fast-diff, from the object map (`rbd_diff_iterate2`, whole
     /// objects): objects never written are holes, the rest data; at most
-    /// [`BLOCK_STATUS_OBJECTS`] objects an answer. It reads the object map
+    /// `BLOCK_STATUS_OBJECTS` objects an answer. It reads the object map
     /// (a round trip unless this client holds the image's exclusive lock),
     /// on the caller's thread. Without fast-diff, librbd would ask the OSD
     /// of every object: everything is reported as data instead.

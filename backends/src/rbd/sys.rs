@@ -1,4 +1,4 @@
-//! A safe layer over [`super::ffi`]: a connected cluster, a pool's I/O
+//! A safe layer over `ffi`: a connected cluster, a pool's I/O
 //! context and an open image, each closed on drop in the right order (an
 //! image keeps its pool, a pool its cluster), and one-line errors that name
 //! the cause (no monitor, a rejected key, a missing pool, image or snapshot).

@@ -15,7 +15,7 @@
 //! weighed ([`ReactorConfig::weigh_spin`], `udm serve`'s default), it also
 //! tries sleeping at once now and then, and keeps doing so where that
 //! costs less CPU per bio at the same throughput (a deep queue whose
-//! client keeps sending: see [`spin`]).
+//! client keeps sending: see `spin`).
 //!
 //! Polled I/O (rings with [`RingKind::iopoll`], which complete nothing
 //! unless polled) is polled precisely: a turn enters only the rings that

@@ -370,7 +370,7 @@ impl Cipher {
     /// into `dst` (of the same length, a multiple of `unit`): unit i is
     /// sector number `n(i)`. The VAES code encrypts 4 units' tweaks at
     /// once, and with [`Stores::Streamed`] writes `dst` past the caches
-    /// where it can ([`XtsVaes::units_to`]); the bytes are the same.
+    /// where it can (`XtsVaes::units_to`); the bytes are the same.
     pub fn units_to(
         &self,
         dir: Dir,

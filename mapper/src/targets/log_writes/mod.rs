@@ -1,6 +1,6 @@
 //! `log-writes`: passes I/O to a device and logs every write, flush, FUA
 //! and discard to a second device, in dm-log-writes' on-disk format
-//! ([`format`]), so that the log can be replayed to any point
+//! ([`format`](mod@format)), so that the log can be replayed to any point
 //! ([`replay`], `udm log-replay`, or xfstests' `replay-log`).
 //!
 //! Table line: `<start> <length> log-writes <dev> <log dev>`
