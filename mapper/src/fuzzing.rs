@@ -58,3 +58,14 @@ pub fn thin_metadata(data: &[u8]) -> bool {
 pub fn thin_metadata_records(image: &[u8]) -> Vec<u8> {
     crate::targets::thin::metadata::fuzzing::records(image)
 }
+
+/// Assembles a raid1 array from metadata devices whose superblocks and
+/// bitmaps come from `data`, through the table's constructor, and takes
+/// it live for a few writes and reads: see `targets::raid::fuzzing` for
+/// how the bytes are laid out (superblocks sealed with valid checksums
+/// unless the input says not). The table either fails with a one-line
+/// error or gives an array whose status reads as dm-raid's; nothing
+/// panics or hangs. Returns whether the array assembled.
+pub fn raid_meta(data: &[u8]) -> bool {
+    crate::targets::raid::fuzzing::load(data)
+}

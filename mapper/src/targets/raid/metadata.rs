@@ -22,6 +22,10 @@ pub(crate) const BITMAP_OFFSET: u64 = 4096;
 pub(crate) const BM_BLOCK: usize = 4096;
 /// Bits in one bitmap block.
 pub(crate) const BITS_PER_BLOCK: u64 = (BM_BLOCK * 8) as u64;
+/// The highest events count assembly takes: every superblock write adds
+/// one, and the count must keep growing (the highest is the freshest), so
+/// a count past this (2^63, which no array reaches) is damaged metadata.
+pub(crate) const MAX_EVENTS: u64 = 1 << 63;
 
 /// One leg's superblock.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -219,6 +223,12 @@ pub(crate) fn assemble(
                 sb.array_sectors
             )));
         }
+        if sb.events > MAX_EVENTS {
+            return Err(Error::invalid(format!(
+                "leg {i}'s metadata has an events count of {}, past the {MAX_EVENTS} an array can reach",
+                sb.events
+            )));
+        }
         if best.is_none_or(|b| sb.events > b.events) {
             best = Some(sb);
         }
@@ -329,5 +339,22 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("that of leg 1"));
+    }
+
+    #[test]
+    fn an_events_count_that_cannot_grow_is_refused() {
+        let legs = [LegMeta::Found(sb(0, MAX_EVENTS), vec![]), LegMeta::Blank];
+        assert_eq!(
+            assemble(&legs, 10, 1 << 20, [0; 16]).unwrap().events,
+            MAX_EVENTS
+        );
+        let legs = [
+            LegMeta::Found(sb(0, 1), vec![]),
+            LegMeta::Found(sb(1, u64::MAX), vec![]),
+        ];
+        let e = assemble(&legs, 10, 1 << 20, [0; 16])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("leg 1") && e.contains("events count"), "{e}");
     }
 }

@@ -42,6 +42,7 @@
 //! daemon), `resync.rs` (resync, rebuild, check, repair, read repair).
 
 mod channel;
+pub(crate) mod fuzzing;
 mod metadata;
 mod resync;
 mod state;
