@@ -429,15 +429,15 @@ fn the_raid_metadata_corpus_runs_clean() {
         .map(|(n, ok, _)| (*n, *ok))
         .chain(RAID_META_CRASHES);
     let expected: HashMap<&str, bool> = expected.collect();
-    for (name, data) in seeds {
-        let assembled = fuzzing::raid_meta(&data);
+    for (name, data) in &seeds {
+        let assembled = fuzzing::raid_meta(data);
         if let Some(&ok) = expected.get(name.as_str()) {
             assert_eq!(assembled, ok, "seed {name} assembles: {ok}");
         }
     }
     for (name, _) in RAID_META_CRASHES {
         assert!(
-            corpus("raid_meta").unwrap().iter().any(|(n, _)| n == name),
+            seeds.iter().any(|(n, _)| n == name),
             "crash input {name} is in the corpus"
         );
     }

@@ -50,7 +50,8 @@ use udm_core::{
     Status, SECTOR_SHIFT,
 };
 
-use super::metadata::{meta_bytes, BITMAP_OFFSET, MAGIC, SB_BYTES, VERSION};
+use super::default_region_size;
+use super::metadata::{meta_bytes, seal, BITMAP_OFFSET, MAGIC, SB_BYTES, VERSION};
 use crate::device::MappedDevice;
 use crate::table::{Registry, Table};
 
@@ -92,16 +93,6 @@ pub fn kind(mode: u8) -> Kind {
         6 => Kind::NoMeta,
         _ => Kind::Broken,
     }
-}
-
-/// FNV-1a 64, the superblock's checksum (docs/design/raid1-metadata.md).
-fn fnv1a(b: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &x in b {
-        h ^= x as u64;
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
 }
 
 /// Reads the input front to back; past its end, zeroes.
@@ -233,8 +224,7 @@ fn meta_image(
         }
     }
     if matches!(k, Kind::Matching | Kind::Sealed | Kind::AnyVersion) {
-        let sum = fnv1a(&sb[..SB_BYTES - 8]);
-        sb[SB_BYTES - 8..].copy_from_slice(&sum.to_le_bytes());
+        seal(&mut sb);
     }
     if k == Kind::Blank {
         // A blank leg holds no magic, whatever else it holds.
@@ -338,7 +328,7 @@ pub fn load(data: &[u8]) -> bool {
     };
     let shift = region
         .filter(|r| r.is_power_of_two())
-        .unwrap_or_else(|| len.div_ceil(1 << 21).max(8192).next_power_of_two())
+        .unwrap_or_else(|| default_region_size(len))
         .trailing_zeros();
     let nregions = len.div_ceil(1 << shift);
     let meta_len = if h[0] & 2 != 0 {

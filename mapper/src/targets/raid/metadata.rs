@@ -60,6 +60,13 @@ fn fnv1a(b: &[u8]) -> u64 {
     h
 }
 
+/// Seals a superblock's first [`SB_BYTES`]: its checksum over the bytes
+/// before it, in its last 8.
+pub(crate) fn seal(sb: &mut [u8]) {
+    let sum = fnv1a(&sb[0..SB_BYTES - 8]);
+    sb[SB_BYTES - 8..SB_BYTES].copy_from_slice(&sum.to_le_bytes());
+}
+
 impl Super {
     /// Encodes into the first [`SB_BYTES`] of `out` (the rest zeroed).
     pub fn encode(&self, out: &mut [u8]) {
@@ -76,8 +83,7 @@ impl Super {
         o[56..64].copy_from_slice(&self.failed.to_le_bytes());
         o[64..72].copy_from_slice(&self.recovering.to_le_bytes());
         o[72..80].copy_from_slice(&self.recovery_offset.to_le_bytes());
-        let sum = fnv1a(&o[0..SB_BYTES - 8]);
-        o[SB_BYTES - 8..].copy_from_slice(&sum.to_le_bytes());
+        seal(o);
     }
 
     /// Decodes a superblock: `Ok(None)` when there is none (no magic: a

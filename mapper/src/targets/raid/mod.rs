@@ -136,6 +136,13 @@ pub(crate) fn activate(sh: &Arc<Shared>) {
     sh.poke();
 }
 
+/// The region size without `region_size`: the smallest power of two of at
+/// least 8192 sectors that keeps an array of `len` sectors under 2^21
+/// regions.
+pub(crate) fn default_region_size(len: u64) -> u64 {
+    len.div_ceil(1 << 21).max(8192).next_power_of_two()
+}
+
 fn raid_ctr(ctx: &CtrCtx<'_>, argv: &[&str]) -> Result<Box<dyn Target>, Error> {
     if argv[0] != "raid1" {
         return Err(bad(format!(
@@ -246,10 +253,7 @@ fn raid_ctr(ctx: &CtrCtx<'_>, argv: &[&str]) -> Result<Box<dyn Target>, Error> {
         ));
     }
     let len = ctx.len;
-    let region_size = region_size.unwrap_or_else(|| {
-        let min = len.div_ceil(1 << 21).max(8192);
-        min.next_power_of_two()
-    });
+    let region_size = region_size.unwrap_or_else(|| default_region_size(len));
     let region_shift = region_size.trailing_zeros();
     let nregions = len.div_ceil(region_size);
     // Devices: each named once, legs of one size.
