@@ -12,6 +12,7 @@
 # usage: scripts/bench/nbd.sh [ROUNDS=3] [RUNTIME_S=4]
 #   SERVERS="udm udm-null nbdkit-null" JOBS="randwrite-4k-qd32" picks a subset
 #   (udm-null: udm over the null backend, the server's cost without storing data;
+#   nbd-floor: exports/examples/nbd_floor.rs, the least a server can do per request;
 #   udm-b: the udm binary at $UDM_B, to compare two builds side by side;
 #   udm+OPTS: udm serve with OPTS, commas for spaces, e.g. udm+--adaptive,100;
 #   udm-b+OPTS: the same for the build at $UDM_B)
@@ -40,6 +41,9 @@ if [ -z "${UDM:-}" ]; then
     UDM=$ROOT/target/release/udm
     (cd "$ROOT" && cargo build --release -q -p udm)
 fi
+case " ${SERVERS:-} " in
+*" nbd-floor "*) (cd "$ROOT" && cargo build --release -q -p udm-exports --example nbd_floor) ;;
+esac
 for t in fio nbdkit qemu-nbd qemu-storage-daemon; do
     command -v $t >/dev/null || { echo "bench/nbd: $t missing (scripts/setup.sh installs it)" >&2; exit 2; }
 done
@@ -95,6 +99,9 @@ start() { # server -> sets PID and URI
         "${SPIN[@]}" "$UDM" serve --dev null0=null:1G --dev 'lin=0 2097152 linear null0 0' \
             --listen "unix:$sock" >"$W/$s.log" 2>&1 &
         URI="nbd+unix:///lin?socket=$sock" ;;
+    nbd-floor) # the least a server can do (exports/examples/nbd_floor.rs)
+        "${SPIN[@]}" "$ROOT/target/release/examples/nbd_floor" "$sock" 1024 >"$W/$s.log" 2>&1 &
+        URI="nbd+unix:///?socket=$sock" ;;
     nbdkit-memory)
         "${SPIN[@]}" nbdkit -f -U "$sock" --filter=offset memory 1G offset=0 range=1G >"$W/$s.log" 2>&1 &
         URI="nbd+unix:///?socket=$sock" ;;
