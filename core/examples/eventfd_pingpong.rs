@@ -125,14 +125,8 @@ fn serve(kick: i32, call: i32, n: u64, wait: Wait) -> ! {
         }
     }
     let wall = t0.elapsed().as_secs_f64();
-    // SAFETY: fills a zeroed rusage of this process.
-    let ru = unsafe {
-        let mut ru: libc::rusage = std::mem::zeroed();
-        libc::getrusage(libc::RUSAGE_SELF, &mut ru);
-        ru
-    };
-    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
-    let cpu = secs(ru.ru_utime) + secs(ru.ru_stime);
+    let (user, system) = udm_core::cputime::process_cpu();
+    let cpu = (user + system).as_secs_f64();
     let name = match wait {
         Wait::Sleep => "sleep",
         Wait::Uring => "uring",
