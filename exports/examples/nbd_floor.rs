@@ -60,73 +60,57 @@ fn main() {
     }
 }
 
-fn be16(b: &[u8]) -> u16 {
-    u16::from_be_bytes([b[0], b[1]])
-}
-fn be32(b: &[u8]) -> u32 {
-    u32::from_be_bytes(b[..4].try_into().unwrap())
-}
-fn be64(b: &[u8]) -> u64 {
-    u64::from_be_bytes(b[..8].try_into().unwrap())
-}
-
-fn opt_reply(s: &mut UnixStream, opt: u32, kind: u32, data: &[u8]) -> io::Result<()> {
-    let mut m = Vec::with_capacity(20 + data.len());
-    m.extend_from_slice(&OPT_REPLY_MAGIC.to_be_bytes());
-    m.extend_from_slice(&opt.to_be_bytes());
-    m.extend_from_slice(&kind.to_be_bytes());
-    m.extend_from_slice(&(data.len() as u32).to_be_bytes());
-    m.extend_from_slice(data);
-    s.write_all(&m)
-}
-
 /// Fixed newstyle: true once the client is in transmission.
 fn handshake(s: &mut UnixStream, size: u64) -> io::Result<bool> {
-    let mut hello = Vec::new();
-    hello.extend_from_slice(&NBDMAGIC.to_be_bytes());
-    hello.extend_from_slice(&IHAVEOPT.to_be_bytes());
-    hello.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
-    s.write_all(&hello)?;
-    let mut cflags = [0u8; 4];
+    let bad = |e: ProtoError| io::Error::other(format!("{e:?}"));
+    let info = ExportInfo {
+        name: String::new(),
+        description: String::new(),
+        size,
+        flags: FLAG_HAS_FLAGS | FLAG_SEND_FLUSH,
+        min_block: 1,
+        pref_block: 4096,
+        max_payload: 32 << 20,
+    };
+    let mut out = Vec::new();
+    put_greeting(&mut out);
+    s.write_all(&out)?;
+    let mut cflags = [0u8; CLIENT_FLAGS_LEN];
     s.read_exact(&mut cflags)?;
-    let no_zeroes = be32(&cflags) & FLAG_C_NO_ZEROES != 0;
-    let tflags = FLAG_HAS_FLAGS | FLAG_SEND_FLUSH;
+    let no_zeroes = parse_client_flags(&cflags).map_err(bad)? & FLAG_C_NO_ZEROES != 0;
     loop {
-        let mut h = [0u8; 16];
+        let mut h = [0u8; OPTION_HEADER_LEN];
         s.read_exact(&mut h)?;
-        let (opt, len) = (be32(&h[8..]), be32(&h[12..]) as usize);
-        if be64(&h) != IHAVEOPT || len > 4096 {
+        let OptionHeader { option, len } = parse_option_header(&h).map_err(bad)?;
+        if len > 4096 {
             return Ok(false);
         }
-        let mut data = vec![0u8; len];
+        let mut data = vec![0u8; len as usize];
         s.read_exact(&mut data)?;
-        match opt {
+        out.clear();
+        let go = match option {
             OPT_EXPORT_NAME => {
-                let mut r = Vec::new();
-                r.extend_from_slice(&size.to_be_bytes());
-                r.extend_from_slice(&tflags.to_be_bytes());
-                if !no_zeroes {
-                    r.extend_from_slice(&[0; 124]);
-                }
-                s.write_all(&r)?;
-                return Ok(true);
+                put_export_name_reply(&mut out, &info, no_zeroes);
+                true
             }
             OPT_GO | OPT_INFO => {
-                let mut info = Vec::new();
-                info.extend_from_slice(&INFO_EXPORT.to_be_bytes());
-                info.extend_from_slice(&size.to_be_bytes());
-                info.extend_from_slice(&tflags.to_be_bytes());
-                opt_reply(s, opt, REP_INFO, &info)?;
-                opt_reply(s, opt, REP_ACK, &[])?;
-                if opt == OPT_GO {
-                    return Ok(true);
-                }
+                put_info(&mut out, option, &info, &[]);
+                put_option_reply(&mut out, option, REP_ACK, &[]);
+                option == OPT_GO
             }
             OPT_ABORT => {
-                opt_reply(s, opt, REP_ACK, &[])?;
+                put_option_reply(&mut out, option, REP_ACK, &[]);
+                s.write_all(&out)?;
                 return Ok(false);
             }
-            _ => opt_reply(s, opt, REP_ERR_UNSUP, &[])?,
+            _ => {
+                put_option_reply(&mut out, option, REP_ERR_UNSUP, &[]);
+                false
+            }
+        };
+        s.write_all(&out)?;
+        if go {
+            return Ok(true);
         }
     }
 }
@@ -136,13 +120,13 @@ fn transmit(s: &mut UnixStream, disk: *mut u8, size: u64) -> io::Result<()> {
     let mut rbuf = vec![0u8; RBUF];
     let (mut start, mut end) = (0usize, 0usize);
     // Reply headers of one batch (a stable home for the iovecs to name).
-    let mut hdrs: Vec<[u8; 16]> = Vec::with_capacity(RBUF / 28 + 1);
-    let mut iov: Vec<libc::iovec> = Vec::with_capacity(2 * (RBUF / 28 + 1));
+    let mut hdrs: Vec<[u8; SIMPLE_REPLY_LEN]> = Vec::with_capacity(RBUF / REQUEST_LEN + 1);
+    let mut iov: Vec<libc::iovec> = Vec::with_capacity(2 * (RBUF / REQUEST_LEN + 1));
     let mut reads: Vec<(usize, usize)> = Vec::new();
     loop {
         if start == end {
             (start, end) = (0, 0);
-        } else if RBUF - end < 28 {
+        } else if RBUF - end < REQUEST_LEN {
             rbuf.copy_within(start..end, 0);
             (start, end) = (0, end - start);
         }
@@ -153,19 +137,16 @@ fn transmit(s: &mut UnixStream, disk: *mut u8, size: u64) -> io::Result<()> {
         end += n;
         hdrs.clear();
         reads.clear();
-        while end - start >= 28 {
-            let r = &rbuf[start..start + 28];
-            if be32(r) != REQUEST_MAGIC {
-                return Err(io::Error::other("bad request magic"));
-            }
-            let (cmd, cookie) = (be16(&r[6..]), be64(&r[8..]));
-            let (off, len) = (be64(&r[16..]), be32(&r[24..]) as usize);
+        while end - start >= REQUEST_LEN {
+            let r = parse_request(&rbuf[start..start + REQUEST_LEN])
+                .map_err(|e| io::Error::other(format!("request: {e:?}")))?;
+            let (cmd, cookie, off, len) = (r.cmd, r.cookie, r.offset, r.len as usize);
             if (cmd == CMD_READ || cmd == CMD_WRITE)
                 && (len > 32 << 20 || off.checked_add(len as u64).is_none_or(|e| e > size))
             {
                 return Err(io::Error::other("request out of bounds"));
             }
-            start += 28;
+            start += REQUEST_LEN;
             match cmd {
                 CMD_READ => reads.push((off as usize, len)),
                 CMD_WRITE => {
@@ -181,16 +162,15 @@ fn transmit(s: &mut UnixStream, disk: *mut u8, size: u64) -> io::Result<()> {
                 CMD_DISC => return Ok(()),
                 _ => reads.push((0, 0)),
             }
-            let mut h = [0u8; 16];
-            h[..4].copy_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
-            h[8..].copy_from_slice(&cookie.to_be_bytes());
+            let mut h = [0u8; SIMPLE_REPLY_LEN];
+            encode_simple_reply(&mut h, 0, cookie);
             hdrs.push(h);
         }
         iov.clear();
         for (h, &(off, len)) in hdrs.iter().zip(&reads) {
             iov.push(libc::iovec {
                 iov_base: h.as_ptr() as *mut _,
-                iov_len: 16,
+                iov_len: SIMPLE_REPLY_LEN,
             });
             if len > 0 {
                 iov.push(libc::iovec {
