@@ -202,8 +202,11 @@ impl RamDevice {
         let end = pos + bio.len() as usize;
         // A read that allows it is lent (`lend` does nothing otherwise).
         // SAFETY: [pos, end) lies inside the mapping (bios are checked
-        // against the device's size), which lives as long as the device, and
-        // the device outlives every completion of its bios. Never-written
+        // against the device's size), which lives as long as the device;
+        // the bio completes by `complete` (submit_nocheck), and the device
+        // outlives the pass that runs its end_io: what holds it (a table,
+        // an export) lets go only outside a pass (a mapped device frees a
+        // retired table in its poller). Never-written
         // pages read as zeroes there too (the kernel maps its zero page), and
         // only writes, discards and write-zeroes, which overlap the read if
         // they change its bytes, store into it.

@@ -9,7 +9,7 @@ mod common;
 use std::io::Read;
 use std::time::Duration;
 
-use common::raw::{Raw, CMD_DISC, CMD_READ, CMD_WRITE};
+use common::raw::{request_header, Raw, CMD_DISC, CMD_READ, CMD_WRITE};
 use common::Serve;
 
 /// A raw client in transmission on export `t`, with simple replies.
@@ -45,14 +45,24 @@ fn server() -> Serve {
 
 /// The connection's close line.
 fn close_line(log: &str) -> &str {
+    close_line_of(log, 0)
+}
+
+/// The close line of the `n`th connection to close.
+fn close_line_of(log: &str, n: usize) -> &str {
     log.lines()
-        .find(|l| l.contains("closed: client disconnected"))
-        .unwrap_or_else(|| panic!("no close line:\n{log}"))
+        .filter(|l| l.contains("closed: client disconnected"))
+        .nth(n)
+        .unwrap_or_else(|| panic!("no close line {n}:\n{log}"))
 }
 
 /// The numbers of direct and ring sends in the connection's close line.
 fn sends(log: &str) -> (u64, u64) {
-    let line = close_line(log);
+    sends_of(close_line(log))
+}
+
+/// The numbers of direct and ring sends in a close line.
+fn sends_of(line: &str) -> (u64, u64) {
     let rest = line.split("sends: ").nth(1).unwrap();
     let mut words = rest.split_whitespace();
     let direct = words.next().unwrap().parse().unwrap();
@@ -64,7 +74,11 @@ fn sends(log: &str) -> (u64, u64) {
 /// The numbers of lent reads, and of those copied after all, in the
 /// connection's close line.
 fn lent(log: &str) -> (u64, u64) {
-    let line = close_line(log);
+    lent_of(close_line(log))
+}
+
+/// The numbers of lent reads, and of those copied, in a close line.
+fn lent_of(line: &str) -> (u64, u64) {
     let rest = line.split("lent reads: ").nth(1).unwrap();
     let mut words = rest.split_whitespace();
     let n = words.next().unwrap().parse().unwrap();
@@ -181,11 +195,11 @@ fn a_unix_client_behind_by_eight_128k_replies_does_not_push_sends_onto_the_ring(
 }
 
 #[test]
-fn large_reads_go_out_from_the_ram_disks_memory_without_a_copy() {
+fn reads_go_out_from_the_ram_disks_memory_without_a_copy() {
     let s = server();
     let mut c = connect(&s);
-    // 128 KiB reads are lent by the RAM disk under linear; 4 KiB reads and
-    // a read spanning two max-size bios are not (checked by the counts).
+    // The RAM disk under linear lends every read that fits one bio: the
+    // 128 KiB ones and the 4 KiB ones alike (checked by the counts).
     for i in 0..10u64 {
         let data = pattern(i, 128 << 10);
         c.request(0, CMD_WRITE, i, i << 17, 128 << 10);
@@ -210,7 +224,43 @@ fn large_reads_go_out_from_the_ram_disks_memory_without_a_copy() {
     );
     disconnect(c);
     let log = s.wait_log("closed: client disconnected", 1);
-    assert_eq!(lent(&log), (11, 0), "{log}");
+    assert_eq!(lent(&log), (21, 0), "{log}");
+}
+
+#[test]
+fn lent_replies_completed_together_leave_in_one_sendmsg() {
+    let s = server();
+    // The handshake's own sends, counted on a connection that only shakes
+    // hands.
+    disconnect(connect(&s));
+    let log = s.wait_log("closed: client disconnected", 1);
+    let (hs_direct, hs_ring) = sends_of(close_line_of(&log, 0));
+    // 32 reads in one write: one receive takes them all, the RAM disk lends
+    // each, and their replies (on the wire, 130 KiB) complete in one pass
+    // over completions, at whose end they leave together. Sent from each
+    // read's completion, they would take 32 sendmsgs.
+    let mut c = connect(&s);
+    const N: u64 = 32;
+    let mut burst = Vec::new();
+    for i in 0..N {
+        burst.extend(request_header(0, CMD_READ, i, i << 20, 4096));
+    }
+    c.send(&burst);
+    let mut seen = vec![false; N as usize];
+    for _ in 0..N {
+        let i = reply(&mut c);
+        assert!(i < N && !std::mem::replace(&mut seen[i as usize], true));
+        assert!(c.read(4096).iter().all(|&b| b == 0), "read {i}: not zeroes");
+    }
+    disconnect(c);
+    let log = s.wait_log("closed: client disconnected", 2);
+    let line = close_line_of(&log, 1);
+    let (direct, ring) = sends_of(line);
+    assert_eq!(lent_of(line), (N, 0), "{log}");
+    assert_eq!(ring, hs_ring, "{log}");
+    // One sendmsg for the 32 replies; a second, were the burst split
+    // across two receives.
+    assert!(direct <= hs_direct + 2, "{log}");
 }
 
 #[test]

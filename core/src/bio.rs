@@ -99,7 +99,10 @@ bitflags::bitflags! {
         /// Read only, set by the submitter: instead of copying the data into the
         /// bio's single segment, the device may point the segment at its own
         /// memory that holds the data ([`Bio::lend`]; SPDK's zcopy), valid until
-        /// the submitter's end_io returns and no longer. A layer that passes a
+        /// the reactor's pass over deferred completions that runs the
+        /// submitter's end_io ends, and no longer: an end_io that keeps it
+        /// (to send many replies in one `sendmsg`) lets go of it in a hook
+        /// of [`crate::Reactor::at_pass_end`]. A layer that passes a
         /// bio down in place and needs the data in the caller's buffer when it
         /// completes (a target that transforms or caches it, a stand-in, a
         /// clone) removes this flag.
@@ -522,7 +525,10 @@ impl Bio {
     ///
     /// # Safety
     /// `data..data+len()` must hold the bio's data, stay valid for reads
-    /// until the submitter's end_io returns, and not be written meanwhile
+    /// until the end of the reactor's pass over deferred completions that
+    /// runs the submitter's end_io (so the device completes the bio with
+    /// [`BioPtr::complete`], whose end_io runs in such a pass, and frees
+    /// nothing it lends while a pass runs), and not be written meanwhile
     /// but by I/O that overlaps this read (which may tear it, as it may tear
     /// a copy).
     #[inline]

@@ -51,8 +51,8 @@ pub use error::{Error, ErrorKind, Result};
 pub use mmap::Mmap;
 pub use pool::{PoolConfig, ReactorPool, StopToken};
 pub use reactor::{
-    CacheStats, CompletionMode, Poller, Reactor, ReactorConfig, ReactorHandle, RegisteredRegion,
-    WorkQueue, DEFAULT_CACHE_SIZE,
+    CacheStats, CompletionMode, PassEnd, Poller, Reactor, ReactorConfig, ReactorHandle,
+    RegisteredRegion, WorkQueue, DEFAULT_CACHE_SIZE,
 };
 pub use ring::{cqe_more, Ring, RingFd, RingKind, RingOp, MAX_REGISTERED_BUFFER};
 

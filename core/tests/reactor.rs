@@ -24,7 +24,8 @@ use udm_core::bio::MAX_STACK;
 use udm_core::testing::{self, Watchdog};
 use udm_core::{
     check_bio, BioPtr, BlockDevice, Caps, Channel, CompletionMode, EndIo, Error, Limits, Op,
-    Poller, Reactor, ReactorConfig, ReactorHandle, RingFd, RingKind, Status, DEFAULT_CACHE_SIZE,
+    PassEnd, Poller, Reactor, ReactorConfig, ReactorHandle, RingFd, RingKind, Status,
+    DEFAULT_CACHE_SIZE,
 };
 
 const TIMEOUT: Duration = Duration::from_secs(20);
@@ -383,6 +384,85 @@ fn log_ordered_ref(bio: &BioPtr) {
     // SAFETY: as in log_ordered.
     let o = unsafe { &*(bio.private() as *const Ordered) };
     o.log.borrow_mut().push((o.id, bio.status()));
+}
+
+/// A submitter that keeps lent memory past its end_ios: the first end_io
+/// of a pass asks for the pass-end hook; everything lands in `log`.
+struct Keeper {
+    reactor: *const Reactor,
+    log: RefCell<Vec<String>>,
+    asked: Cell<bool>,
+    me: RefCell<Option<Rc<Keeper>>>,
+}
+
+impl PassEnd for Keeper {
+    fn pass_end(&self) {
+        self.asked.set(false);
+        self.log.borrow_mut().push("pass end".into());
+    }
+}
+
+impl Poller for Keeper {
+    fn poll(&self) -> usize {
+        self.log.borrow_mut().push("poll".into());
+        0
+    }
+}
+
+fn keep(bio: BioPtr) {
+    // SAFETY: private is the test's live Keeper.
+    let k = unsafe { &*(bio.private() as *const Keeper) };
+    k.log.borrow_mut().push(format!("end_io {}", bio.ctx()));
+    if !k.asked.replace(true) {
+        let me: Rc<dyn PassEnd> = k.me.borrow().clone().unwrap();
+        // SAFETY: the reactor outlives the test's turns.
+        unsafe { &*k.reactor }.at_pass_end(me);
+    }
+}
+
+#[test]
+fn a_pass_end_hook_runs_once_after_every_end_io_of_its_pass_and_before_the_pollers() {
+    let r = reactor(CompletionMode::Interrupt, DEFAULT_CACHE_SIZE);
+    let k = Rc::new(Keeper {
+        reactor: &r,
+        log: RefCell::new(Vec::new()),
+        asked: Cell::new(false),
+        me: RefCell::new(None),
+    });
+    *k.me.borrow_mut() = Some(k.clone());
+    r.add_poller(k.clone());
+    for i in 0..3 {
+        let mut bio = r.alloc_bio();
+        bio.set_end_io(keep, private_of(&*k));
+        bio.set_ctx(i);
+        bio.complete(Status::Ok);
+    }
+    r.poll_once();
+    assert_eq!(
+        *k.log.borrow(),
+        ["end_io 0", "end_io 1", "end_io 2", "pass end", "poll"],
+        "the hook runs after the pass's last end_io, before the pollers"
+    );
+    // Asked for no more: a pass without it runs no hook.
+    k.log.borrow_mut().clear();
+    let d = Done::default();
+    let mut bio = r.alloc_bio();
+    bio.set_end_io(record, private_of(&d));
+    bio.complete(Status::Ok);
+    r.poll_once();
+    assert_eq!(d.calls.get(), 1);
+    assert_eq!(*k.log.borrow(), ["poll"]);
+    // A hook asked for outside a pass runs when the next pass ends.
+    k.asked.set(true);
+    r.at_pass_end(k.clone());
+    k.log.borrow_mut().clear();
+    let mut bio = r.alloc_bio();
+    bio.set_end_io(keep, private_of(&*k));
+    bio.set_ctx(9);
+    bio.complete(Status::Ok);
+    r.poll_once();
+    assert_eq!(*k.log.borrow(), ["end_io 9", "pass end", "poll"]);
+    k.me.borrow_mut().take();
 }
 
 #[test]

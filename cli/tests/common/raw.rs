@@ -107,13 +107,7 @@ impl Raw {
     }
 
     pub fn request(&mut self, flags: u16, cmd: u16, cookie: u64, offset: u64, len: u32) {
-        let mut m = 0x2560_9513u32.to_be_bytes().to_vec();
-        m.extend_from_slice(&flags.to_be_bytes());
-        m.extend_from_slice(&cmd.to_be_bytes());
-        m.extend_from_slice(&cookie.to_be_bytes());
-        m.extend_from_slice(&offset.to_be_bytes());
-        m.extend_from_slice(&len.to_be_bytes());
-        self.send(&m);
+        self.send(&request_header(flags, cmd, cookie, offset, len));
     }
 
     /// Reads a simple reply: (error, cookie).
@@ -132,4 +126,15 @@ impl Raw {
         assert_eq!(self.simple_reply(), (0, 0xfeed));
         self.read(512);
     }
+}
+
+/// A request header's bytes (for several requests sent in one write).
+pub fn request_header(flags: u16, cmd: u16, cookie: u64, offset: u64, len: u32) -> Vec<u8> {
+    let mut m = 0x2560_9513u32.to_be_bytes().to_vec();
+    m.extend_from_slice(&flags.to_be_bytes());
+    m.extend_from_slice(&cmd.to_be_bytes());
+    m.extend_from_slice(&cookie.to_be_bytes());
+    m.extend_from_slice(&offset.to_be_bytes());
+    m.extend_from_slice(&len.to_be_bytes());
+    m
 }

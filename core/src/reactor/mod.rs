@@ -47,7 +47,7 @@ mod work;
 
 pub use handle::ReactorHandle;
 use handle::{Mailbox, Msg};
-pub use work::{Poller, WorkQueue};
+pub use work::{PassEnd, Poller, WorkQueue};
 
 /// The kernel's final `ALLOC_CACHE_MAX` for per-CPU bio caches.
 pub const DEFAULT_CACHE_SIZE: usize = 256;
@@ -263,6 +263,11 @@ pub(crate) struct ReactorCore {
     staged_tail: Cell<*mut Bio>,
     /// While a pass runs an end_io: whether others follow it in the pass.
     more: Cell<bool>,
+    /// What runs when the pass over deferred completions ends
+    /// ([`Reactor::at_pass_end`]), and whether anything does: the one load
+    /// a pass pays.
+    pass_end: RefCell<Vec<Rc<dyn PassEnd>>>,
+    pass_end_armed: Cell<bool>,
     ring: Rc<Ring>,
     extra_rings: RefCell<Vec<Rc<Ring>>>,
     pollers: RefCell<Vec<Rc<dyn Poller>>>,
@@ -481,7 +486,29 @@ impl ReactorCore {
             p = next;
             n += 1;
         }
+        if self.pass_end_armed.get() {
+            self.run_pass_end();
+        }
         n
+    }
+
+    /// Runs the hooks [`Reactor::at_pass_end`] queued (and those they
+    /// queue), each once.
+    #[cold]
+    fn run_pass_end(&self) {
+        while self.pass_end_armed.replace(false) {
+            let hooks = std::mem::take(&mut *self.pass_end.borrow_mut());
+            for h in &hooks {
+                h.pass_end();
+            }
+            // Given back with its capacity, so a pass allocates nothing,
+            // unless a hook queued more meanwhile (they run next round).
+            let mut q = self.pass_end.borrow_mut();
+            if q.is_empty() {
+                *q = hooks;
+                q.clear();
+            }
+        }
     }
 
     /// The staged bios' end_ios, one after another (those staged while
@@ -538,6 +565,8 @@ impl Reactor {
             staged_head: Cell::new(std::ptr::null_mut()),
             staged_tail: Cell::new(std::ptr::null_mut()),
             more: Cell::new(false),
+            pass_end: RefCell::new(Vec::new()),
+            pass_end_armed: Cell::new(false),
             ring: Rc::new(ring),
             extra_rings: RefCell::new(Vec::new()),
             pollers: RefCell::new(Vec::new()),
@@ -798,6 +827,18 @@ impl Reactor {
                 .iter()
                 .map(|r| r.fixed_ops())
                 .sum::<u64>()
+    }
+
+    /// Runs `hook` once, when the reactor's current pass over deferred
+    /// completions ends (called outside a pass: when the next one ends).
+    /// An end_io given memory a device lent ([`BioFlags::MAY_LEND`]) may
+    /// keep using it until then: a pass runs the end_io of every bio
+    /// completed ([`BioPtr::complete`]) before it started, and nothing
+    /// frees a device's memory while it runs.
+    pub fn at_pass_end(&self, hook: Rc<dyn PassEnd>) {
+        let core = self.core();
+        core.pass_end.borrow_mut().push(hook);
+        core.pass_end_armed.set(true);
     }
 
     /// Adds a poller, polled every turn until the reactor is dropped.

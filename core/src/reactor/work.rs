@@ -26,6 +26,16 @@ pub trait Poller {
     }
 }
 
+/// Something that runs once the reactor's current pass over deferred
+/// completions ends ([`Reactor::at_pass_end`](super::Reactor::at_pass_end)):
+/// a submitter that kept memory a device lent to its bios
+/// ([`crate::BioFlags::MAY_LEND`]) past their end_ios lets go of it here,
+/// while it is still valid.
+pub trait PassEnd {
+    /// The pass ended.
+    fn pass_end(&self);
+}
+
 /// A reactor's queue of slow work (the kernel's `queue_work` on the local
 /// CPU). A poller added with [`Reactor::add_poller`](super::Reactor::add_poller) is called on every
 /// turn, which costs each I/O of a QD1 loop a call; one queued here is

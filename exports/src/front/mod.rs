@@ -163,8 +163,10 @@ pub struct Done<'a> {
     /// How it ended.
     pub result: Result<(), FrontError>,
     /// For a read with [`ReqFlags::may_lend`]: the data, in memory the
-    /// device lent, valid only until the [`DoneFn`] returns (None: the data
-    /// is in the request's buffer).
+    /// device lent (None: the data is in the request's buffer). Valid until
+    /// the reactor's pass over completions ends, no longer: a [`DoneFn`]
+    /// that keeps a pointer to it past its return lets go of it in a hook
+    /// of [`udm_core::Reactor::at_pass_end`].
     pub lent: Option<&'a [u8]>,
 }
 
@@ -1040,8 +1042,9 @@ fn front_end_io(bio: BioPtr) {
         _ => None,
     };
     drop(bio);
-    // SAFETY: lent memory stays valid until this end_io returns
-    // (BioFlags::MAY_LEND's contract), and the slice does not leave it.
+    // SAFETY: lent memory stays valid until this end_io's pass over
+    // completions ends (BioFlags::MAY_LEND's contract); the slice does not
+    // leave this call (Done::lent says how long a pointer into it may live).
     let lent = lent_seg.map(|(p, n)| unsafe { std::slice::from_raw_parts(p.cast_const(), n) });
     front.bio_done(idx, st, lent);
 }

@@ -26,15 +26,16 @@
 //!   first offered to the socket with a non-blocking sendmsg at the end of
 //!   the turn; only what the socket buffer cannot take goes to the ring,
 //!   which sends it as room appears.
-//! - Large reads are not copied at all where the device can lend them: a
-//!   READ of [`LEND_MIN`] bytes or more that fits one bio allows it
-//!   ([`udm_core::BioFlags::MAY_LEND`]); a RAM disk under linear or
-//!   striped then points the bio at its own memory instead of copying into
-//!   the request's buffer. Lent memory is valid only inside the end_io, so
-//!   the reply is sent from there at once, and whatever the socket does not
-//!   take (or a reply queued behind a send in flight) is copied into the
-//!   request's buffer before the end_io returns: nothing refers to lent
-//!   memory later.
+//! - Reads are not copied at all where the device can lend them: a READ
+//!   that fits one bio allows it ([`udm_core::BioFlags::MAY_LEND`]); a RAM
+//!   disk under linear or striped then points the bio at its own memory
+//!   instead of copying into the request's buffer, and the reply's iovec
+//!   points there too. Lent memory is valid until the reactor's pass over
+//!   completions ends, so the worker settles every connection given lent
+//!   data at that moment ([`udm_core::Reactor::at_pass_end`]): its replies
+//!   go out in one sendmsg, and whatever the socket does not take (or a
+//!   reply queued behind a send in flight) is copied into the request's
+//!   buffer: nothing refers to lent memory later.
 //! - `req`: requests live in a slab and are named by key; their buffers
 //!   are recycled, so steady state allocates nothing per request.
 //! - `tls`: after STARTTLS, the same paths through rustls: plaintext is
@@ -80,10 +81,6 @@ const MAX_INFLIGHT_BYTES: u64 = 128 << 20;
 const MAX_DESCRIPTORS: usize = udm_core::BLOCK_STATUS_MAX_EXTENTS;
 /// iovecs per sendmsg (IOV_MAX).
 const MAX_IOV: usize = 1024;
-/// Single-bio reads of at least this many bytes let the device lend its
-/// memory. Below it, the copy costs less than the sendmsg of its own that
-/// a lent reply takes (smaller replies leave batched at the end of the turn).
-pub const LEND_MIN: u32 = 32 << 10;
 
 /// Starts serving the accepted socket `fd` on `worker`'s reactor: sends the
 /// greeting and waits for the client's flags.
@@ -126,6 +123,7 @@ pub fn start(worker: &Rc<Worker>, fd: OwnedFd, peer: String, id: u64) {
         closing: None,
         write_dead: false,
         in_dirty: false,
+        lent_held: false,
         blocked: false,
         stats: Stats::default(),
         export: None,
@@ -232,6 +230,8 @@ pub struct Conn {
     closing: Option<String>,
     write_dead: bool,
     in_dirty: bool,
+    /// On the worker's list of connections given lent data this pass.
+    lent_held: bool,
     blocked: bool,
     stats: Stats,
     export: Option<String>,
@@ -297,10 +297,10 @@ fn req_done(ctx: *mut (), done: front::Done<'_>) {
     let c = unsafe { &mut *ctx.cast::<Conn>() };
     let id = done.token as ReqId;
     c.reqs[id].result = done.result;
-    // Lent memory is valid only until this function returns
-    // (BioFlags::MAY_LEND's contract): the reply goes out from here.
+    // Lent memory is valid until the pass over completions ends
+    // (BioFlags::MAY_LEND's contract): the worker settles the reply then.
     match done.lent {
-        Some(lent) if done.result.is_ok() => c.send_lent(id, lent.as_ptr()),
+        Some(lent) if done.result.is_ok() => c.hold_lent(id, lent.as_ptr()),
         _ => c.reply(id),
     }
 }

@@ -14,8 +14,7 @@ use super::super::proto::{self, Command, Request, TxParams};
 use super::super::tls::TLS_BUFFERS;
 use super::req::ReqId;
 use super::{
-    errno_str, req_done, Conn, Tx, LEND_MIN, MAX_DESCRIPTORS, MAX_INFLIGHT_BYTES, MAX_REQS,
-    RBUF_LEN,
+    errno_str, req_done, Conn, Tx, MAX_DESCRIPTORS, MAX_INFLIGHT_BYTES, MAX_REQS, RBUF_LEN,
 };
 
 impl Conn {
@@ -446,7 +445,7 @@ impl Conn {
                     // Under TLS the reply is encrypted from the request's
                     // buffer whenever the socket has room: lent memory,
                     // valid only inside the end_io, would not do.
-                    may_lend: req.len >= LEND_MIN && self.tls.is_none(),
+                    may_lend: self.tls.is_none(),
                     ..none
                 },
             ),

@@ -53,7 +53,8 @@ pub(super) struct Req {
     /// BLOCK_STATUS: descriptors encoded in the data buffer for the reply.
     pub descriptors: u32,
     /// The read's data lent by the device (null: it is in `bufs.data`). Set
-    /// only while the bio's end_io runs; see `Conn::send_lent`.
+    /// only from the bio's end_io to the end of its pass over completions;
+    /// see `Conn::hold_lent`.
     pub lent: *const u8,
     pub bufs: Bufs,
 }
@@ -131,11 +132,6 @@ impl Reqs {
         self.spare_bytes += r.bufs.data.len();
         self.spare.push(r.bufs);
         r.counted
-    }
-
-    /// Whether `id` names a request not yet recycled.
-    pub fn contains(&self, id: ReqId) -> bool {
-        self.slab.contains(id)
     }
 
     /// Requests not yet recycled.

@@ -147,8 +147,8 @@ impl Conn {
         // SAFETY: msg names iov[iov_at..], whose buffers (hs_sending, the
         // headers and buffers of the `sending` requests, or memory lent for
         // a read, which is valid because a batch holds lent iovecs only
-        // while send_lent runs inside that read's end_io) are live; the
-        // kernel copies from them before the call returns.
+        // while settle_lent runs in that read's pass over completions) are
+        // live; the kernel copies from them before the call returns.
         let n = unsafe {
             libc::sendmsg(
                 self.fd.as_raw_fd(),
@@ -174,31 +174,41 @@ impl Conn {
         }
     }
 
-    /// Replies to a read whose data the device lent: sends it now, with
-    /// every reply queued before it, and copies into the request's buffer
-    /// whatever still needs the data afterwards (the part of the batch the
-    /// socket did not take, or the whole reply when it cannot be sent now),
-    /// so that nothing refers to the lent memory once the end_io returns.
-    pub(super) fn send_lent(&mut self, id: ReqId, lent: *const u8) {
+    /// Replies to a read whose data the device lent: queued like any
+    /// reply, with its iovec to point at the lent memory, and this
+    /// connection handed to the worker, which settles it when the pass
+    /// over completions ends ([`Conn::settle_lent`]): the replies of one
+    /// pass leave in one sendmsg, lent or not.
+    pub(super) fn hold_lent(&mut self, id: ReqId, lent: *const u8) {
         self.stats.lent += 1;
         self.reqs[id].lent = lent;
         self.reply(id);
-        self.flush_sends();
-        // Sent whole, the request was recycled (and its key may not be
-        // reused before this returns: nothing allocates a request here).
-        if !self.reqs.contains(id) {
-            return;
+        if !self.lent_held {
+            self.lent_held = true;
+            let p: *mut Conn = self;
+            super::Worker::hold_lent(&self.worker, p);
         }
-        let req = &mut self.reqs[id];
-        if !req.lent.is_null() {
-            // Not in the batch: queued behind a send in flight, or beyond
-            // the batch's iovecs.
-            // SAFETY: lent data of data_len bytes (valid during this end_io)
-            // and the request's own buffer, which holds len >= data_len
-            // bytes; distinct memory.
-            unsafe { std::ptr::copy_nonoverlapping(req.lent, req.data(), req.data_len) };
-            req.lent = std::ptr::null();
-            self.stats.lent_copied += 1;
+    }
+
+    /// At the end of the pass over completions, while lent memory is still
+    /// valid: sends the queued replies, and copies into its request's
+    /// buffer whatever still needs lent data afterwards (the part of the
+    /// batch the socket did not take, which `push_send` copied already, and
+    /// replies queued behind a send in flight or beyond the batch's
+    /// iovecs), so that nothing refers to lent memory after the pass.
+    pub(super) fn settle_lent(&mut self) {
+        self.lent_held = false;
+        self.flush_sends();
+        for &id in &self.ready {
+            let req = &mut self.reqs[id];
+            if !req.lent.is_null() {
+                // SAFETY: lent data of data_len bytes (valid until the pass
+                // ends, which it has not) and the request's own buffer,
+                // which holds len >= data_len bytes; distinct memory.
+                unsafe { std::ptr::copy_nonoverlapping(req.lent, req.data(), req.data_len) };
+                req.lent = std::ptr::null();
+                self.stats.lent_copied += 1;
+            }
         }
     }
 
@@ -216,7 +226,7 @@ impl Conn {
             // Bytes of this reply already sent (advance_sent moves the base).
             let done = v.iov_base as usize - req.lent as usize;
             // SAFETY: [done, done + iov_len) lies in the reply's data_len
-            // bytes, in the lent memory (valid: we are inside its end_io)
+            // bytes, in the lent memory (valid: settle_lent runs in its pass)
             // and in the request's buffer alike; distinct memory.
             unsafe {
                 let buf = req.data().add(done);
@@ -235,7 +245,8 @@ impl Conn {
     }
 
     pub(super) fn push_send(&mut self) {
-        // The ring sends later, after any end_io that lent memory returned.
+        // The ring sends later, after the pass whose lent memory this
+        // batch may hold ended.
         self.unlend_rest();
         self.point_msg();
         self.stats.sends_ring += 1;

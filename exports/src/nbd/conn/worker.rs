@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use udm_core::{Channel, Poller, Reactor};
+use udm_core::{Channel, PassEnd, Poller, Reactor};
 
 use super::super::export::Export;
 use super::super::limits::Shared;
@@ -38,6 +38,9 @@ pub struct Worker {
     pub(super) conns: RefCell<Vec<*mut Conn>>,
     pub(super) dirty: RefCell<Vec<*mut Conn>>,
     scratch: RefCell<Vec<*mut Conn>>,
+    /// Connections given lent data in the pass over completions running
+    /// now, settled when it ends.
+    lent: RefCell<Vec<*mut Conn>>,
     stopping: Cell<bool>,
     /// When stopping, the moment connections still open are cut.
     cut_at: Cell<Option<Instant>>,
@@ -64,12 +67,23 @@ impl Worker {
             conns: RefCell::new(Vec::new()),
             dirty: RefCell::new(Vec::new()),
             scratch: RefCell::new(Vec::new()),
+            lent: RefCell::new(Vec::new()),
             stopping: Cell::new(false),
             cut_at: Cell::new(None),
             shared,
             hs_deadlines: RefCell::new(VecDeque::new()),
             budget_retry: Cell::new(None),
         })
+    }
+
+    /// Connection `c` holds replies pointing at lent memory: settled when
+    /// the reactor's pass over completions ends.
+    pub(super) fn hold_lent(me: &Rc<Worker>, c: *mut Conn) {
+        let mut lent = me.lent.borrow_mut();
+        if lent.is_empty() {
+            me.reactor().at_pass_end(me.clone());
+        }
+        lent.push(c);
     }
 
     /// Starts the handshake deadline of connection `id`.
@@ -217,6 +231,25 @@ impl Worker {
         self.shared.pool.leave();
         if let Some(i) = conn.admitted {
             self.shared.counts.leave(i);
+        }
+    }
+}
+
+impl PassEnd for Worker {
+    /// Sends (or copies) every reply that points at lent memory, while it
+    /// is valid.
+    fn pass_end(&self) {
+        let batch = std::mem::take(&mut *self.lent.borrow_mut());
+        for &c in &batch {
+            // SAFETY: a connection with a held reply has a request active,
+            // so the poller, which alone frees connections (and does not
+            // run during a pass), has not freed it.
+            unsafe { &mut *c }.settle_lent();
+        }
+        let mut lent = self.lent.borrow_mut();
+        if lent.is_empty() {
+            *lent = batch;
+            lent.clear();
         }
     }
 }
