@@ -23,7 +23,7 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use common::raw::{CMD_READ, CMD_WRITE};
+use common::raw::{request_header, CMD_READ, CMD_WRITE};
 use common::Serve;
 
 const BS: usize = 4096;
@@ -122,12 +122,7 @@ impl Client {
     }
 
     fn send(&mut self, flags: u16, cmd: u16, cookie: u64, off: u64, data: &[u8], len: u32) {
-        let mut m = 0x2560_9513u32.to_be_bytes().to_vec();
-        m.extend_from_slice(&flags.to_be_bytes());
-        m.extend_from_slice(&cmd.to_be_bytes());
-        m.extend_from_slice(&cookie.to_be_bytes());
-        m.extend_from_slice(&off.to_be_bytes());
-        m.extend_from_slice(&len.to_be_bytes());
+        let mut m = request_header(flags, cmd, cookie, off, len);
         m.extend_from_slice(data);
         // A failed send shows as a failed reply.
         let _ = self.s.write_all(&m);
