@@ -36,7 +36,7 @@ use crate::clone;
 use crate::stats::Shard;
 use crate::table::Table;
 use crate::table_io::{block_map_endio, ChanState, FastMap, Stripes, TableIo, TargetIo};
-use crate::target::{BlockMap, Map, MapCtx};
+use crate::target::{BlockMap, EndIoWhen, Map, MapCtx};
 use crate::targets::thin::{Vol, MAPPED, SHARED};
 
 /// What the channel does with a new bio, fixed whenever the table, the
@@ -133,6 +133,10 @@ struct GatedPlan {
     /// [`crate::Target::remap_gate`]: set while the target passes I/O
     /// through unchanged.
     gate: *const AtomicBool,
+    /// The target's end_io runs on every bio ([`EndIoWhen::Always`]): it
+    /// may change read data (flakey corrupting once its gate closed), so
+    /// no device below may lend its memory to the read.
+    end_io_always: bool,
 }
 
 /// [`Plan::Blocks`]: the target's cache, this reactor's in-flight
@@ -175,10 +179,13 @@ impl GatedPlan {
     /// Linear's path while the gate is set; while it is clear, the general
     /// plan's (which calls the target's map). (Out of line, as striped's.)
     #[inline(never)]
-    fn map(&self, bio: BioPtr, ch: &MapperChannel) {
+    fn map(&self, mut bio: BioPtr, ch: &MapperChannel) {
         // SAFETY: `gate` points into the current table's target, which the
         // current TableIo keeps alive (the plan is remade on every switch).
         if unsafe { (*self.gate).load(Ordering::Relaxed) } {
+            if self.end_io_always {
+                bio.flags.remove(BioFlags::MAY_LEND);
+            }
             self.o.map(bio, ch)
         } else {
             ch.map_targets(bio)
@@ -311,7 +318,11 @@ impl TableIo {
                 if gate.is_null() {
                     Plan::Offset(o)
                 } else {
-                    Plan::Gated(GatedPlan { o, gate })
+                    Plan::Gated(GatedPlan {
+                        o,
+                        gate,
+                        end_io_always: t.end_io == EndIoWhen::Always,
+                    })
                 }
             }
             // Table::build checked the window is the chunk, a multiple of
@@ -581,6 +592,11 @@ impl MapperChannel {
                     let _ =
                         bio.push_end_io_ctx(tio.endio, tio as *const TableIo as *mut (), ti as u64);
                     tio.get();
+                    // A target whose end_io runs on every bio may change
+                    // read data there: nothing below may lend to it.
+                    if t.end_io == EndIoWhen::Always {
+                        bio.flags.remove(BioFlags::MAY_LEND);
+                    }
                     return match t.fast {
                         FastMap::Offset(start, ch, gate) => {
                             // SAFETY: a non-null gate points into the

@@ -1143,3 +1143,45 @@ fn lending_passes_pure_remaps_only_and_reads_the_same_data() {
     assert!(!d.lent, "clone path lent");
     assert_sectors_eq(&d.data, &pattern(1, 100, 64), "clone path");
 }
+
+/// A target whose end_io runs on every read may change the data there
+/// (flakey corrupting reads once its up interval ended): a read under it
+/// is never lent, or the corruption would land in the RAM disk itself.
+/// While up, flakey passes reads through unchanged (remapped in place);
+/// without a read feature its end_io never runs, and reads are lent.
+#[test]
+fn a_target_that_may_change_read_data_in_its_end_io_is_never_lent_to() {
+    let mut devs = Devices::new();
+    for r in ["ram0", "ram1", "ram2", "ram3"] {
+        devs.ram(r, 1024);
+    }
+    let corrupting = "60 1 5 corrupt_bio_byte 32 r 1 0";
+    let fl = as_dev(&devs.mapped("fl", &format!("0 1024 flakey ram0 0 {corrupting}")));
+    let plain = as_dev(&devs.mapped("flp", "0 1024 flakey ram1 0 60 1"));
+    let mixed = as_dev(&devs.mapped(
+        "mix",
+        &format!("0 512 linear ram2 0; 512 512 flakey ram3 0 {corrupting}"),
+    ));
+    let t = Tester::new();
+    for (i, dev) in [&fl, &plain, &mixed].into_iter().enumerate() {
+        t.write(dev, 0, pattern(i as u64 + 1, 0, 1024));
+    }
+    for (dev, seed, sector, lent, what) in [
+        (&fl, 1, 100, false, "flakey corrupting reads, one target"),
+        (&plain, 2, 100, true, "flakey without read features"),
+        (
+            &mixed,
+            3,
+            600,
+            false,
+            "flakey corrupting reads, beside linear",
+        ),
+        (&mixed, 3, 100, true, "the linear beside it"),
+    ] {
+        let d = t.run(dev, Req::read(sector, 16).flags(BioFlags::MAY_LEND));
+        d.assert_returned_intact();
+        assert_eq!(d.status, Status::Ok, "{what}");
+        assert_eq!(d.lent, lent, "{what}: lent");
+        assert_sectors_eq(&d.data, &pattern(seed, sector, 16), what);
+    }
+}

@@ -78,14 +78,15 @@ impl Front {
 
     /// Whether stream and auto dispatch may hold `req`: a read or a write
     /// of at most one bio, and not a read the device may lend its memory
-    /// to (a merged bio cannot be lent, and on the memory-like devices
-    /// that lend, where auto streams, the copy saved is worth more than the
-    /// bios merged).
+    /// to where merging does not help it (a merged bio cannot be lent, and
+    /// on the memory-like devices that lend, which merging does not help,
+    /// the copy saved is worth more than the bios merged; a device that
+    /// merging helps, a file or a network disk, lends nothing).
     #[inline]
     fn streamable(&self, req: &Request) -> bool {
         matches!(req.op, FrontOp::Read | FrontOp::Write)
             && req.len <= self.max_bio
-            && !req.flags.may_lend
+            && (!req.flags.may_lend || self.merge_helps)
     }
 
     /// [`Front::hold`]'s work, out of line; `follows`: the request starts

@@ -954,6 +954,35 @@ fn auto_merges_a_sequential_stream_across_its_jump_and_scattered_requests_go_dir
 }
 
 #[test]
+fn stream_merges_reads_that_allow_lending_where_merging_helps_the_device() {
+    // A device that merging helps (a file, a network disk) lends nothing:
+    // reads that would allow it merge as any others.
+    let dev = Arc::new(MemDev {
+        merge: true,
+        ..Arc::into_inner(MemDev::new()).unwrap()
+    });
+    let rig = Rig::new(dev);
+    rig.front().set_dispatch(Dispatch::Stream);
+    let lend = ReqFlags {
+        may_lend: true,
+        ..ReqFlags::default()
+    };
+    let mut r: Vec<Vec<u8>> = (0..3).map(|_| vec![0u8; BS as usize]).collect();
+    for (k, buf) in r.iter_mut().enumerate() {
+        rig.submit(k as u64, FrontOp::Read, k as u64 * BS as u64, buf, lend);
+    }
+    rig.front().unplug();
+    let b = BS as u64;
+    assert_eq!(
+        shapes(&rig.dev),
+        vec![(Op::Read, 0, BS, 1), (Op::Read, b, MAX_IO, 2)],
+        "the first went at once, the two after it as one bio"
+    );
+    rig.run();
+    assert_eq!(rig.results().len(), 3);
+}
+
+#[test]
 fn stream_sends_a_read_the_device_may_lend_to_alone() {
     // A merged bio cannot be lent: stream mode does not hold such reads,
     // even back to back, so each can be served from the device's memory.

@@ -444,7 +444,8 @@ impl Conn {
                 ReqFlags {
                     // Under TLS the reply is encrypted from the request's
                     // buffer whenever the socket has room: lent memory,
-                    // valid only inside the end_io, would not do.
+                    // valid only until the pass over completions ends,
+                    // would not do.
                     may_lend: self.tls.is_none(),
                     ..none
                 },
