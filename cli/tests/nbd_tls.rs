@@ -603,9 +603,13 @@ fn certificates_that_do_not_check_out_are_refused() {
     ];
     for (dir, logged) in cases {
         let out = fails("nbdinfo", &[&uri(port, &pki.dir(dir))], &[]);
-        // rustls's alert, as gnutls reports it.
+        // rustls's alert, as gnutls reports it; or, where the server's
+        // close beats the client's next write (the client's side of a TLS
+        // 1.3 handshake ends before the server checks its certificate),
+        // the reset. The server's log says why it refused.
         assert!(
-            out.contains("A TLS fatal alert has been received"),
+            out.contains("A TLS fatal alert has been received")
+                || out.contains("Connection reset by peer"),
             "{dir}: {out}"
         );
         s.wait_log(logged, 1);
@@ -621,7 +625,13 @@ fn certificates_that_do_not_check_out_are_refused() {
         ],
         &[],
     );
-    assert!(out.contains("TLS"), "{out}");
+    // As nbdinfo: the alert, or the reset on qemu-img's next write. The
+    // server refused it for the name.
+    assert!(
+        out.contains("TLS") || out.contains("Connection reset by peer"),
+        "{out}"
+    );
+    s.wait_log("'CN=intruder,O=Example' is not in --tls-authz", 2);
     // nbdinfo without certificates of its own (system CAs, no client cert).
     let out = fails(
         "nbdinfo",
