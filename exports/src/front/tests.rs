@@ -55,6 +55,13 @@ impl MemDev {
             max_segments: 1024,
         })
     }
+    /// A device that reports that merging helps it ([`Caps::MERGE`]).
+    fn merging() -> Arc<MemDev> {
+        Arc::new(MemDev {
+            merge: true,
+            ..Arc::into_inner(MemDev::new()).unwrap()
+        })
+    }
     fn log(&self) -> Vec<Logged> {
         self.log.lock().unwrap().clone()
     }
@@ -672,10 +679,7 @@ fn auto_queues_only_where_the_device_reports_that_merging_helps() {
     let rig = Rig::new(MemDev::new());
     rig.front().set_dispatch(Dispatch::Auto);
     assert_eq!(rig.front().dispatch(), Dispatch::Auto, "chosen per request");
-    let dev = Arc::new(MemDev {
-        merge: true,
-        ..Arc::into_inner(MemDev::new()).unwrap()
-    });
+    let dev = MemDev::merging();
     let rig = Rig::new(dev);
     rig.front().set_dispatch(Dispatch::Auto);
     assert_eq!(rig.front().dispatch(), Dispatch::Queued);
@@ -691,10 +695,7 @@ fn auto_queues_only_where_the_device_reports_that_merging_helps() {
 
 #[test]
 fn auto_where_merging_helps_goes_direct_while_direct_serves_more_and_back_when_not() {
-    let dev = Arc::new(MemDev {
-        merge: true,
-        ..Arc::into_inner(MemDev::new()).unwrap()
-    });
+    let dev = MemDev::merging();
     let rig = Rig::new(dev);
     let front = rig.front();
     let report = Arc::new(AutoReport::default());
@@ -777,10 +778,7 @@ fn auto_where_merging_helps_goes_direct_while_direct_serves_more_and_back_when_n
 
 #[test]
 fn a_front_that_goes_leaves_its_export_report() {
-    let dev = Arc::new(MemDev {
-        merge: true,
-        ..Arc::into_inner(MemDev::new()).unwrap()
-    });
+    let dev = MemDev::merging();
     let report = Arc::new(AutoReport::default());
     {
         let rig = Rig::new(dev);
@@ -953,24 +951,30 @@ fn auto_merges_a_sequential_stream_across_its_jump_and_scattered_requests_go_dir
     }
 }
 
-#[test]
-fn stream_merges_reads_that_allow_lending_where_merging_helps_the_device() {
-    // A device that merging helps (a file, a network disk) lends nothing:
-    // reads that would allow it merge as any others.
-    let dev = Arc::new(MemDev {
-        merge: true,
-        ..Arc::into_inner(MemDev::new()).unwrap()
-    });
+/// Three back-to-back 1-block reads that allow lending, in stream mode on
+/// `dev`, into `bufs` (which must outlive them); returns the rig (nothing
+/// unplugged yet) and how many bios had gone down after each read.
+fn stream_lendable_reads(dev: Arc<MemDev>, bufs: &mut [Vec<u8>; 3]) -> (Rig, Vec<usize>) {
     let rig = Rig::new(dev);
     rig.front().set_dispatch(Dispatch::Stream);
     let lend = ReqFlags {
         may_lend: true,
         ..ReqFlags::default()
     };
-    let mut r: Vec<Vec<u8>> = (0..3).map(|_| vec![0u8; BS as usize]).collect();
-    for (k, buf) in r.iter_mut().enumerate() {
+    let mut sent = vec![];
+    for (k, buf) in bufs.iter_mut().enumerate() {
         rig.submit(k as u64, FrontOp::Read, k as u64 * BS as u64, buf, lend);
+        sent.push(shapes(&rig.dev).len());
     }
+    (rig, sent)
+}
+
+#[test]
+fn stream_merges_reads_that_allow_lending_where_merging_helps_the_device() {
+    // A device that merging helps (a file, a network disk) lends nothing:
+    // reads that would allow it merge as any others.
+    let mut bufs = [(); 3].map(|_| vec![0u8; BS as usize]);
+    let (rig, _) = stream_lendable_reads(MemDev::merging(), &mut bufs);
     rig.front().unplug();
     let b = BS as u64;
     assert_eq!(
@@ -986,17 +990,9 @@ fn stream_merges_reads_that_allow_lending_where_merging_helps_the_device() {
 fn stream_sends_a_read_the_device_may_lend_to_alone() {
     // A merged bio cannot be lent: stream mode does not hold such reads,
     // even back to back, so each can be served from the device's memory.
-    let rig = Rig::new(MemDev::new());
-    rig.front().set_dispatch(Dispatch::Stream);
-    let lend = ReqFlags {
-        may_lend: true,
-        ..ReqFlags::default()
-    };
-    let mut r: Vec<Vec<u8>> = (0..3).map(|_| vec![0u8; BS as usize]).collect();
-    for (k, buf) in r.iter_mut().enumerate() {
-        rig.submit(k as u64, FrontOp::Read, k as u64 * BS as u64, buf, lend);
-        assert_eq!(shapes(&rig.dev).len(), k + 1, "read {k} went at once");
-    }
+    let mut bufs = [(); 3].map(|_| vec![0u8; BS as usize]);
+    let (rig, sent) = stream_lendable_reads(MemDev::new(), &mut bufs);
+    assert_eq!(sent, vec![1, 2, 3], "each read went at once");
     rig.run();
     assert_eq!(rig.results().len(), 3);
 }
