@@ -113,6 +113,17 @@ impl<W: Way> Trial<W> {
         self.now
     }
 
+    /// The way that scored better so far.
+    pub(crate) fn best(&self) -> W {
+        self.best
+    }
+
+    /// Whether the current epoch repeats a try that called for a change,
+    /// before the change is made.
+    pub(crate) fn confirming(&self) -> bool {
+        self.confirming
+    }
+
     /// Ends the current epoch with what it measured; returns the next
     /// epoch's way.
     pub(crate) fn end_epoch(&mut self, e: Epoch) -> W {

@@ -15,7 +15,8 @@
 //! weighed ([`ReactorConfig::weigh_spin`], `udm serve`'s default), it also
 //! tries sleeping at once now and then, and keeps doing so where that
 //! costs less CPU per bio at the same throughput (a deep queue whose
-//! client keeps sending: see `spin`).
+//! client keeps sending), and weighs, for its sleeps, gathering the
+//! completions that come within 50 µs of the first (see `spin`).
 //!
 //! Polled I/O (rings with [`RingKind::iopoll`], which complete nothing
 //! unless polled) is polled precisely: a turn enters only the rings that
@@ -98,7 +99,8 @@ pub struct ReactorConfig {
     /// runs in epochs of a few milliseconds, most waiting the way that
     /// served more bios per CPU second without losing throughput, every
     /// few trying the other way; sleeping wins only where it keeps 85% of
-    /// the throughput at 90% or less of the CPU per bio (see docs/polling.md).
+    /// the throughput at 90% or less of the CPU per bio, and its sleeps
+    /// gather where that wins by the same rule (see docs/polling.md).
     pub weigh_spin: bool,
 }
 
@@ -554,6 +556,7 @@ impl Reactor {
         }
         // SAFETY: `efd` is a fresh descriptor we own.
         let eventfd = unsafe { OwnedFd::from_raw_fd(efd) };
+        let gathers = ring.gathers();
         let core = Box::new(ReactorCore {
             id: NEXT_REACTOR_ID.fetch_add(1, Ordering::Relaxed) as usize,
             config,
@@ -587,7 +590,7 @@ impl Reactor {
             idle_since: Cell::new(None),
             spin_window: Cell::new(Duration::ZERO),
             weigh: (config.mode == CompletionMode::Adaptive && config.weigh_spin)
-                .then(|| spin::Weigh::new(0)),
+                .then(|| spin::Weigh::new(0, gathers)),
         });
         Ok(Reactor { core: Some(core) })
     }
@@ -1017,7 +1020,12 @@ impl Reactor {
         }
         // A message posted before the read was armed left the eventfd
         // readable, so the read completes at once and the wait returns.
-        core.ring.submit_and_wait(timeout);
+        if core.weigh.as_ref().is_some_and(|w| w.gathers()) {
+            core.ring
+                .submit_and_wait_gathering(timeout, spin::GATHER_WAIT);
+        } else {
+            core.ring.submit_and_wait(timeout);
+        }
         true
     }
 
