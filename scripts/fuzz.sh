@@ -12,10 +12,13 @@
 # scripts/test.sh runs every target briefly with FUZZ_MERGE=0 (nothing is
 # written back to the committed corpus).
 #
+# FUZZ_TARGET_DIR: where cargo-fuzz builds (default fuzz/target).
+#
 # usage: [FUZZ_MERGE=0] scripts/fuzz.sh [SECONDS_PER_TARGET=60] [TARGET...]
 set -euo pipefail
 SECS=${1:-60}
 shift || true
+TD=(--target-dir "$(realpath -m "${FUZZ_TARGET_DIR:-$(dirname "$0")/../fuzz/target}")")
 cd "$(dirname "$0")/../fuzz"
 if [ $# -gt 0 ]; then
     TARGETS="$*"
@@ -28,7 +31,7 @@ failed=""
 for t in $TARGETS; do
     mkdir -p "corpus/$t" "../target/fuzz-corpus/$t"
     echo "== $t: ${SECS}s"
-    if ! cargo fuzz run "$t" "../target/fuzz-corpus/$t" "corpus/$t" -- \
+    if ! cargo fuzz run "${TD[@]}" "$t" "../target/fuzz-corpus/$t" "corpus/$t" -- \
         -max_total_time="$SECS" -max_len=70000; then
         failed="$failed $t"
         continue
@@ -46,7 +49,7 @@ for t in $TARGETS; do
         m=$(mktemp -d "corpus/.tmp.$t.merge.XXXXXX")
         trap 'rm -rf "$m"' EXIT
         cp -a "corpus/$t/." "$m/"
-        cargo fuzz run "$t" "$m" "../target/fuzz-corpus/$t" -- -merge=1 -max_len=70000
+        cargo fuzz run "${TD[@]}" "$t" "$m" "../target/fuzz-corpus/$t" -- -merge=1 -max_len=70000
         for f in "$m"/*; do
             [ -e "$f" ] && [ ! -e "corpus/$t/${f##*/}" ] && mv "$f" "corpus/$t/"
         done

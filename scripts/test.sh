@@ -15,6 +15,7 @@ cargo clippy --all-targets --profile ci -- -D warnings
 echo "== cargo doc"
 RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --workspace --profile ci -q
 echo "== cargo test"
+mkdir -p target # the logs' place, wherever CARGO_TARGET_DIR builds
 # --no-fail-fast: one run reports every failing binary, not just the first.
 cargo test --profile ci --workspace --no-fail-fast 2>&1 | tee target/test.log
 echo "== fuzz (every target, briefly)"
