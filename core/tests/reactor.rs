@@ -1566,8 +1566,9 @@ fn a_reactor_confined_to_one_cpu_never_waits_on_receives_for_its_batch() {
     match rx.recv_timeout(TIMEOUT) {
         Ok((status, took)) => {
             assert!(status.iter().all(|s| *s == Some(Status::Ok)), "{status:?}");
-            // Waiting for a batch each time would take 200 ms at least.
-            assert!(took < Duration::from_millis(100), "20 reads took {took:?}");
+            // Waiting for a batch each time would take 200 ms at least;
+            // the margin below it is for a loaded machine's scheduling.
+            assert!(took < Duration::from_millis(190), "20 reads took {took:?}");
         }
         Err(_) => timed_out("reads behind forty idle receives"),
     }

@@ -434,12 +434,14 @@ fn delay_adds_its_latency_at_qd1_and_qd32_and_keeps_order() {
     let dev = as_dev(&md);
     let t = Tester::new();
     let want = Duration::from_millis(DELAY_MS);
+    // Never early; late by a scheduler's lag at most, well short of a
+    // second delay.
     let within = |p: Duration, what: &str| {
         let lo = want.mul_f64(0.9);
-        let hi = want.mul_f64(1.1);
+        let hi = want.mul_f64(1.5);
         assert!(
             p >= lo && p <= hi,
-            "{what}: p50 {p:?} not within 10% of {want:?}"
+            "{what}: p50 {p:?} not within -10%..+50% of {want:?}"
         );
     };
     let qd1 = run_at_depth(&t, &dev, 1, 15, |i| Req::read((i as u64 * 8) % 4096, 8));
