@@ -513,20 +513,14 @@ fn reload_swaps_tables_under_live_nbd_io_and_loses_nothing() {
     let mut fio = common::KillOnDrop(Some(fio));
     // Reloads for as long as fio runs, and ten at least; however slow the
     // machine, some of them land while fio's I/O is in flight.
-    let mut reloads = 0;
-    let mut beside_fio = 0;
-    let t0 = Instant::now();
-    while reloads < 10 || fio.running() {
-        let running = fio.running();
-        let t = if reloads % 2 == 0 { two } else { one };
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let (reloads, beside_fio) = fio.rounds_while_running(10, deadline, |i| {
+        let t = if i % 2 == 0 { two } else { one };
         let (code, out, err) = ctl_udm(&s, "reload", &["lin", t]);
-        assert_eq!(code, 0, "reload {reloads}: {err}");
+        assert_eq!(code, 0, "reload {i}: {err}");
         assert_eq!(out, "");
-        reloads += 1;
-        beside_fio += usize::from(running && fio.running());
-        assert!(t0.elapsed() < Duration::from_secs(120), "fio never ended");
         std::thread::sleep(Duration::from_millis(50));
-    }
+    });
     let out = fio.wait_with_output();
     assert!(
         out.contains("err= 0"),

@@ -244,10 +244,8 @@ fn exports_come_and_go_while_fio_verifies_through_one() {
     // Beside and above the exported device, devices come and go, a table
     // is reloaded, and a second export is added and removed: for as long
     // as fio runs, and three times at least.
-    let mut rounds = 0;
-    let mut beside_fio = 0;
-    while rounds < 3 || fio.running() {
-        let running = fio.running();
+    let deadline = t0 + Duration::from_secs(120);
+    let (rounds, beside_fio) = fio.rounds_while_running(3, deadline, |_| {
         d.ok(&["create", "side", "--table", "0 32768 linear ram0 32768"]);
         d.ok(&["create", "above", "--table", "0 32768 linear lin 0"]);
         let a2 = format!("unix:{}", d.dir.path("side.sock").display());
@@ -260,10 +258,7 @@ fn exports_come_and_go_while_fio_verifies_through_one() {
         d.ok(&["export", "remove", "side"]);
         d.ok(&["remove", "above"]);
         d.ok(&["remove", "side"]);
-        rounds += 1;
-        beside_fio += usize::from(running && fio.running());
-        assert!(t0.elapsed() < Duration::from_secs(120), "fio never ended");
-    }
+    });
     let out = fio.wait_with_output();
     assert!(
         out.contains("err= 0"),

@@ -322,31 +322,13 @@ fn the_cap_fits_the_descriptor_limit() {
         .spawn()
         .unwrap();
     let _kill = common::KillOnDrop(Some(child));
-    let t0 = Instant::now();
-    while !std::fs::read_to_string(&out)
-        .unwrap_or_default()
-        .contains("control socket at")
-    {
-        assert!(t0.elapsed() < Duration::from_secs(10), "did not start");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    common::wait_file(&out, "control socket at", 1, Duration::from_secs(10));
     let flood: Vec<UnixStream> = (0..300)
         .filter_map(|_| UnixStream::connect(&sock).ok())
         .collect();
     // The flood may wait in the listen backlog before the server accepts
     // past its cap: wait for the refusal rather than for a fixed time.
-    let t0 = Instant::now();
-    let log = loop {
-        let log = std::fs::read_to_string(&err).unwrap();
-        if log.contains("refused") {
-            break log;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "never refused: {log}"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let log = common::wait_file(&err, "refused", 1, Duration::from_secs(20));
     assert!(log.contains("RLIMIT_NOFILE"), "the cap was lowered: {log}");
     assert!(!log.contains("accept on"), "accept failed: {log}");
     // Past the deadline the flood's sockets are gone and a client gets in.

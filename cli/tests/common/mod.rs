@@ -120,18 +120,7 @@ impl Serve {
 
     /// Waits until the log holds `n` lines containing `needle`.
     pub fn wait_log(&self, needle: &str, n: usize) -> String {
-        let t0 = Instant::now();
-        loop {
-            let l = self.log();
-            if l.matches(needle).count() >= n {
-                return l;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "log never showed {n} x '{needle}':\n{l}"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        wait_file(&self.stderr, needle, n, Duration::from_secs(10))
     }
 
     /// Sends SIGTERM and waits for the exit status.
@@ -227,6 +216,26 @@ impl KillOnDrop {
         matches!(c.try_wait(), Ok(None))
     }
 
+    /// Calls `round(i)` for as long as the child runs, and `at_least` times
+    /// however soon it ends (failing past `deadline`); returns how many
+    /// rounds ran, and how many of them ran whole while the child ran.
+    pub fn rounds_while_running(
+        &mut self,
+        at_least: usize,
+        deadline: Instant,
+        mut round: impl FnMut(usize),
+    ) -> (usize, usize) {
+        let (mut rounds, mut beside) = (0, 0);
+        while rounds < at_least || self.running() {
+            let running = self.running();
+            round(rounds);
+            rounds += 1;
+            beside += usize::from(running && self.running());
+            assert!(Instant::now() < deadline, "never ended");
+        }
+        (rounds, beside)
+    }
+
     /// Waits for the child; returns its stdout and stderr together.
     pub fn wait_with_output(mut self) -> String {
         let c = self.0.take().expect("running");
@@ -245,6 +254,24 @@ impl Drop for KillOnDrop {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+}
+
+/// Waits until the file at `path` (a process's log) holds `needle` `n`
+/// times, `within` at most; returns its text.
+pub fn wait_file(path: &Path, needle: &str, n: usize, within: Duration) -> String {
+    let t0 = Instant::now();
+    loop {
+        let l = std::fs::read_to_string(path).unwrap_or_default();
+        if l.matches(needle).count() >= n {
+            return l;
+        }
+        assert!(
+            t0.elapsed() < within,
+            "{} never showed {n} x '{needle}':\n{l}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(10));
     }
 }
 
